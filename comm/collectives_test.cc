@@ -1,0 +1,222 @@
+// Every collective x dtype x op x size, on real ranks (see comm/BUILD for the launches).
+// Each rank computes the expected buffer itself and compares element by element.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "comm/communicator.h"
+#include "core/error.h"
+#include "tests/multirank.h"
+
+namespace dtrain::comm {
+namespace {
+
+using dtrain::testing::world;
+using Test = dtrain::testing::MultiRankTest;
+
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16,
+                                             at::kInt,   at::kLong,   at::kByte};
+const std::vector<ReduceOp> kOps = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin};
+// 0, 1, primes, and sizes that do not divide by 2 or 4 (all_reduce and broadcast allow any).
+const std::vector<int64_t> kSizes = {0, 1, 2, 7, 13, 1000, 65537};
+const std::vector<int64_t> kShardSizes = {0, 1, 7, 13, 1000};
+
+// Rank r's value at flat index i: small integers, so sums are exact in every dtype.
+at::Tensor rank_values(int rank, int64_t n) {
+  at::Tensor i = at::arange(n, at::kDouble);
+  return at::remainder((rank + 1) * 3 + i * 7, 13);
+}
+
+at::Tensor reduce_expected(ReduceOp op, int size, int64_t n) {
+  at::Tensor acc = rank_values(0, n);
+  for (int r = 1; r < size; ++r) {
+    at::Tensor v = rank_values(r, n);
+    acc = op == ReduceOp::kMax   ? at::maximum(acc, v)
+          : op == ReduceOp::kMin ? at::minimum(acc, v)
+                                 : acc + v;
+  }
+  if (op == ReduceOp::kAvg) acc = acc / size;
+  return acc;
+}
+
+bool valid(ReduceOp op, at::ScalarType t) { return op != ReduceOp::kAvg || at::isFloatingType(t); }
+
+void expect_equal(const at::Tensor& got, const at::Tensor& want_double, at::ScalarType t) {
+  at::Tensor want = want_double.to(t).to(at::kDouble);
+  at::Tensor g = got.to(at::kDouble);
+  ASSERT_EQ(g.numel(), want.numel());
+  if (g.numel() == 0) return;
+  at::Tensor bad = (g != want).nonzero();
+  if (bad.numel() > 0) {
+    int64_t i = bad[0].item<int64_t>();
+    FAIL() << bad.size(0) << " wrong elements; first at " << i << ": got " << g[i].item<double>()
+           << ", want " << want[i].item<double>();
+  }
+}
+
+TEST_F(Test, AllReduceEveryDtypeOpAndSize) {
+  for (auto t : kDtypes) {
+    for (auto op : kOps) {
+      if (!valid(op, t)) continue;
+      for (int64_t n : kSizes) {
+        SCOPED_TRACE(::testing::Message()
+                     << c10::toString(t) << " " << to_string(op) << " n=" << n);
+        at::Tensor x = rank_values(world().rank(), n).to(t);
+        world().all_reduce(x, op).wait();
+        expect_equal(x, reduce_expected(op, world().size(), n), t);
+      }
+    }
+  }
+}
+
+TEST_F(Test, ReduceScatterEveryDtypeOpAndSize) {
+  const int size = world().size(), rank = world().rank();
+  for (auto t : kDtypes) {
+    for (auto op : kOps) {
+      if (!valid(op, t)) continue;
+      for (int64_t shard : kShardSizes) {
+        SCOPED_TRACE(::testing::Message()
+                     << c10::toString(t) << " " << to_string(op) << " shard=" << shard);
+        at::Tensor in = rank_values(rank, shard * size).to(t);
+        at::Tensor out = at::full({shard}, 99, at::TensorOptions().dtype(t));
+        world().reduce_scatter(in, out, op).wait();
+        expect_equal(out, reduce_expected(op, size, shard * size).narrow(0, rank * shard, shard),
+                     t);
+      }
+    }
+  }
+}
+
+TEST_F(Test, AllGatherEveryDtypeAndSize) {
+  const int size = world().size(), rank = world().rank();
+  for (auto t : kDtypes) {
+    for (int64_t shard : kShardSizes) {
+      SCOPED_TRACE(::testing::Message() << c10::toString(t) << " shard=" << shard);
+      at::Tensor in = rank_values(rank, shard).to(t);
+      at::Tensor out = at::zeros({shard * size}, at::TensorOptions().dtype(t));
+      world().all_gather(in, out).wait();
+      std::vector<at::Tensor> parts;
+      for (int r = 0; r < size; ++r) parts.push_back(rank_values(r, shard));
+      expect_equal(out, at::cat(parts), t);
+    }
+  }
+}
+
+TEST_F(Test, BroadcastFromEveryRootEveryDtypeAndSize) {
+  for (int root = 0; root < world().size(); ++root) {
+    for (auto t : kDtypes) {
+      for (int64_t n : kSizes) {
+        SCOPED_TRACE(::testing::Message()
+                     << "root " << root << " " << c10::toString(t) << " n=" << n);
+        at::Tensor x = rank_values(world().rank(), n).to(t);
+        world().broadcast(x, root).wait();
+        expect_equal(x, rank_values(root, n), t);
+      }
+    }
+  }
+}
+
+TEST_F(Test, ManyOutstandingCollectivesCompleteInOrder) {
+  std::vector<at::Tensor> xs;
+  std::vector<Work> works;
+  for (int k = 0; k < 32; ++k) {
+    xs.push_back(at::full({257}, double(k + world().rank()), at::kFloat));
+    works.push_back(world().all_reduce(xs.back()));
+  }
+  for (auto& w : works) w.wait();
+  const int s = world().size();
+  for (int k = 0; k < 32; ++k) {
+    double want = k * s + s * (s - 1) / 2.0;
+    EXPECT_EQ(xs[k][0].item<float>(), want) << "collective " << k;
+    EXPECT_TRUE(works[k].is_completed());
+  }
+  world().barrier().wait();
+}
+
+// fp16/bf16: the result is the fp32 sum of each pair rounded once per pairwise step.
+TEST_F(Test, HalfAndBFloat16SumsRoundOncePerPairwiseStep) {
+  const int size = world().size();
+  for (auto t : {at::kHalf, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(t));
+    at::manual_seed(1234);  // same draws on every rank
+    at::Tensor all = (at::randn({size, 4099}) * 3).to(t);
+    at::Tensor x = all[world().rank()].clone();
+    world().all_reduce(x).wait();
+    at::Tensor exact = all.to(at::kFloat).sum(0);
+    if (size == 2) {
+      // One pairwise step: exactly round-to-nearest-even of the fp32 sum.
+      at::Tensor want = exact.to(t);
+      EXPECT_TRUE(at::equal(x, want))
+          << "max diff " << (x.to(at::kFloat) - want.to(at::kFloat)).abs().max();
+    } else {
+      // size-1 roundings, each at most half an ulp of a partial sum bounded by sum |x|.
+      at::Tensor mag = all.to(at::kFloat).abs().sum(0).clamp_min(1e-30);
+      int mantissa = t == at::kHalf ? 10 : 7;
+      at::Tensor ulp = at::exp2(at::floor(at::log2(mag)) - mantissa);
+      at::Tensor err = (x.to(at::kFloat) - exact).abs();
+      EXPECT_TRUE((err <= ulp * 0.5 * (size - 1)).all().item<bool>())
+          << "max err/ulp " << (err / ulp).max().item<float>();
+    }
+  }
+}
+
+TEST_F(Test, SplitFormsColorGroupsOrderedByKey) {
+  const int rank = world().rank(), size = world().size();
+  // Even and odd ranks; key reverses the order inside each group.
+  auto group = world().split(rank % 2, -rank);
+  ASSERT_NE(group, nullptr);
+  std::vector<int> members;
+  for (int r = size - 1; r >= 0; --r) {
+    if (r % 2 == rank % 2) members.push_back(r);
+  }
+  EXPECT_EQ(group->world_ranks(), members);
+  EXPECT_EQ(group->size(), static_cast<int>(members.size()));
+  EXPECT_EQ(group->world_ranks()[group->rank()], rank);
+  at::Tensor x = at::full({5}, double(rank), at::kFloat);
+  group->all_reduce(x).wait();
+  double want = 0;
+  for (int m : members) want += m;
+  EXPECT_EQ(x[4].item<float>(), want);
+  // A negative color opts out; the others still get a group.
+  auto some = world().split(rank == 0 ? -1 : 0, rank);
+  EXPECT_EQ(some == nullptr, rank == 0);
+  if (some) {
+    EXPECT_EQ(some->size(), size - 1);
+    some->barrier().wait();
+  }
+}
+
+TEST_F(Test, BadArgumentsRaiseClearErrorsWithoutDesynchronizing) {
+  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const int size = world().size();
+  at::Tensor odd = at::zeros({size * 3 + 1});
+  at::Tensor shard = at::zeros({3});
+  expect_error([&] { world().reduce_scatter(odd, shard); }, "multiple of the world size");
+  expect_error([&] { world().all_gather(shard, odd); }, "world size x shard");
+  at::Tensor strided = at::zeros({4, 4}).t();
+  expect_error([&] { world().all_reduce(strided); }, "contiguous");
+  at::Tensor ints = at::zeros({4}, at::kInt);
+  expect_error([&] { world().all_reduce(ints, ReduceOp::kAvg); }, "AVG needs a floating dtype");
+  at::Tensor bools = at::zeros({4}, at::kBool);
+  expect_error([&] { world().all_reduce(bools); }, "not supported");
+  expect_error([&] { world().broadcast(shard, size); }, "root");
+  at::Tensor mixed = at::zeros({size * 3}, at::kDouble);
+  expect_error([&] { world().reduce_scatter(mixed, shard); }, "dtypes differ");
+  // Rejected calls issue nothing, so the ranks are still in step.
+  at::Tensor x = at::ones({3});
+  world().all_reduce(x).wait();
+  EXPECT_EQ(x[0].item<float>(), size);
+}
+
+}  // namespace
+}  // namespace dtrain::comm
+
+int main(int argc, char** argv) { return dtrain::testing::multirank_main(argc, argv); }

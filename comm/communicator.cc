@@ -1,0 +1,149 @@
+#include "comm/communicator.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace dtrain::comm {
+
+Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
+                           std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), timeout_(timeout) {
+  DTRAIN_CHECK_AS(CommError, size_ > 0 && rank_ >= 0 && rank_ < size_, "invalid rank ", rank_,
+                  " for a communicator of size ", size_);
+  if (world_ranks_.empty()) {
+    world_ranks_.resize(size_);
+    std::iota(world_ranks_.begin(), world_ranks_.end(), 0);
+  }
+}
+
+void Communicator::Health::mark(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (!broken.exchange(true)) reason = why;
+}
+
+bool Communicator::is_broken() const { return health_->broken.load(); }
+
+std::string Communicator::broken_reason() const {
+  std::lock_guard<std::mutex> lock(health_->mu);
+  return health_->reason;
+}
+
+void Communicator::mark_broken(const std::string& reason) { health_->mark(reason); }
+
+std::vector<int> Communicator::to_world_ranks(const std::vector<int>& members) const {
+  std::vector<int> out;
+  out.reserve(members.size());
+  for (int m : members) out.push_back(world_ranks_.at(m));
+  return out;
+}
+
+namespace {
+
+void check_tensor(const char* name, const char* role, const at::Tensor& t, c10::DeviceType device) {
+  DTRAIN_CHECK_AS(CommError, t.defined(), name, ": the ", role, " tensor is undefined");
+  DTRAIN_CHECK_AS(CommError, t.is_contiguous(), name, ": the ", role,
+                  " tensor must be contiguous (sizes ", t.sizes(), ", strides ", t.strides(),
+                  "); pass tensor.contiguous()");
+  DTRAIN_CHECK_AS(CommError, is_supported_dtype(t.scalar_type()), name, ": dtype ", t.scalar_type(),
+                  " is not supported; use one of fp32, fp64, fp16, bf16, int32, int64, uint8");
+  // MPI and Gloo stage CUDA tensors through host memory, so they accept both.
+  DTRAIN_CHECK_AS(CommError, device != c10::kCUDA || t.is_cuda(), name, ": the ", role,
+                  " tensor is on ", t.device(), " but this communicator (nccl) needs CUDA tensors");
+}
+
+}  // namespace
+
+Work Communicator::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  return submit(OpKind::kAllReduce, "all_reduce", tensor, tensor, op, 0);
+}
+
+Work Communicator::reduce_scatter(const at::Tensor& input_flat, const at::Tensor& output_shard,
+                                  ReduceOp op) {
+  return submit(OpKind::kReduceScatter, "reduce_scatter", input_flat, output_shard, op, 0);
+}
+
+Work Communicator::all_gather(const at::Tensor& input_shard, const at::Tensor& output_flat) {
+  return submit(OpKind::kAllGather, "all_gather", input_shard, output_flat, ReduceOp::kSum, 0);
+}
+
+Work Communicator::broadcast(const at::Tensor& tensor, int root) {
+  return submit(OpKind::kBroadcast, "broadcast", tensor, tensor, ReduceOp::kSum, root);
+}
+
+Work Communicator::barrier() {
+  return submit(OpKind::kBarrier, "barrier", at::Tensor(), at::Tensor(), ReduceOp::kSum, 0);
+}
+
+Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input,
+                          const at::Tensor& output, ReduceOp op, int root) {
+  DTRAIN_CHECK_AS(CommError, !is_broken(), name, " on rank ", rank_,
+                  ": this communicator is unusable after an earlier failure (", broken_reason(),
+                  "). Restart the job; ranks cannot be brought back in step.");
+  CollectiveInfo info;
+  info.op = name;
+  info.backend = backend();
+  info.rank = rank_;
+  info.ranks = world_ranks_;
+  if (kind != OpKind::kBarrier) {
+    check_tensor(name, kind == OpKind::kAllGather ? "input shard" : "input", input, device_type());
+    info.dtype = input.scalar_type();
+    info.numel = input.numel();
+  }
+  if (kind == OpKind::kReduceScatter || kind == OpKind::kAllGather) {
+    check_tensor(name, "output", output, device_type());
+    DTRAIN_CHECK_AS(CommError, input.scalar_type() == output.scalar_type(), name,
+                    ": input and output dtypes differ (", input.scalar_type(), " vs ",
+                    output.scalar_type(), ")");
+    DTRAIN_CHECK_AS(CommError, input.device() == output.device(), name,
+                    ": input and output devices differ (", input.device(), " vs ", output.device(),
+                    ")");
+    const at::Tensor& flat = kind == OpKind::kReduceScatter ? input : output;
+    const at::Tensor& shard = kind == OpKind::kReduceScatter ? output : input;
+    DTRAIN_CHECK_AS(CommError, flat.numel() == shard.numel() * size_, name,
+                    ": the flat tensor must hold world size x shard elements: ", flat.numel(),
+                    " != ", size_, " x ", shard.numel(),
+                    ". Pad the flat tensor to a multiple of the world size.");
+  }
+  if (kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter) {
+    DTRAIN_CHECK_AS(CommError, op != ReduceOp::kAvg || c10::isFloatingType(info.dtype), name,
+                    ": AVG needs a floating dtype, got ", dtype_name(info.dtype),
+                    "; use SUM and divide");
+  }
+  if (kind == OpKind::kBroadcast) {
+    DTRAIN_CHECK_AS(CommError, root >= 0 && root < size_, name, ": root ", root,
+                    " is not a rank of this communicator (size ", size_, ")");
+  }
+  info.seq = next_seq_++;
+  // Zero-element collectives are no-ops on every rank alike (shapes agree across ranks).
+  if (kind != OpKind::kBarrier && info.numel == 0) return Work();
+
+  auto state = std::make_shared<detail::WorkState>(std::move(info), timeout_);
+  state->on_timeout = [health = health_](const std::string& why) { health->mark(why); };
+  Collective c{kind, input, output, op, root, state};
+  enqueue(std::move(c));
+  return Work(state);
+}
+
+std::shared_ptr<Communicator> Communicator::split(int color, int key) {
+  // Everyone learns everyone's (color, key) through the communicator itself.
+  auto opts = at::TensorOptions().dtype(at::kLong).device(device_type());
+  at::Tensor mine = at::tensor({int64_t{color}, int64_t{key}}, at::kLong).to(opts.device());
+  at::Tensor all = at::empty({2 * int64_t{size_}}, opts);
+  all_gather(mine, all).wait();
+  all = all.cpu();
+  auto a = all.accessor<int64_t, 1>();
+  std::vector<int> members;
+  for (int r = 0; r < size_; ++r) {
+    if (color >= 0 && a[2 * r] == color) members.push_back(r);
+  }
+  std::stable_sort(members.begin(), members.end(),
+                   [&](int x, int y) { return a[2 * x + 1] < a[2 * y + 1]; });
+  return split_impl(color, key, members, next_split_++);
+}
+
+}  // namespace dtrain::comm

@@ -1,0 +1,118 @@
+// Communicator: the one interface every dtrain rank talks through (DESIGN.md, comm/).
+//
+// All collectives are asynchronous and return a Work; `Work::wait()` rethrows failures and
+// never hangs past the communicator's timeout. Tensors are used in place: the caller keeps
+// them alive and untouched until the Work completes. Every rank must issue the same
+// collectives in the same order (as in MPI and c10d); each is numbered (`seq`) so a timeout
+// can say which one went missing.
+//
+// The base class validates arguments identically for every backend (contiguity, dtype,
+// sizes, op) and numbers the collectives; backends implement `enqueue`.
+//
+// Supported: ops SUM, AVG, MAX, MIN (AVG only for floating dtypes); dtypes fp32, fp64,
+// fp16, bf16, int32, int64, uint8. fp16/bf16 reductions add pairs in fp32 and round the
+// result back once per pairwise step, on every backend.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "comm/types.h"
+#include "comm/work.h"
+
+namespace dtrain::comm {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // Members of this communicator as world ranks (identity for the world communicator).
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+  virtual std::string backend() const = 0;
+  // The device type this communicator's collectives run on (kCPU, or kCUDA for NCCL).
+  virtual c10::DeviceType device_type() const { return c10::kCPU; }
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+
+  // In place: every rank ends with op(tensor over ranks).
+  Work all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+  // input_flat holds size() equal shards; rank r receives op over ranks of shard r.
+  Work reduce_scatter(const at::Tensor& input_flat, const at::Tensor& output_shard,
+                      ReduceOp op = ReduceOp::kSum);
+  // output_flat receives every rank's input_shard, in rank order.
+  Work all_gather(const at::Tensor& input_shard, const at::Tensor& output_flat);
+  // In place: every rank ends with root's tensor.
+  Work broadcast(const at::Tensor& tensor, int root);
+  Work barrier();
+
+  // Collective over this communicator, like MPI_Comm_split: ranks passing the same color
+  // form a new communicator, ordered by (key, rank). A negative color opts out and returns
+  // nullptr. Hybrid sharding uses it for intra-node and inter-node groups.
+  std::shared_ptr<Communicator> split(int color, int key);
+
+  // True after a collective timed out or failed: the ranks are out of step, so further
+  // collectives fail at once instead of hanging.
+  bool is_broken() const;
+  std::string broken_reason() const;
+
+ protected:
+  Communicator(int rank, int size, std::vector<int> world_ranks, std::chrono::milliseconds timeout);
+
+  enum class OpKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kBarrier };
+
+  // One validated collective. For kAllReduce / kBroadcast `input` is the in-place tensor.
+  struct Collective {
+    OpKind kind;
+    at::Tensor input;
+    at::Tensor output;
+    ReduceOp op = ReduceOp::kSum;
+    int root = 0;
+    std::shared_ptr<detail::WorkState> state;
+  };
+
+  // Runs `c` asynchronously and completes c.state (finish or fail). Called in issue order.
+  virtual void enqueue(Collective c) = 0;
+
+  // Creates the communicator for this rank's color group. `members` are ranks of this
+  // communicator in new-rank order; `split_id` is the same on every rank for this split.
+  // Called on every rank, also those with color < 0 (members empty), since MPI and NCCL
+  // splits are collective over the parent.
+  virtual std::shared_ptr<Communicator> split_impl(int color, int key,
+                                                   const std::vector<int>& members,
+                                                   int64_t split_id) = 0;
+
+  void mark_broken(const std::string& reason);
+  // World ranks of `members` (ranks of this communicator).
+  std::vector<int> to_world_ranks(const std::vector<int>& members) const;
+
+ private:
+  Work submit(OpKind kind, const char* name, const at::Tensor& input, const at::Tensor& output,
+              ReduceOp op, int root);
+
+  int rank_;
+  int size_;
+  std::vector<int> world_ranks_;
+  std::chrono::milliseconds timeout_;
+  int64_t next_seq_ = 1;
+  int64_t next_split_ = 1;
+  // Shared with pending Works, whose timeout marks it even if this communicator is gone.
+  struct Health {
+    std::atomic<bool> broken{false};
+    std::mutex mu;
+    std::string reason;
+    void mark(const std::string& why);
+  };
+  std::shared_ptr<Health> health_ = std::make_shared<Health>();
+};
+
+}  // namespace dtrain::comm

@@ -1,0 +1,83 @@
+#include "comm/factory.h"
+
+#include "comm/gloo_communicator.h"
+#include "comm/mpi_communicator.h"
+#include "core/error.h"
+#include "core/logging.h"
+#ifdef DTRAIN_WITH_NCCL
+#include "comm/nccl_communicator.h"
+#endif
+
+namespace dtrain::comm {
+
+Backend resolve_backend(Backend requested, c10::DeviceType device, const RankInfo& info,
+                        const EnvLookup& env) {
+  if (requested == Backend::kAuto) {
+    if (auto b = env("DTRAIN_BACKEND"); b && !b->empty()) requested = parse_backend(*b);
+  }
+  if (requested != Backend::kAuto) return requested;
+  if (device == c10::kCUDA) return Backend::kNccl;
+  if (info.mpi_launched) return Backend::kMpi;
+  return Backend::kGloo;
+}
+
+std::chrono::milliseconds resolve_timeout(const std::optional<std::chrono::milliseconds>& t,
+                                          const EnvLookup& env) {
+  if (t) return *t;
+  double seconds = env_double(env, "DTRAIN_COMM_TIMEOUT_S", 300.0);
+  DTRAIN_CHECK_AS(ConfigError, seconds > 0, "DTRAIN_COMM_TIMEOUT_S=", seconds, " must be positive");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+bool has_nccl_backend() {
+#ifdef DTRAIN_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::shared_ptr<Communicator> create_world(const CommOptions& options, const EnvLookup& env) {
+  RankInfo info = detect_rank_info(options.rendezvous, env);
+  Backend backend = resolve_backend(options.backend, options.device, info, env);
+  auto timeout = resolve_timeout(options.timeout, env);
+  std::shared_ptr<Communicator> comm;
+  switch (backend) {
+    case Backend::kMpi: {
+      comm = make_mpi_world(timeout);
+      DTRAIN_CHECK_AS(ConfigError, comm->size() == info.world_size || info.source != "torchrun",
+                      "mpi backend sees ", comm->size(), " ranks but WORLD_SIZE=", info.world_size,
+                      ": ranks started by dtrain-launch are separate MPI jobs; use --backend "
+                      "gloo, or start the job with mpirun");
+      break;
+    }
+    case Backend::kGloo: {
+      GlooSetup setup;
+      setup.store = make_tcp_store(info, timeout);
+      setup.rank = info.rank;
+      setup.size = info.world_size;
+      setup.hostname = info.local_world_size == info.world_size ? "127.0.0.1" : "";
+      setup.timeout = timeout;
+      comm = make_gloo_world(setup);
+      break;
+    }
+    case Backend::kNccl: {
+#ifdef DTRAIN_WITH_NCCL
+      comm = make_nccl_world(info, timeout);
+#else
+      DTRAIN_FAIL(ConfigError,
+                  "backend nccl is not in this build: rebuild with CUDA (CMake "
+                  "-DDTRAIN_WITH_CUDA=ON, Bazel --config=cuda), or use backend gloo/mpi");
+#endif
+      break;
+    }
+    case Backend::kAuto:
+      break;
+  }
+  logging::debug("communicator: backend ", comm->backend(), " rank ", comm->rank(), "/",
+                 comm->size(), " (local ", info.local_rank, "/", info.local_world_size, ") from ",
+                 info.source);
+  return comm;
+}
+
+}  // namespace dtrain::comm

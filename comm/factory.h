@@ -1,0 +1,41 @@
+// Creating the world communicator for this process.
+//
+// Backend `auto` resolves to nccl when the job's tensors live on CUDA, else mpi when an MPI
+// launcher started the process, else gloo. DTRAIN_BACKEND (dtrain-launch --backend) replaces
+// `auto` only; an explicit choice in the config wins. The timeout of every collective comes
+// from the options, else DTRAIN_COMM_TIMEOUT_S, else 300 s.
+#pragma once
+
+#include <c10/core/DeviceType.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+
+#include "comm/communicator.h"
+#include "comm/rendezvous.h"
+#include "comm/types.h"
+#include "core/env.h"
+
+namespace dtrain::comm {
+
+struct CommOptions {
+  Backend backend = Backend::kAuto;
+  c10::DeviceType device = c10::kCPU;
+  std::optional<std::chrono::milliseconds> timeout;
+  RendezvousOptions rendezvous;
+};
+
+Backend resolve_backend(Backend requested, c10::DeviceType device, const RankInfo& info,
+                        const EnvLookup& env = process_env());
+
+std::chrono::milliseconds resolve_timeout(const std::optional<std::chrono::milliseconds>& t,
+                                          const EnvLookup& env = process_env());
+
+// Whether this build has the NCCL backend (CMake DTRAIN_WITH_CUDA / Bazel --config=cuda).
+bool has_nccl_backend();
+
+std::shared_ptr<Communicator> create_world(const CommOptions& options = {},
+                                           const EnvLookup& env = process_env());
+
+}  // namespace dtrain::comm

@@ -1,0 +1,296 @@
+#include "comm/mpi_communicator.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <mpi.h>
+
+#include <climits>
+#include <cstdlib>
+#include <mutex>
+
+#include "comm/staging.h"
+#include "comm/worker.h"
+#include "core/error.h"
+
+namespace dtrain::comm {
+namespace {
+
+std::string mpi_error_string(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(code, buf, &len);
+  return std::string(buf, len);
+}
+
+#define DTRAIN_MPI(call)                                            \
+  do {                                                              \
+    int dtrain_mpi_rc = (call);                                     \
+    DTRAIN_CHECK_AS(CommError, dtrain_mpi_rc == MPI_SUCCESS, #call, \
+                    " failed: ", mpi_error_string(dtrain_mpi_rc));  \
+  } while (0)
+
+struct Sum {
+  float operator()(float a, float b) const { return a + b; }
+};
+struct Max {
+  float operator()(float a, float b) const { return a > b ? a : b; }
+};
+struct Min {
+  float operator()(float a, float b) const { return a < b ? a : b; }
+};
+
+// inout[i] = round(op(float(in[i]), float(inout[i]))): one rounding per pairwise step.
+template <typename T, typename Op>
+void combine(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  Op op;
+  for (int i = 0; i < *len; ++i) b[i] = T(op(static_cast<float>(a[i]), static_cast<float>(b[i])));
+}
+
+// Everything that must be created and destroyed on the MPI thread.
+class MpiRuntime {
+ public:
+  static MpiRuntime& get() {
+    static MpiRuntime runtime;  // destroyed at exit: finalizes MPI on its own thread
+    return runtime;
+  }
+
+  OrderedWorker& worker() { return worker_; }
+
+  MPI_Datatype datatype(c10::ScalarType t) const {
+    switch (t) {
+      case c10::kFloat:
+        return MPI_FLOAT;
+      case c10::kDouble:
+        return MPI_DOUBLE;
+      case c10::kHalf:
+        return half_;
+      case c10::kBFloat16:
+        return bf16_;
+      case c10::kInt:
+        return MPI_INT32_T;
+      case c10::kLong:
+        return MPI_INT64_T;
+      case c10::kByte:
+        return MPI_UINT8_T;
+      default:
+        DTRAIN_FAIL(CommError, "mpi backend: unsupported dtype ", t);
+    }
+  }
+
+  MPI_Op op(c10::ScalarType t, ReduceOp op) const {
+    int i = op == ReduceOp::kMax ? 1 : op == ReduceOp::kMin ? 2 : 0;  // AVG is SUM then divide
+    if (t == c10::kHalf) return half_ops_[i];
+    if (t == c10::kBFloat16) return bf16_ops_[i];
+    return i == 1 ? MPI_MAX : i == 2 ? MPI_MIN : MPI_SUM;
+  }
+
+  // A collective timed out: its MPI call may never return, so wait for it only briefly at exit.
+  void abandon() { abandoned_ = true; }
+
+ private:
+  MpiRuntime() {
+    worker_.run_sync([this] { init(); });
+  }
+
+  ~MpiRuntime() {
+    // After a timeout the worker may be blocked in a collective a peer never joined; then
+    // MPI_Finalize cannot run and the launcher or mpirun ends the job. If a late peer freed
+    // it, finalize as usual.
+    worker_.post([this] { finalize(); });
+    worker_.shutdown(abandoned_ ? std::chrono::seconds(2) : std::chrono::seconds(60));
+  }
+
+  void init() {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (initialized) {
+      int provided = 0;
+      MPI_Query_thread(&provided);
+      DTRAIN_CHECK_AS(CommError, provided >= MPI_THREAD_SERIALIZED,
+                      "MPI was initialized by the application with thread level ", provided,
+                      "; dtrain's mpi backend calls MPI from its own worker thread and needs "
+                      "MPI_THREAD_SERIALIZED or higher: use MPI_Init_thread(..., "
+                      "MPI_THREAD_SERIALIZED, ...) or let dtrain initialize MPI");
+    } else {
+      int provided = 0;
+      DTRAIN_MPI(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));
+      owns_mpi_ = true;
+    }
+    DTRAIN_MPI(MPI_Type_contiguous(2, MPI_BYTE, &half_));
+    DTRAIN_MPI(MPI_Type_commit(&half_));
+    DTRAIN_MPI(MPI_Type_contiguous(2, MPI_BYTE, &bf16_));
+    DTRAIN_MPI(MPI_Type_commit(&bf16_));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Sum>, 1, &half_ops_[0]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Max>, 1, &half_ops_[1]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Min>, 1, &half_ops_[2]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Sum>, 1, &bf16_ops_[0]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Max>, 1, &bf16_ops_[1]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Min>, 1, &bf16_ops_[2]));
+  }
+
+  void finalize() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    for (MPI_Op* op : {&half_ops_[0], &half_ops_[1], &half_ops_[2], &bf16_ops_[0], &bf16_ops_[1],
+                       &bf16_ops_[2]}) {
+      MPI_Op_free(op);
+    }
+    MPI_Type_free(&half_);
+    MPI_Type_free(&bf16_);
+    if (owns_mpi_) MPI_Finalize();
+  }
+
+  OrderedWorker worker_;
+  bool owns_mpi_ = false;
+  std::atomic<bool> abandoned_{false};
+  MPI_Datatype half_ = MPI_DATATYPE_NULL, bf16_ = MPI_DATATYPE_NULL;
+  MPI_Op half_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  MPI_Op bf16_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+};
+
+constexpr int64_t kMaxCount = INT_MAX;
+
+class MpiCommunicator : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, int rank, int size, std::vector<int> world_ranks,
+                  std::chrono::milliseconds timeout)
+      : Communicator(rank, size, std::move(world_ranks), timeout), comm_(comm) {}
+
+  ~MpiCommunicator() override {
+    if (is_broken()) return;  // the worker may be stuck in this communicator
+    MPI_Comm comm = comm_;
+    MpiRuntime::get().worker().post([comm]() mutable { MPI_Comm_free(&comm); });
+  }
+
+  std::string backend() const override { return "mpi"; }
+
+ protected:
+  void enqueue(Collective c) override {
+    auto& runtime = MpiRuntime::get();
+    // Abandon the runtime's finalize if this collective times out.
+    auto on_timeout = c.state->on_timeout;
+    c.state->on_timeout = [on_timeout, &runtime](const std::string& why) {
+      runtime.abandon();
+      if (on_timeout) on_timeout(why);
+    };
+    // Capture values, not `this`: the task may outlive a communicator destroyed early.
+    runtime.worker().post([comm = comm_, size = size(), c = std::move(c), &runtime] {
+      c.state->mark_started();
+      try {
+        run(runtime, comm, size, c);
+        c.state->finish();
+      } catch (...) {
+        c.state->fail(std::current_exception());
+      }
+    });
+  }
+
+  std::shared_ptr<Communicator> split_impl(int color, int key, const std::vector<int>& members,
+                                           int64_t /*split_id*/) override {
+    MPI_Comm out = MPI_COMM_NULL;
+    MPI_Comm parent = comm_;
+    MpiRuntime::get().worker().run_sync([&] {
+      DTRAIN_MPI(MPI_Comm_split(parent, color < 0 ? MPI_UNDEFINED : color, key, &out));
+      if (out != MPI_COMM_NULL) DTRAIN_MPI(MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN));
+    });
+    if (out == MPI_COMM_NULL) return nullptr;
+    int new_rank = -1;
+    for (size_t i = 0; i < members.size(); ++i) {
+      if (members[i] == rank()) new_rank = static_cast<int>(i);
+    }
+    return std::make_shared<MpiCommunicator>(out, new_rank, static_cast<int>(members.size()),
+                                             to_world_ranks(members), timeout());
+  }
+
+ private:
+  static void run(const MpiRuntime& rt, MPI_Comm comm, int size, const Collective& c) {
+    if (c.kind == OpKind::kBarrier) {
+      DTRAIN_MPI(MPI_Barrier(comm));
+      return;
+    }
+    const auto dtype = c.input.scalar_type();
+    const MPI_Datatype dt = rt.datatype(dtype);
+    const int64_t elem = c.input.element_size();
+    switch (c.kind) {
+      case OpKind::kAllReduce: {
+        at::Tensor host = to_host(c.input);
+        char* p = static_cast<char*>(host.data_ptr());
+        for (int64_t off = 0; off < host.numel(); off += kMaxCount) {
+          int n = static_cast<int>(std::min(kMaxCount, host.numel() - off));
+          DTRAIN_MPI(MPI_Allreduce(MPI_IN_PLACE, p + off * elem, n, dt, rt.op(dtype, c.op), comm));
+        }
+        if (c.op == ReduceOp::kAvg) host.div_(size);
+        copy_back(c.input, host);
+        break;
+      }
+      case OpKind::kBroadcast: {
+        at::Tensor host = to_host(c.input);
+        char* p = static_cast<char*>(host.data_ptr());
+        for (int64_t off = 0; off < host.numel(); off += kMaxCount) {
+          int n = static_cast<int>(std::min(kMaxCount, host.numel() - off));
+          DTRAIN_MPI(MPI_Bcast(p + off * elem, n, dt, c.root, comm));
+        }
+        copy_back(c.input, host);
+        break;
+      }
+      case OpKind::kReduceScatter: {
+        DTRAIN_CHECK_AS(CommError, c.output.numel() <= kMaxCount, "mpi reduce_scatter: a shard of ",
+                        c.output.numel(),
+                        " elements exceeds MPI's int count; use more ranks or smaller units");
+        at::Tensor in = to_host(c.input);
+        at::Tensor out = host_like(c.output);
+        DTRAIN_MPI(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(),
+                                            static_cast<int>(out.numel()), dt, rt.op(dtype, c.op),
+                                            comm));
+        if (c.op == ReduceOp::kAvg) out.div_(size);
+        copy_back(c.output, out);
+        break;
+      }
+      case OpKind::kAllGather: {
+        DTRAIN_CHECK_AS(CommError, c.input.numel() <= kMaxCount, "mpi all_gather: a shard of ",
+                        c.input.numel(),
+                        " elements exceeds MPI's int count; use more ranks or smaller units");
+        at::Tensor in = to_host(c.input);
+        at::Tensor out = host_like(c.output);
+        int n = static_cast<int>(in.numel());
+        DTRAIN_MPI(MPI_Allgather(in.data_ptr(), n, dt, out.data_ptr(), n, dt, comm));
+        copy_back(c.output, out);
+        break;
+      }
+      case OpKind::kBarrier:
+        break;
+    }
+  }
+
+  MPI_Comm comm_;
+};
+
+}  // namespace
+
+bool launched_by_mpi() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
+    if (std::getenv(v) != nullptr) return true;
+  }
+  return false;
+}
+
+std::shared_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout) {
+  auto& runtime = MpiRuntime::get();
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 0;
+  runtime.worker().run_sync([&] {
+    DTRAIN_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
+    DTRAIN_MPI(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+    DTRAIN_MPI(MPI_Comm_rank(comm, &rank));
+    DTRAIN_MPI(MPI_Comm_size(comm, &size));
+  });
+  return std::make_shared<MpiCommunicator>(comm, rank, size, std::vector<int>{}, timeout);
+}
+
+void run_on_mpi_thread(const std::function<void()>& fn) { MpiRuntime::get().worker().run_sync(fn); }
+
+}  // namespace dtrain::comm

@@ -1,0 +1,55 @@
+// Rendezvous: who am I (rank, world size, local rank, local world size) and where do ranks
+// meet (the store).
+//
+// Sources, first match wins:
+//   1. explicit options (both rank and world_size given)
+//   2. torchrun / dtrain-launch: RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR
+//   MASTER_PORT
+//   3. OpenMPI (mpirun):         OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}
+//   4. Slurm (srun):             SLURM_PROCID SLURM_NTASKS SLURM_LOCALID (+ SLURM_NTASKS_PER_NODE)
+//   5. a single process (rank 0 of 1)
+// MASTER_ADDR/MASTER_PORT (default 127.0.0.1:29500, as torchrun) apply to every source.
+// The store is a c10d::TCPStore served by rank 0; NCCL exchanges its unique id through it
+// (or through MPI when launched by mpirun, see comm/factory.h).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+#include "core/env.h"
+
+namespace dtrain::comm {
+
+struct RankInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string source = "single process";  // "explicit", "torchrun", "openmpi", "slurm"
+  bool mpi_launched = false;              // started by an MPI launcher (backend auto picks mpi)
+};
+
+struct RendezvousOptions {
+  std::optional<int> rank;
+  std::optional<int> world_size;
+  std::optional<int> local_rank;
+  std::optional<int> local_world_size;
+  std::optional<std::string> master_addr;
+  std::optional<int> master_port;
+};
+
+// Throws ConfigError naming the variables and their source when they are inconsistent.
+RankInfo detect_rank_info(const RendezvousOptions& options = {},
+                          const EnvLookup& env = process_env());
+
+// TCPStore on master_addr:master_port, served by rank 0. Blocks until all ranks connect or
+// `timeout` passes (then CommError naming the address).
+c10::intrusive_ptr<c10d::Store> make_tcp_store(const RankInfo& info,
+                                               std::chrono::milliseconds timeout);
+
+}  // namespace dtrain::comm

@@ -1,0 +1,65 @@
+// Run with DTRAIN_COMM_TIMEOUT_S=2 on 2+ ranks: rank 0 skips a collective, the others must
+// raise TimeoutError within timeout + 5 s naming the op; then rank 0 joins late so every
+// rank can exit cleanly.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "comm/communicator.h"
+#include "core/error.h"
+#include "tests/multirank.h"
+
+namespace dtrain::comm {
+namespace {
+
+using dtrain::testing::world;
+
+TEST(CommTimeout, SkippedCollectiveRaisesTimeoutNamingTheOpAndRanks) {
+  const auto timeout = world().timeout();
+  ASSERT_LE(timeout.count(), 10000) << "run with DTRAIN_COMM_TIMEOUT_S=2";
+  at::Tensor warmup = at::ones({8});
+  world().all_reduce(warmup).wait();  // collective #1: everyone
+  at::Tensor x = at::ones({1000}, at::kBFloat16);
+  if (world().rank() == 0) {
+    // Skip collective #2 for longer than the others' timeout, then join it late.
+    std::this_thread::sleep_for(timeout + std::chrono::milliseconds(1500));
+    world().all_reduce(x).wait();
+    EXPECT_FALSE(world().is_broken());
+    return;
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  Work w = world().all_reduce(x);
+  try {
+    w.wait();
+    FAIL() << "no TimeoutError";
+  } catch (const TimeoutError& e) {
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::string what = e.what();
+    EXPECT_LT(waited, timeout.count() / 1000.0 + 5.0);
+    EXPECT_GE(waited, timeout.count() / 1000.0 - 0.1);
+    EXPECT_NE(what.find("all_reduce #2"), std::string::npos) << what;
+    EXPECT_NE(what.find("bf16, 1000 elements"), std::string::npos) << what;
+    EXPECT_NE(what.find("on ranks [0,1"), std::string::npos) << what;
+    EXPECT_NE(what.find("on rank " + std::to_string(world().rank())), std::string::npos) << what;
+  }
+  // The ranks are out of step now: the communicator refuses further work at once.
+  EXPECT_TRUE(world().is_broken());
+  at::Tensor y = at::ones({4});
+  try {
+    world().all_reduce(y);
+    FAIL() << "a broken communicator accepted a collective";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("unusable"), std::string::npos) << e.what();
+  }
+  // Rank 0 joins late, which releases the backend's blocked call before exit.
+  w.wait(std::chrono::seconds(30));
+}
+
+}  // namespace
+}  // namespace dtrain::comm
+
+int main(int argc, char** argv) {
+  return dtrain::testing::multirank_main(argc, argv, /*final_barrier=*/false);
+}

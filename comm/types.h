@@ -1,0 +1,26 @@
+// Vocabulary shared by every communicator backend: reduction ops, backend names, dtypes.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <string>
+
+namespace dtrain::comm {
+
+enum class ReduceOp { kSum, kAvg, kMax, kMin };
+
+enum class Backend { kAuto, kMpi, kGloo, kNccl };
+
+const char* to_string(ReduceOp op);
+const char* to_string(Backend backend);
+
+// Parses "auto" | "mpi" | "gloo" | "nccl"; throws ConfigError naming the choices.
+Backend parse_backend(const std::string& name);
+
+// Short dtype names used in messages and configs: fp32 fp64 fp16 bf16 int32 int64 uint8.
+std::string dtype_name(c10::ScalarType dtype);
+
+// The dtypes every backend supports: fp32, fp64, fp16, bf16, int32, int64, uint8.
+bool is_supported_dtype(c10::ScalarType dtype);
+
+}  // namespace dtrain::comm

@@ -1,0 +1,94 @@
+// Work: the handle a collective returns. Backends complete it from their own thread (MPI and
+// Gloo: an ordered worker; NCCL: a watchdog polling CUDA events); `wait()` blocks the caller
+// until then and rethrows the backend's failure.
+//
+// A wait never hangs: past its timeout it throws TimeoutError naming the collective, its
+// sequence number on the communicator, dtype, element count and the ranks involved, and it
+// tells the communicator, which then refuses further collectives (the ranks are out of step).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace dtrain::comm {
+
+// What a collective was, for messages and statistics.
+struct CollectiveInfo {
+  std::string op;   // "all_reduce", "reduce_scatter", ...
+  int64_t seq = 0;  // 1-based count of collectives issued on this communicator
+  c10::ScalarType dtype = c10::kFloat;
+  int64_t numel = 0;
+  std::string backend;
+  int rank = 0;            // this process's rank in the communicator
+  std::vector<int> ranks;  // members, as world ranks
+};
+
+// "all_reduce #17 (bf16, 1048576 elements) on ranks [0,1,2,3] (mpi)"
+std::string describe(const CollectiveInfo& info);
+
+namespace detail {
+
+// Shared between the backend that completes a collective and the Works that wait for it.
+class WorkState {
+ public:
+  WorkState(CollectiveInfo info, std::chrono::milliseconds timeout);
+
+  void mark_started();
+  void finish();
+  void fail(std::exception_ptr error);
+
+  // Blocks until completion or timeout. On timeout calls on_timeout (once) and throws.
+  void wait(std::chrono::milliseconds timeout);
+  bool is_completed() const;
+
+  const CollectiveInfo& info() const { return info_; }
+  std::chrono::milliseconds default_timeout() const { return timeout_; }
+  // Seconds the backend spent executing the collective (0 until completed).
+  double busy_seconds() const;
+
+  // Called once if a wait times out (the communicator marks itself broken).
+  std::function<void(const std::string&)> on_timeout;
+  // Run after a successful host-side wait (NCCL: make the caller's stream wait on the op).
+  std::function<void()> after_wait;
+
+ private:
+  CollectiveInfo info_;
+  std::chrono::milliseconds timeout_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  bool timed_out_ = false;
+  std::exception_ptr error_;
+  std::chrono::steady_clock::time_point started_{}, finished_{};
+};
+
+}  // namespace detail
+
+class Work {
+ public:
+  // A default Work is already complete (what a zero-element collective returns).
+  Work() = default;
+  explicit Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
+
+  // Waits with the communicator's timeout. Throws the backend's error or TimeoutError.
+  void wait() const;
+  void wait(std::chrono::milliseconds timeout) const;
+  bool is_completed() const;
+  // Seconds the backend spent executing the collective (0 until completed / for no-ops).
+  double busy_seconds() const;
+  // Description of the collective; empty op for a no-op Work.
+  CollectiveInfo info() const;
+
+ private:
+  std::shared_ptr<detail::WorkState> state_;
+};
+
+}  // namespace dtrain::comm

@@ -1,0 +1,70 @@
+// dtrain's error hierarchy and the one-line check macros that throw it.
+//
+// Every failure a user can cause or meet is an exception under dtrain::Error:
+//   ConfigError   a config file or --set override is wrong (message names file, key, line)
+//   CommError     a collective failed or a communicator is unusable
+//   TimeoutError  a collective did not finish in time (a CommError; names op, seq, ranks)
+//   UsageError    an API was called out of order (e.g. GradScaler::unscale_ twice)
+// The macros append the source location, so a report from the field points at the check.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace dtrain {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+class CommError : public Error {
+ public:
+  using Error::Error;
+};
+
+class TimeoutError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
+namespace detail {
+
+template <typename... Args>
+std::string str(Args&&... args) {
+  std::ostringstream os;
+  (os << ... << std::forward<Args>(args));
+  return os.str();
+}
+
+// Strips the build-root prefix so messages show "comm/mpi_communicator.cc:42".
+const char* short_path(const char* file);
+
+template <typename E>
+[[noreturn]] void fail(const char* file, int line, const std::string& message) {
+  throw E(message + " [" + short_path(file) + ":" + std::to_string(line) + "]");
+}
+
+}  // namespace detail
+}  // namespace dtrain
+
+// DTRAIN_CHECK(cond, parts...): throws dtrain::Error with the parts streamed together.
+#define DTRAIN_CHECK(cond, ...) DTRAIN_CHECK_AS(::dtrain::Error, cond, __VA_ARGS__)
+// DTRAIN_CHECK_AS(ErrorType, cond, parts...): the same with a chosen error type.
+#define DTRAIN_CHECK_AS(E, cond, ...) \
+  if (!(cond)) ::dtrain::detail::fail<E>(__FILE__, __LINE__, ::dtrain::detail::str(__VA_ARGS__))
+// DTRAIN_FAIL(ErrorType, parts...): throws unconditionally.
+#define DTRAIN_FAIL(E, ...) \
+  ::dtrain::detail::fail<E>(__FILE__, __LINE__, ::dtrain::detail::str(__VA_ARGS__))

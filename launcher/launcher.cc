@@ -1,0 +1,404 @@
+#include "launcher/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <map>
+
+#include "core/error.h"
+
+namespace dtrain::launcher {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  unsigned char s = static_cast<unsigned char>(sig);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &s, 1);
+}
+
+int to_int(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  long v = std::strtol(value.c_str(), &end, 10);
+  DTRAIN_CHECK_AS(UsageError, !value.empty() && *end == '\0', flag, " expects an integer, got '",
+                  value, "'\n", usage());
+  return static_cast<int>(v);
+}
+
+double to_double(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  double v = std::strtod(value.c_str(), &end);
+  DTRAIN_CHECK_AS(UsageError, !value.empty() && *end == '\0', flag, " expects a number, got '",
+                  value, "'\n", usage());
+  return v;
+}
+
+int free_port(const std::string& addr) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  DTRAIN_CHECK(fd >= 0, "dtrain-launch: socket() failed: ", std::strerror(errno));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = 0;
+  if (::inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = INADDR_ANY;
+  socklen_t len = sizeof(sa);
+  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
+            ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
+  ::close(fd);
+  DTRAIN_CHECK(ok, "dtrain-launch: could not find a free port on ", addr, ": ",
+               std::strerror(errno));
+  return ntohs(sa.sin_port);
+}
+
+void write_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = ::write(fd, s.data() + off, s.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    off += static_cast<size_t>(n);
+  }
+}
+
+struct Rank {
+  int local_rank = 0;
+  int global_rank = 0;
+  pid_t pid = -1;
+  bool exited = false;
+  int exit_code = 0;
+  int out_fd = -1, err_fd = -1;
+  std::string out_buf, err_buf;
+};
+
+// Forwards complete lines from `fd` with the rank prefix; on EOF flushes a partial line.
+bool pump(int& fd, std::string& buf, int dest, const std::string& prefix) {
+  char chunk[65536];
+  ssize_t n = ::read(fd, chunk, sizeof(chunk));
+  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+  if (n <= 0) {
+    if (!buf.empty()) write_all(dest, prefix + buf + "\n");
+    buf.clear();
+    ::close(fd);
+    fd = -1;
+    return false;
+  }
+  buf.append(chunk, static_cast<size_t>(n));
+  size_t start = 0, nl;
+  std::string out;
+  while ((nl = buf.find('\n', start)) != std::string::npos) {
+    out += prefix;
+    out.append(buf, start, nl - start + 1);
+    start = nl + 1;
+  }
+  buf.erase(0, start);
+  if (!out.empty()) write_all(dest, out);
+  return true;
+}
+
+pid_t spawn(const LaunchOptions& o, Rank& r, int restart_count, int port) {
+  int out[2], err[2];
+  DTRAIN_CHECK(::pipe(out) == 0 && ::pipe(err) == 0,
+               "dtrain-launch: pipe() failed: ", std::strerror(errno));
+  std::map<std::string, std::string> env{
+      {"RANK", std::to_string(r.global_rank)},
+      {"WORLD_SIZE", std::to_string(o.nproc_per_node * o.nnodes)},
+      {"LOCAL_RANK", std::to_string(r.local_rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(o.nproc_per_node)},
+      {"GROUP_RANK", std::to_string(o.node_rank)},
+      {"GROUP_WORLD_SIZE", std::to_string(o.nnodes)},
+      {"ROLE_RANK", std::to_string(r.global_rank)},
+      {"ROLE_WORLD_SIZE", std::to_string(o.nproc_per_node * o.nnodes)},
+      {"ROLE_NAME", "default"},
+      {"MASTER_ADDR", o.master_addr},
+      {"MASTER_PORT", std::to_string(port)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
+      {"TORCHELASTIC_RUN_ID", "none"},
+      {"DTRAIN_LAUNCHER", "1"},
+  };
+  if (!o.backend.empty()) env["DTRAIN_BACKEND"] = o.backend;
+  if (o.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
+    env["OMP_NUM_THREADS"] = "1";
+  }
+  pid_t launcher_pid = ::getpid();
+  pid_t pid = ::fork();
+  DTRAIN_CHECK(pid >= 0, "dtrain-launch: fork() failed: ", std::strerror(errno));
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != launcher_pid) ::_exit(127);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::signal(SIGHUP, SIG_DFL);
+    ::signal(SIGPIPE, SIG_DFL);
+    ::dup2(out[1], 1);
+    ::dup2(err[1], 2);
+    ::close(out[0]);
+    ::close(out[1]);
+    ::close(err[0]);
+    ::close(err[1]);
+    for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> argv;
+    for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    std::string msg =
+        "dtrain-launch: cannot execute '" + o.command[0] + "': " + std::strerror(errno) + "\n";
+    write_all(2, msg);
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);  // also from the parent, so signals never miss a just-forked rank
+  ::close(out[1]);
+  ::close(err[1]);
+  r.out_fd = out[0];
+  r.err_fd = err[0];
+  r.pid = pid;
+  return pid;
+}
+
+void signal_all(std::vector<Rank>& ranks, int sig) {
+  for (auto& r : ranks) {
+    if (!r.exited && r.pid > 0) ::kill(-r.pid, sig);
+  }
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+enum class Outcome { kSuccess, kRankFailed, kInterrupted };
+
+struct Result {
+  Outcome outcome = Outcome::kSuccess;
+  int code = 0;
+  int failed_rank = -1;
+};
+
+// Runs one attempt of the whole group.
+Result run_group(const LaunchOptions& o, int restart_count, int port) {
+  std::vector<Rank> ranks(static_cast<size_t>(o.nproc_per_node));
+  for (int i = 0; i < o.nproc_per_node; ++i) {
+    ranks[i].local_rank = i;
+    ranks[i].global_rank = o.node_rank * o.nproc_per_node + i;
+    spawn(o, ranks[i], restart_count, port);
+  }
+  Result result;
+  bool terminating = false;
+  Clock::time_point kill_at{};
+  Clock::time_point drain_until{};
+  auto start_termination = [&](int sig) {
+    if (!terminating) {
+      terminating = true;
+      kill_at =
+          Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.grace_period_s * 1000));
+    }
+    signal_all(ranks, sig);
+  };
+  while (true) {
+    // Reap exited ranks.
+    int status = 0;
+    pid_t pid;
+    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+      for (auto& r : ranks) {
+        if (r.pid != pid) continue;
+        r.exited = true;
+        r.exit_code = exit_code_of(status);
+        ::kill(-r.pid, SIGKILL);  // leftovers in the rank's process group
+        if (r.exit_code != 0 && result.outcome == Outcome::kSuccess) {
+          result = {Outcome::kRankFailed, r.exit_code, r.global_rank};
+          std::cerr << "[dtrain-launch] rank " << r.global_rank << " (pid " << r.pid
+                    << ") exited with code " << r.exit_code << "; terminating the other ranks"
+                    << std::endl;
+          start_termination(SIGTERM);
+        }
+      }
+    }
+    bool all_exited = true;
+    bool pipes_open = false;
+    for (const auto& r : ranks) {
+      all_exited = all_exited && r.exited;
+      pipes_open = pipes_open || r.out_fd >= 0 || r.err_fd >= 0;
+    }
+    if (all_exited && !pipes_open) break;
+    if (all_exited) {
+      // A descendant that left the rank's process group may hold the pipes; stop waiting
+      // for its output shortly after the ranks themselves are gone.
+      if (drain_until == Clock::time_point{}) drain_until = Clock::now() + std::chrono::seconds(2);
+      if (Clock::now() >= drain_until) {
+        for (auto& r : ranks) {
+          for (int* fd : {&r.out_fd, &r.err_fd}) {
+            if (*fd >= 0) ::close(*fd);
+            *fd = -1;
+          }
+        }
+        break;
+      }
+    }
+    if (terminating && Clock::now() >= kill_at) {
+      for (auto& r : ranks) {
+        if (!r.exited) {
+          std::cerr << "[dtrain-launch] rank " << r.global_rank << " (pid " << r.pid
+                    << ") did not exit within " << o.grace_period_s
+                    << " s of SIGTERM; sending SIGKILL" << std::endl;
+        }
+      }
+      signal_all(ranks, SIGKILL);
+      kill_at = Clock::now() + std::chrono::hours(1);
+    }
+    std::vector<pollfd> fds;
+    std::vector<std::pair<Rank*, bool>> owners;  // (rank, is_stderr)
+    fds.push_back({g_signal_pipe[0], POLLIN, 0});
+    owners.push_back({nullptr, false});
+    for (auto& r : ranks) {
+      if (r.out_fd >= 0) {
+        fds.push_back({r.out_fd, POLLIN, 0});
+        owners.push_back({&r, false});
+      }
+      if (r.err_fd >= 0) {
+        fds.push_back({r.err_fd, POLLIN, 0});
+        owners.push_back({&r, true});
+      }
+    }
+    int n = ::poll(fds.data(), fds.size(), 50);
+    if (n <= 0) continue;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      if (i == 0) {
+        unsigned char sig = 0;
+        if (::read(g_signal_pipe[0], &sig, 1) == 1) {
+          std::cerr << "[dtrain-launch] received signal " << int(sig)
+                    << "; forwarding it to every rank" << std::endl;
+          if (result.outcome != Outcome::kRankFailed) {
+            result = {Outcome::kInterrupted, 128 + sig, -1};
+          }
+          start_termination(sig);
+        }
+        continue;
+      }
+      Rank& r = *owners[i].first;
+      std::string prefix = "[rank " + std::to_string(r.global_rank) + "] ";
+      if (owners[i].second) {
+        pump(r.err_fd, r.err_buf, 2, prefix);
+      } else {
+        pump(r.out_fd, r.out_buf, 1, prefix);
+      }
+    }
+  }
+  return result;
+}
+
+}  // namespace
+
+std::string usage() {
+  return "usage: dtrain-launch [--nproc-per-node N] [--nnodes M --node-rank R] "
+         "[--master-addr A] [--master-port P] [--max-restarts K] [--backend auto|mpi|gloo|nccl] "
+         "[--grace-period S] [--] program [args...]";
+}
+
+LaunchOptions parse_args(const std::vector<std::string>& args) {
+  LaunchOptions o;
+  size_t i = 0;
+  auto value = [&](const std::string& flag, const std::string& inline_value) -> std::string {
+    if (!inline_value.empty()) return inline_value;
+    DTRAIN_CHECK_AS(UsageError, i + 1 < args.size(), flag, " needs a value\n", usage());
+    return args[++i];
+  };
+  for (; i < args.size(); ++i) {
+    std::string a = args[i];
+    if (a == "--") {
+      ++i;
+      break;
+    }
+    if (a.rfind("--", 0) != 0) break;  // the program starts here
+    std::string inline_value;
+    if (auto eq = a.find('='); eq != std::string::npos) {
+      inline_value = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    }
+    for (char& c : a) c = c == '_' ? '-' : c;  // torchrun spells them with underscores too
+    if (a == "--nproc-per-node") {
+      o.nproc_per_node = to_int(a, value(a, inline_value));
+    } else if (a == "--nnodes") {
+      o.nnodes = to_int(a, value(a, inline_value));
+    } else if (a == "--node-rank") {
+      o.node_rank = to_int(a, value(a, inline_value));
+    } else if (a == "--master-addr") {
+      o.master_addr = value(a, inline_value);
+    } else if (a == "--master-port") {
+      o.master_port = to_int(a, value(a, inline_value));
+    } else if (a == "--max-restarts") {
+      o.max_restarts = to_int(a, value(a, inline_value));
+    } else if (a == "--backend") {
+      o.backend = value(a, inline_value);
+    } else if (a == "--grace-period") {
+      o.grace_period_s = to_double(a, value(a, inline_value));
+    } else if (a == "--help" || a == "-h") {
+      DTRAIN_FAIL(UsageError, usage());
+    } else {
+      DTRAIN_FAIL(UsageError, "unknown option ", a, "\n", usage());
+    }
+  }
+  o.command.assign(args.begin() + static_cast<long>(std::min(i, args.size())), args.end());
+  DTRAIN_CHECK_AS(UsageError, !o.command.empty(), "no program to launch\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.nproc_per_node >= 1, "--nproc-per-node must be at least 1, got ",
+                  o.nproc_per_node, "\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.nnodes >= 1, "--nnodes must be at least 1, got ", o.nnodes, "\n",
+                  usage());
+  DTRAIN_CHECK_AS(UsageError, o.node_rank >= 0 && o.node_rank < o.nnodes, "--node-rank ",
+                  o.node_rank, " must be in [0, --nnodes ", o.nnodes, ")\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.master_port >= 0 && o.master_port < 65536, "--master-port ",
+                  o.master_port, " is not a TCP port\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.master_port != 0 || o.nnodes == 1,
+                  "--master-port 0 (pick a free port) works only with --nnodes 1\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.max_restarts >= 0, "--max-restarts must be >= 0\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.grace_period_s >= 0, "--grace-period must be >= 0\n", usage());
+  DTRAIN_CHECK_AS(UsageError,
+                  o.backend.empty() || o.backend == "auto" || o.backend == "mpi" ||
+                      o.backend == "gloo" || o.backend == "nccl",
+                  "--backend must be auto, mpi, gloo or nccl, got '", o.backend, "'\n", usage());
+  return o;
+}
+
+int run(const LaunchOptions& options) {
+  DTRAIN_CHECK(::pipe(g_signal_pipe) == 0, "dtrain-launch: pipe() failed");
+  ::fcntl(g_signal_pipe[0], F_SETFL, O_NONBLOCK);
+  ::fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK);
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  for (int attempt = 0;; ++attempt) {
+    int port = options.master_port == 0 ? free_port(options.master_addr) : options.master_port;
+    Result r = run_group(options, attempt, port);
+    if (r.outcome == Outcome::kSuccess) return 0;
+    if (r.outcome == Outcome::kInterrupted) return r.code;
+    if (attempt >= options.max_restarts) {
+      if (options.max_restarts > 0) {
+        std::cerr << "[dtrain-launch] giving up after " << options.max_restarts << " restart(s)"
+                  << std::endl;
+      }
+      return r.code;
+    }
+    std::cerr << "[dtrain-launch] restarting all ranks (restart " << attempt + 1 << " of "
+              << options.max_restarts << ")" << std::endl;
+  }
+}
+
+}  // namespace dtrain::launcher

@@ -1,0 +1,42 @@
+// dtrain-launch: a torchrun-like launcher for one node of a job.
+//
+// It spawns --nproc-per-node ranks with torchrun's variables (RANK WORLD_SIZE LOCAL_RANK
+// LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RESTART_COUNT ...),
+// prefixes every output line with "[rank k] ", forwards SIGINT/SIGTERM/SIGHUP to the ranks,
+// and when a rank fails it terminates the others (SIGTERM, then SIGKILL after the grace
+// period) and exits with the failing rank's code (128 + signal for a rank killed by one).
+// With --max-restarts K the whole group is restarted up to K times (the trainer resumes from
+// its last checkpoint). Each rank runs in its own process group, so a rank's children are
+// ended with it, and dies with the launcher (PR_SET_PDEATHSIG).
+//
+// Choices where torchrun is silent or differs: --master-port 0 picks a free port (single
+// node only); OMP_NUM_THREADS defaults to 1 when more than one rank shares the node, as
+// torchrun does; --backend sets DTRAIN_BACKEND, which replaces a config's `auto` only.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace dtrain::launcher {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  int max_restarts = 0;
+  std::string backend;  // empty: leave DTRAIN_BACKEND alone
+  double grace_period_s = 10.0;
+  std::vector<std::string> command;  // program and its arguments
+};
+
+std::string usage();
+
+// Parses argv (without argv[0]); throws UsageError with the usage line on bad input.
+LaunchOptions parse_args(const std::vector<std::string>& args);
+
+// Runs the job; returns the launcher's exit code.
+int run(const LaunchOptions& options);
+
+}  // namespace dtrain::launcher

@@ -1,0 +1,184 @@
+// Runs the real dtrain-launch binary on real processes (launcher/testdata/child.sh).
+#include "launcher/launcher.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "core/error.h"
+
+namespace {
+
+std::string g_launcher;
+std::string g_child;
+
+using dtrain::launcher::parse_args;
+
+std::string make_dir() {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string tmpl = std::string(base ? base : "/tmp") + "/launchXXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  EXPECT_NE(::mkdtemp(buf.data()), nullptr);
+  return buf.data();
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+
+pid_t read_pid(const std::string& path) { return std::atoi(read_file(path).c_str()); }
+
+// Starts the launcher with `args`; stdout goes to `out_path` when given.
+pid_t start_launcher(const std::vector<std::string>& args, const std::string& out_path = "") {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    if (!out_path.empty()) {
+      FILE* f = std::fopen(out_path.c_str(), "w");
+      ::dup2(fileno(f), 1);
+    }
+    std::vector<char*> argv{const_cast<char*>(g_launcher.c_str())};
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(argv[0], argv.data());
+    ::_exit(126);
+  }
+  return pid;
+}
+
+int wait_exit(pid_t pid) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+TEST(LaunchArgs, ParsesTorchrunStyleOptionsAndTheProgram) {
+  auto o = parse_args({"--nproc_per_node=4", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                       "10.0.0.1", "--master-port", "1234", "--max-restarts", "3", "--backend",
+                       "gloo", "--", "prog", "--lr", "0.1"});
+  EXPECT_EQ(o.nproc_per_node, 4);
+  EXPECT_EQ(o.nnodes, 2);
+  EXPECT_EQ(o.node_rank, 1);
+  EXPECT_EQ(o.master_addr, "10.0.0.1");
+  EXPECT_EQ(o.master_port, 1234);
+  EXPECT_EQ(o.max_restarts, 3);
+  EXPECT_EQ(o.backend, "gloo");
+  EXPECT_EQ(o.command, (std::vector<std::string>{"prog", "--lr", "0.1"}));
+  auto d = parse_args({"prog", "--flag"});
+  EXPECT_EQ(d.nproc_per_node, 1);
+  EXPECT_EQ(d.master_port, 29500);
+  EXPECT_EQ(d.command, (std::vector<std::string>{"prog", "--flag"}));
+}
+
+TEST(LaunchArgs, RefusesBadArgumentsWithAUsageLine) {
+  for (const auto& args :
+       std::vector<std::vector<std::string>>{{"--nproc-per-node", "two", "prog"},
+                                             {"--bogus", "prog"},
+                                             {"--nproc-per-node", "2"},
+                                             {"--nproc-per-node", "0", "prog"},
+                                             {"--nnodes", "2", "--node-rank", "2", "prog"},
+                                             {"--backend", "tcp", "prog"},
+                                             {"--master-port", "70000", "prog"},
+                                             {"--nnodes", "2", "--master-port", "0", "prog"}}) {
+    try {
+      parse_args(args);
+      ADD_FAILURE() << "accepted " << args[0] << " " << args[1];
+    } catch (const dtrain::UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("usage: dtrain-launch"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Launcher, PrefixesEveryLineAndSetsTorchrunVariables) {
+  std::string dir = make_dir();
+  pid_t pid = start_launcher(
+      {"--nproc-per-node", "2", "--master-port", "0", "--backend", "gloo", g_child, "env", dir},
+      dir + "/out");
+  ASSERT_EQ(wait_exit(pid), 0);
+  std::string out = read_file(dir + "/out");
+  for (int r = 0; r < 2; ++r) {
+    std::string rank = std::to_string(r);
+    std::string want = "[rank " + rank + "] RANK=" + rank + " WORLD_SIZE=2 LOCAL_RANK=" + rank +
+                       " LOCAL_WORLD_SIZE=2 GROUP_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=";
+    EXPECT_NE(out.find(want), std::string::npos) << out;
+    EXPECT_NE(out.find("[rank " + rank + "] partial\n"), std::string::npos) << out;
+  }
+  EXPECT_NE(out.find("RESTART=0 BACKEND=gloo OMP=1"), std::string::npos) << out;
+  EXPECT_EQ(out.find("MASTER_PORT=0 "), std::string::npos) << "port 0 must become a real port";
+}
+
+TEST(Launcher, FailingRankSetsExitCodeAndNoRankSurvivesTheGracePeriod) {
+  std::string dir = make_dir();
+  auto t0 = std::chrono::steady_clock::now();
+  pid_t pid = start_launcher(
+      {"--nproc-per-node", "3", "--master-port", "0", "--grace-period", "1", g_child, "fail", dir});
+  EXPECT_EQ(wait_exit(pid), 3);
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 1.0 + 5.0);
+  for (int r : {0, 2}) {
+    pid_t rank_pid = read_pid(dir + "/pid." + std::to_string(r));
+    pid_t sleeper = read_pid(dir + "/child." + std::to_string(r));
+    ASSERT_GT(rank_pid, 0);
+    ASSERT_GT(sleeper, 0);
+    EXPECT_FALSE(alive(rank_pid)) << "rank " << r << " survived";
+    EXPECT_FALSE(alive(sleeper)) << "a child of rank " << r << " survived";
+  }
+}
+
+TEST(Launcher, SigtermToTheLauncherEndsEveryRank) {
+  std::string dir = make_dir();
+  pid_t pid = start_launcher({"--nproc-per-node", "2", "--master-port", "0", "--grace-period", "5",
+                              g_child, "sleep", dir});
+  for (int i = 0; i < 200 && !(std::ifstream(dir + "/child.0") && std::ifstream(dir + "/child.1"));
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(wait_exit(pid), 128 + SIGTERM);
+  for (int r : {0, 1}) {
+    EXPECT_FALSE(alive(read_pid(dir + "/pid." + std::to_string(r))));
+    EXPECT_FALSE(alive(read_pid(dir + "/child." + std::to_string(r))));
+  }
+}
+
+TEST(Launcher, RestartsTheGroupExactlyMaxRestartsTimes) {
+  std::string dir = make_dir();
+  pid_t pid = start_launcher({"--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "2",
+                              g_child, "count", dir});
+  EXPECT_EQ(wait_exit(pid), 1);
+  EXPECT_EQ(read_file(dir + "/count.0"), "0\n1\n2\n");
+  EXPECT_EQ(read_file(dir + "/count.1"), "0\n1\n2\n");
+}
+
+TEST(Launcher, MissingProgramExits127) {
+  pid_t pid = start_launcher({"--master-port", "0", "/nonexistent/program"});
+  EXPECT_EQ(wait_exit(pid), 127);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--launcher=", 0) == 0) g_launcher = a.substr(11);
+    if (a.rfind("--child=", 0) == 0) g_child = a.substr(8);
+  }
+  if (g_launcher.empty() || g_child.empty()) {
+    std::cerr << "usage: launcher_test --launcher=PATH --child=PATH" << std::endl;
+    return 2;
+  }
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,30 @@
+#!/bin/bash
+# Runs a test binary as NP real processes and fails when any rank fails.
+#   run_ranks.sh mpi    NP LAUNCHER BINARY [args...]   mpirun, backend mpi
+#   run_ranks.sh launch NP LAUNCHER BINARY [args...]   dtrain-launch, backend gloo
+# Extra environment (e.g. DTRAIN_COMM_TIMEOUT_S) passes through to every rank.
+set -u
+mode=$1 np=$2 launcher=$3
+shift 3
+# Bazel's per-test output files would be written by every rank at once.
+unset TEST_PREMATURE_EXIT_FILE XML_OUTPUT_FILE GTEST_OUTPUT
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export DTRAIN_COMM_TIMEOUT_S=${DTRAIN_COMM_TIMEOUT_S:-120}
+case "$mode" in
+  mpi)
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    # Ranks may outnumber cores; let idle ranks yield instead of spinning.
+    export OMPI_MCA_mpi_yield_when_idle=1
+    exec mpirun -np "$np" --oversubscribe --bind-to none \
+      -x OMP_NUM_THREADS -x DTRAIN_COMM_TIMEOUT_S -x DTRAIN_BACKEND=mpi \
+      "$@"
+    ;;
+  launch)
+    exec "$launcher" --nproc-per-node "$np" --master-port 0 --grace-period 5 \
+      --backend gloo -- "$@"
+    ;;
+  *)
+    echo "run_ranks.sh: unknown mode '$mode' (mpi | launch)" >&2
+    exit 2
+    ;;
+esac
