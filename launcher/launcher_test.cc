@@ -37,7 +37,14 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
-bool alive(pid_t pid) { return ::kill(pid, 0) == 0; }
+// Running or sleeping; a zombie (killed, not yet reaped by its new parent) counts as dead.
+bool alive(pid_t pid) {
+  std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
+  auto paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return false;
+  char state = stat[paren + 2];
+  return state != 'Z' && state != 'X';
+}
 
 pid_t read_pid(const std::string& path) { return std::atoi(read_file(path).c_str()); }
 
