@@ -13,4 +13,10 @@ const char* short_path(const char* file) {
   return file;
 }
 
+std::string strip_location(const std::string& what) {
+  if (what.empty() || what.back() != ']') return what;
+  auto open = what.rfind(" [");
+  return open == std::string::npos ? what : what.substr(0, open);
+}
+
 }  // namespace dtrain::detail

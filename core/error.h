@@ -49,6 +49,10 @@ std::string str(Args&&... args) {
   return os.str();
 }
 
+// `what` without the " [file:line]" suffix the check macros append (for rethrowing a
+// message with more context).
+std::string strip_location(const std::string& what);
+
 // Strips the build-root prefix so messages show "comm/mpi_communicator.cc:42".
 const char* short_path(const char* file);
 

@@ -1,0 +1,207 @@
+#include "amp/grad_scaler.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/optim/optimizer.h>
+
+#include "core/error.h"
+
+namespace dtrain::amp {
+
+GradScaler::GradScaler(GradScalerOptions options)
+    : enabled_(options.enabled()),
+      init_scale_(options.init_scale()),
+      growth_factor_(options.growth_factor()),
+      backoff_factor_(options.backoff_factor()),
+      growth_interval_(options.growth_interval()) {
+  if (enabled_) {
+    DTRAIN_CHECK_AS(UsageError, growth_factor_ > 1.0, "The growth factor must be > 1.0.");
+    DTRAIN_CHECK_AS(UsageError, backoff_factor_ < 1.0, "The backoff factor must be < 1.0.");
+  }
+}
+
+void GradScaler::check_initialized(const char* funcname) const {
+  DTRAIN_CHECK_AS(UsageError, scale_.defined(), "Attempted ", funcname,
+                  " but _scale is None.  This may indicate your script did not use "
+                  "scaler.scale(loss or outputs) earlier in the iteration.");
+}
+
+void GradScaler::lazy_init(const c10::Device& device) {
+  auto opts = at::TensorOptions().device(device);
+  scale_ = at::full({}, init_scale_, opts.dtype(at::kFloat));
+  growth_tracker_ = at::full({}, init_growth_tracker_, opts.dtype(at::kInt));
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& outputs) {
+  if (!enabled_) return outputs;
+  if (!scale_.defined()) lazy_init(outputs.device());
+  return finish_scale(outputs * scale_.to(outputs.device(), /*non_blocking=*/true), outputs);
+}
+
+std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> out;
+  out.reserve(outputs.size());
+  for (const auto& o : outputs) out.push_back(scale(o));
+  return out;
+}
+
+PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
+                                    const at::Tensor& inv_scale) {
+  c10::NoGradGuard no_grad;
+  std::map<std::pair<std::string, c10::ScalarType>, std::vector<at::Tensor>> grads;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      DTRAIN_CHECK_AS(UsageError, allow_fp16_grads() || g.scalar_type() != at::kHalf,
+                      "Attempting to unscale FP16 gradients. (GradScaler expects fp32 master "
+                      "gradients; keep fp32 parameters under autocast, or use a "
+                      "ShardedGradScaler.)");
+      DTRAIN_CHECK_AS(UsageError, !g.is_sparse(),
+                      "GradScaler: sparse gradients are not supported by dtrain");
+      grads[{g.device().str(), g.scalar_type()}].push_back(g);
+    }
+  }
+  PerDevice found, inv;
+  auto on = [](PerDevice& m, const c10::Device& d, const at::Tensor& master) -> at::Tensor& {
+    auto it = m.find(d);
+    if (it == m.end()) it = m.emplace(d, master.to(d, /*non_blocking=*/true)).first;
+    return it->second;
+  };
+  at::Tensor found_master = at::zeros({1}, scale_.options().dtype(at::kFloat));
+  for (auto& [key, list] : grads) {
+    c10::Device device = list.front().device();
+    at::Tensor& f = on(found, device, found_master);
+    at::_amp_foreach_non_finite_check_and_unscale_(list, f, on(inv, device, inv_scale));
+  }
+  // A rank or optimizer without gradients still reports (a zero flag) on the scale's device.
+  if (found.empty()) found.emplace(scale_.device(), found_master);
+  return found;
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!enabled_) return;
+  check_initialized("unscale_");
+  OptimizerState& state = per_optimizer_[&optimizer];
+  DTRAIN_CHECK_AS(UsageError, state.stage != Stage::kUnscaled,
+                  "unscale_() has already been called on this optimizer since the last update().");
+  DTRAIN_CHECK_AS(UsageError, state.stage != Stage::kStepped,
+                  "unscale_() is being called after step().");
+  at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  state.found_inf_per_device = unscale_grads(optimizer, inv_scale);
+  sync_found_inf(state.found_inf_per_device);
+  state.stage = Stage::kUnscaled;
+}
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!enabled_) {
+    optimizer.step();
+    return true;
+  }
+  check_initialized("step");
+  OptimizerState& state = per_optimizer_[&optimizer];
+  DTRAIN_CHECK_AS(UsageError, state.stage != Stage::kStepped,
+                  "step() has already been called since the last update().");
+  if (state.stage == Stage::kReady) unscale_(optimizer);
+  DTRAIN_CHECK_AS(UsageError, !state.found_inf_per_device.empty(),
+                  "No inf checks were recorded for this optimizer.");
+  double found = 0;
+  for (auto& [device, f] : state.found_inf_per_device) found += f.item<double>();
+  bool stepped = found == 0;
+  if (stepped) optimizer.step();
+  state.stage = Stage::kStepped;
+  return stepped;
+}
+
+void GradScaler::update() {
+  if (!enabled_) return;
+  check_initialized("update");
+  std::vector<at::Tensor> found_infs;
+  for (auto& [opt, state] : per_optimizer_) {
+    for (auto& [device, f] : state.found_inf_per_device) {
+      found_infs.push_back(f.to(scale_.device(), /*non_blocking=*/true));
+    }
+  }
+  DTRAIN_CHECK_AS(UsageError, !found_infs.empty(),
+                  "No inf checks were recorded prior to update. (Call step() or unscale_() "
+                  "for each optimizer first.)");
+  at::Tensor combined = found_infs[0].clone();
+  for (size_t i = 1; i < found_infs.size(); ++i) combined += found_infs[i];
+  at::_amp_update_scale_(scale_, growth_tracker_, combined, growth_factor_, backoff_factor_,
+                         growth_interval_);
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(double new_scale) {
+  if (!enabled_) return;
+  check_initialized("update");
+  scale_.fill_(new_scale);
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(const at::Tensor& new_scale) {
+  if (!enabled_) return;
+  check_initialized("update");
+  DTRAIN_CHECK_AS(UsageError,
+                  new_scale.device().type() == scale_.device().type() && new_scale.numel() == 1 &&
+                      !new_scale.requires_grad(),
+                  "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                  "torch.FloatTensor with requires_grad=False.");
+  scale_.copy_(new_scale.reshape({}));
+  per_optimizer_.clear();
+}
+
+double GradScaler::get_scale() const {
+  if (!enabled_) return 1.0;
+  return scale_.defined() ? scale_.item<double>() : init_scale_;
+}
+
+int64_t GradScaler::get_growth_tracker() const {
+  if (!enabled_) return 0;
+  return growth_tracker_.defined() ? growth_tracker_.item<int64_t>() : init_growth_tracker_;
+}
+
+bool GradScaler::found_inf() const {
+  for (const auto& [opt, state] : per_optimizer_) {
+    for (const auto& [device, f] : state.found_inf_per_device) {
+      if (f.item<double>() != 0) return true;
+    }
+  }
+  return false;
+}
+
+c10::impl::GenericDict GradScaler::state_dict() const {
+  c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
+  if (!enabled_) return d;
+  d.insert("scale", get_scale());
+  d.insert("growth_factor", growth_factor_);
+  d.insert("backoff_factor", backoff_factor_);
+  d.insert("growth_interval", growth_interval_);
+  d.insert("_growth_tracker", get_growth_tracker());
+  return d;
+}
+
+void GradScaler::load_state_dict(const c10::impl::GenericDict& state) {
+  if (!enabled_) return;
+  DTRAIN_CHECK_AS(UsageError, !state.empty(),
+                  "The source state dict is empty, possibly because it was saved from a "
+                  "disabled instance of GradScaler.");
+  auto get = [&](const char* key) {
+    auto it = state.find(c10::IValue(std::string(key)));
+    DTRAIN_CHECK_AS(UsageError, it != state.end(), "GradScaler state dict has no '", key,
+                    "' entry");
+    return it->value();
+  };
+  auto as_double = [](const c10::IValue& v) {
+    return v.isInt() ? double(v.toInt()) : v.toDouble();
+  };
+  init_scale_ = as_double(get("scale"));
+  if (scale_.defined()) scale_.fill_(init_scale_);
+  growth_factor_ = as_double(get("growth_factor"));
+  backoff_factor_ = as_double(get("backoff_factor"));
+  growth_interval_ = get("growth_interval").toInt();
+  init_growth_tracker_ = get("_growth_tracker").toInt();
+  if (growth_tracker_.defined()) growth_tracker_.fill_(init_growth_tracker_);
+}
+
+}  // namespace dtrain::amp

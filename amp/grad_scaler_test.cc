@@ -1,0 +1,172 @@
+#include "amp/grad_scaler.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/optim/sgd.h>
+
+#include <functional>
+#include <limits>
+
+#include "core/error.h"
+
+namespace dtrain::amp {
+namespace {
+
+void expect_usage_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no UsageError; expected '" << needle << "'";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+struct Fixture {
+  at::Tensor w = at::ones({3}).requires_grad_();
+  torch::optim::SGD opt{std::vector<at::Tensor>{w}, torch::optim::SGDOptions(0.1)};
+
+  at::Tensor loss() { return (w * at::arange(3, at::kFloat)).sum(); }
+};
+
+TEST(GradScaler, StateMachineErrorsMatchPyTorch) {
+  Fixture f;
+  GradScaler s(GradScalerOptions().init_scale(8.0));
+  expect_usage_error([&] { s.unscale_(f.opt); }, "Attempted unscale_ but _scale is None");
+  expect_usage_error([&] { s.step(f.opt); }, "Attempted step but _scale is None");
+  expect_usage_error([&] { s.update(); }, "Attempted update but _scale is None");
+  s.scale(f.loss()).backward();
+  expect_usage_error([&] { s.update(); }, "No inf checks were recorded prior to update.");
+  s.unscale_(f.opt);
+  expect_usage_error(
+      [&] { s.unscale_(f.opt); },
+      "unscale_() has already been called on this optimizer since the last update().");
+  EXPECT_TRUE(s.step(f.opt));
+  expect_usage_error([&] { s.step(f.opt); },
+                     "step() has already been called since the last update().");
+  expect_usage_error([&] { s.unscale_(f.opt); }, "unscale_() is being called after step().");
+  s.update();
+  // After update() the optimizer is READY again.
+  f.opt.zero_grad();
+  s.scale(f.loss()).backward();
+  EXPECT_TRUE(s.step(f.opt));
+  s.update();
+}
+
+TEST(GradScaler, UnscaleDividesAndStepSkipsAndBacksOffOnInf) {
+  Fixture f;
+  GradScaler s(GradScalerOptions().init_scale(8.0).growth_interval(2));
+  s.scale(f.loss()).backward();
+  EXPECT_TRUE(at::equal(f.w.grad(), at::arange(3, at::kFloat) * 8));
+  s.unscale_(f.opt);
+  EXPECT_TRUE(at::equal(f.w.grad(), at::arange(3, at::kFloat)));
+  EXPECT_FALSE(s.found_inf());
+  EXPECT_TRUE(s.step(f.opt));
+  s.update();
+  EXPECT_EQ(s.get_growth_tracker(), 1);
+  at::Tensor before = f.w.detach().clone();
+  f.opt.zero_grad();
+  s.scale(f.loss()).backward();
+  f.w.mutable_grad()[1].fill_(std::numeric_limits<float>::infinity());
+  EXPECT_FALSE(s.step(f.opt));
+  EXPECT_TRUE(at::equal(f.w.detach(), before)) << "a skipped step must not touch parameters";
+  s.update();
+  EXPECT_EQ(s.get_scale(), 4.0);
+  EXPECT_EQ(s.get_growth_tracker(), 0);
+}
+
+TEST(GradScaler, RefusesFp16GradientsWithPyTorchsMessage) {
+  at::Tensor w = at::ones({2}, at::kHalf).requires_grad_();
+  torch::optim::SGD opt{std::vector<at::Tensor>{w}, torch::optim::SGDOptions(0.1)};
+  GradScaler s;
+  s.scale(w.sum()).backward();
+  expect_usage_error([&] { s.unscale_(opt); }, "Attempting to unscale FP16 gradients.");
+}
+
+TEST(GradScaler, SeveralOptimizersShareOneUpdateThatSumsTheirInfs) {
+  at::Tensor a = at::ones({2}).requires_grad_(), b = at::ones({2}).requires_grad_();
+  torch::optim::SGD oa{std::vector<at::Tensor>{a}, torch::optim::SGDOptions(0.1)};
+  torch::optim::SGD ob{std::vector<at::Tensor>{b}, torch::optim::SGDOptions(0.1)};
+  GradScaler s(GradScalerOptions().init_scale(16.0));
+  s.scale((a * 2 + b * 3).sum()).backward();
+  b.mutable_grad()[0].fill_(std::numeric_limits<float>::quiet_NaN());
+  EXPECT_TRUE(s.step(oa));
+  EXPECT_FALSE(s.step(ob));
+  EXPECT_TRUE(s.found_inf());
+  s.update();
+  EXPECT_EQ(s.get_scale(), 8.0);
+}
+
+TEST(GradScaler, DisabledIsAPassThrough) {
+  Fixture f;
+  GradScaler s(GradScalerOptions().enabled(false));
+  at::Tensor loss = f.loss();
+  EXPECT_TRUE(s.scale(loss).is_same(loss));
+  loss.backward();
+  s.unscale_(f.opt);
+  s.unscale_(f.opt);  // no state machine when disabled
+  EXPECT_TRUE(s.step(f.opt));
+  s.update();
+  s.update(3.0);
+  EXPECT_EQ(s.get_scale(), 1.0);
+  EXPECT_EQ(s.get_growth_tracker(), 0);
+  EXPECT_TRUE(s.state_dict().empty());
+  EXPECT_TRUE(at::allclose(f.w.detach(), at::ones({3}) - 0.1 * at::arange(3, at::kFloat)));
+}
+
+TEST(GradScaler, UpdateWithNewScaleKeepsTheTracker) {
+  Fixture f;
+  GradScaler s(GradScalerOptions().init_scale(8.0).growth_interval(5));
+  s.scale(f.loss()).backward();
+  s.step(f.opt);
+  s.update();
+  EXPECT_EQ(s.get_growth_tracker(), 1);
+  s.scale(f.loss());
+  s.update(100.0);
+  EXPECT_EQ(s.get_scale(), 100.0);
+  EXPECT_EQ(s.get_growth_tracker(), 1);
+  s.update(at::full({1}, 50.0));
+  EXPECT_EQ(s.get_scale(), 50.0);
+  expect_usage_error([&] { s.update(at::ones({2})); }, "new_scale should be a float");
+}
+
+TEST(GradScaler, StateDictRoundTripsWithPyTorchKeys) {
+  Fixture f;
+  GradScaler s(GradScalerOptions().init_scale(32.0).growth_interval(7).growth_factor(3.0));
+  s.scale(f.loss()).backward();
+  s.step(f.opt);
+  s.update();
+  auto sd = s.state_dict();
+  for (const char* key :
+       {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}) {
+    EXPECT_NE(sd.find(c10::IValue(std::string(key))), sd.end()) << key;
+  }
+  GradScaler fresh;
+  fresh.load_state_dict(sd);
+  EXPECT_EQ(fresh.get_scale(), 32.0);
+  EXPECT_EQ(fresh.get_growth_tracker(), 1);
+  EXPECT_EQ(fresh.get_growth_interval(), 7);
+  EXPECT_EQ(fresh.get_growth_factor(), 3.0);
+  GradScaler disabled(GradScalerOptions().enabled(false));
+  expect_usage_error([&] { fresh.load_state_dict(disabled.state_dict()); },
+                     "The source state dict is empty");
+}
+
+TEST(GradScaler, ScaleLivesOnTheOutputsDeviceAndKeepsBf16LossDtypeRules) {
+  GradScaler s(GradScalerOptions().init_scale(4.0));
+  at::Tensor out = s.scale(at::full({2}, 1.5, at::kBFloat16));
+  // As in PyTorch: a 0-dim fp32 scale does not promote a dimensioned bf16 tensor.
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(out[0].item<float>(), 6.0f);
+  auto both = s.scale(std::vector<at::Tensor>{at::ones({1}), at::ones({2})});
+  EXPECT_EQ(both[1][1].item<float>(), 4.0f);
+}
+
+TEST(GradScaler, RejectsBadFactors) {
+  expect_usage_error([] { GradScaler(GradScalerOptions().growth_factor(1.0)); },
+                     "The growth factor must be > 1.0.");
+  expect_usage_error([] { GradScaler(GradScalerOptions().backoff_factor(1.0)); },
+                     "The backoff factor must be < 1.0.");
+}
+
+}  // namespace
+}  // namespace dtrain::amp

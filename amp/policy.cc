@@ -1,0 +1,79 @@
+#include "amp/policy.h"
+
+#include <sstream>
+
+#include "comm/types.h"
+#include "core/error.h"
+
+namespace dtrain::amp {
+
+MixedPrecisionPolicy MixedPrecisionPolicy::fp32() { return {}; }
+
+MixedPrecisionPolicy MixedPrecisionPolicy::bf16() {
+  MixedPrecisionPolicy p;
+  p.param_dtype = c10::kBFloat16;
+  p.reduce_dtype = c10::kBFloat16;
+  p.buffer_dtype = c10::kBFloat16;
+  return p;
+}
+
+MixedPrecisionPolicy MixedPrecisionPolicy::fp16() {
+  MixedPrecisionPolicy p;
+  p.param_dtype = c10::kHalf;
+  p.reduce_dtype = c10::kHalf;
+  p.buffer_dtype = c10::kHalf;
+  return p;
+}
+
+MixedPrecisionPolicy MixedPrecisionPolicy::preset(const std::string& name) {
+  if (name == "fp32") return fp32();
+  if (name == "bf16") return bf16();
+  if (name == "fp16") return fp16();
+  DTRAIN_FAIL(ConfigError, "unknown precision policy '", name, "'; expected fp32, bf16 or fp16");
+}
+
+bool MixedPrecisionPolicy::needs_grad_scaler() const {
+  return param_dtype == c10::kHalf || effective_reduce_dtype() == c10::kHalf;
+}
+
+c10::ScalarType parse_float_dtype(const std::string& name) {
+  if (name == "fp32" || name == "float32") return c10::kFloat;
+  if (name == "bf16" || name == "bfloat16") return c10::kBFloat16;
+  if (name == "fp16" || name == "float16") return c10::kHalf;
+  if (name == "fp64" || name == "float64") return c10::kDouble;
+  DTRAIN_FAIL(ConfigError, "unknown dtype '", name, "'; expected fp32, bf16, fp16 or fp64");
+}
+
+void MixedPrecisionPolicy::validate() const {
+  auto check_float = [](const char* what, c10::ScalarType t) {
+    DTRAIN_CHECK_AS(ConfigError, c10::isFloatingType(t), what, " must be a floating dtype, got ",
+                    t);
+  };
+  check_float("param_dtype", param_dtype);
+  if (reduce_dtype) check_float("reduce_dtype", *reduce_dtype);
+  if (buffer_dtype) check_float("buffer_dtype", *buffer_dtype);
+  if (output_dtype) check_float("output_dtype", *output_dtype);
+  bool has_half = false, has_bf16 = false;
+  for (auto t : {std::optional<c10::ScalarType>(param_dtype), reduce_dtype, buffer_dtype}) {
+    has_half = has_half || t == c10::kHalf;
+    has_bf16 = has_bf16 || t == c10::kBFloat16;
+  }
+  DTRAIN_CHECK_AS(ConfigError, !(has_half && has_bf16), "policy ", to_string(),
+                  " mixes fp16 and bf16; pick one low-precision format");
+  DTRAIN_CHECK_AS(ConfigError, !keep_low_precision_grads || is_low_precision(),
+                  "keep_low_precision_grads needs a low-precision param_dtype (bf16 or fp16), "
+                  "got ",
+                  comm::dtype_name(param_dtype));
+}
+
+std::string MixedPrecisionPolicy::to_string() const {
+  std::ostringstream os;
+  auto name = [](const std::optional<c10::ScalarType>& t) {
+    return t ? comm::dtype_name(*t) : std::string("unset");
+  };
+  os << "{param " << comm::dtype_name(param_dtype) << ", reduce " << name(reduce_dtype)
+     << ", buffer " << name(buffer_dtype) << ", output " << name(output_dtype) << "}";
+  return os.str();
+}
+
+}  // namespace dtrain::amp

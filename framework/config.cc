@@ -1,0 +1,389 @@
+#include "framework/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace dtrain::framework {
+namespace {
+
+// Where each value came from: a line of the file, or a --set override.
+struct Origin {
+  std::string file;
+  std::map<std::string, std::string> overrides;  // key path -> "--set key=value"
+
+  std::string where(const std::string& path, const YAML::Mark& mark) const {
+    for (const auto& [key, text] : overrides) {
+      if (path == key || path.rfind(key + ".", 0) == 0) return text;
+    }
+    if (mark.line >= 0) return file + ":" + std::to_string(mark.line + 1);
+    return file;
+  }
+};
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1])});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+// A mapping being read: records which keys were consumed so the rest can be refused.
+class Section {
+ public:
+  Section(YAML::Node node, std::string path, const Origin& origin, YAML::Mark mark)
+      : node_(std::move(node)), path_(std::move(path)), origin_(origin), mark_(mark) {
+    if (node_ && !node_.IsNull()) {
+      if (!node_.IsMap()) fail_at(path_, node_.Mark(), "expected a mapping of keys");
+    }
+  }
+
+  [[noreturn]] void fail_at(const std::string& path, const YAML::Mark& mark,
+                            const std::string& msg) const {
+    DTRAIN_FAIL(ConfigError, origin_.where(path, mark), ": ", path, ": ", msg);
+  }
+
+  std::string key_path(const std::string& key) const {
+    return path_.empty() ? key : path_ + "." + key;
+  }
+
+  bool has(const std::string& key) const {
+    return node_ && node_.IsMap() && node_[key] && !node_[key].IsNull();
+  }
+
+  Section section(const std::string& key) {
+    known_.push_back(key);
+    YAML::Node child = node_ && node_.IsMap() ? node_[key] : YAML::Node();
+    return Section(child, key_path(key), origin_, child ? child.Mark() : mark_);
+  }
+
+  template <typename T>
+  void read(const std::string& key, T& out, bool required = false) {
+    known_.push_back(key);
+    if (!has(key)) {
+      if (required) fail_at(key_path(key), mark_, "required key is missing");
+      return;
+    }
+    YAML::Node v = node_[key];
+    if (!v.IsScalar()) fail_at(key_path(key), v.Mark(), "expected " + type_name<T>());
+    try {
+      out = v.as<T>();
+    } catch (const YAML::Exception&) {
+      fail_at(key_path(key), v.Mark(), "expected " + type_name<T>() + ", got '" + v.Scalar() + "'");
+    }
+  }
+
+  void read_choice(const std::string& key, std::string& out,
+                   const std::vector<std::string>& choices, bool required = false) {
+    read(key, out, required);
+    if (std::find(choices.begin(), choices.end(), out) == choices.end()) {
+      std::string list;
+      for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
+      fail(key, "expected one of " + list + ", got '" + out + "'");
+    }
+  }
+
+  [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
+    YAML::Mark m = has(key) ? node_[key].Mark() : mark_;
+    fail_at(key_path(key), m, msg);
+  }
+
+  void check(bool ok, const std::string& key, const std::string& msg) const {
+    if (!ok) fail(key, msg);
+  }
+
+  // Refuses keys nobody read, suggesting the nearest known one.
+  void finish() const {
+    if (!node_ || !node_.IsMap()) return;
+    for (const auto& kv : node_) {
+      std::string key = kv.first.as<std::string>();
+      if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
+      std::string best;
+      size_t best_d = 3;  // suggest only near misses
+      std::string list;
+      for (const auto& k : known_) {
+        list += (list.empty() ? "" : ", ") + k;
+        size_t d = edit_distance(key, k);
+        if (d < best_d) {
+          best_d = d;
+          best = k;
+        }
+      }
+      std::string hint = best.empty() ? "" : "did you mean '" + best + "'? ";
+      fail_at(key_path(key), kv.first.Mark(),
+              "unknown key; " + hint + "(keys under " + (path_.empty() ? "the top level" : path_) +
+                  ": " + list + ")");
+    }
+  }
+
+ private:
+  template <typename T>
+  static std::string type_name() {
+    if constexpr (std::is_same_v<T, bool>) return "true or false";
+    if constexpr (std::is_integral_v<T>) return "an integer";
+    if constexpr (std::is_floating_point_v<T>) return "a number";
+    return "a string";
+  }
+
+  YAML::Node node_;
+  std::string path_;
+  const Origin& origin_;
+  YAML::Mark mark_;
+  std::vector<std::string> known_;
+};
+
+void apply_override(YAML::Node& root, const std::string& text, Origin& origin) {
+  auto eq = text.find('=');
+  DTRAIN_CHECK_AS(ConfigError, eq != std::string::npos && eq > 0, "--set ", text,
+                  ": expected key.path=value");
+  std::string path = text.substr(0, eq);
+  std::string value = text.substr(eq + 1);
+  origin.overrides["" + path] = "--set " + text;
+  std::vector<std::string> keys;
+  std::stringstream ss(path);
+  for (std::string k; std::getline(ss, k, '.');) {
+    DTRAIN_CHECK_AS(ConfigError, !k.empty(), "--set ", text, ": empty key in '", path, "'");
+    keys.push_back(k);
+  }
+  YAML::Node parsed;
+  try {
+    parsed = YAML::Load(value);
+  } catch (const YAML::Exception& e) {
+    DTRAIN_FAIL(ConfigError, "--set ", text, ": value is not valid YAML: ", e.what());
+  }
+  // yaml-cpp nodes are handles: walk down with fresh handles so `root` keeps its identity.
+  std::vector<YAML::Node> chain{root};
+  for (size_t i = 0; i + 1 < keys.size(); ++i) {
+    YAML::Node next = chain.back()[keys[i]];
+    if (next && !next.IsNull() && !next.IsMap()) {
+      DTRAIN_FAIL(ConfigError, "--set ", text, ": ", keys[i], " is not a section");
+    }
+    chain.push_back(next);
+  }
+  chain.back()[keys.back()] = parsed;
+}
+
+void read_model(Section s, ModelConfig& m) {
+  s.read_choice("type", m.type, {"transformer", "mlp"}, /*required=*/true);
+  s.read("vocab_size", m.vocab_size);
+  s.read("seq_len", m.seq_len);
+  s.read("d_model", m.d_model);
+  s.read("n_layers", m.n_layers);
+  s.read("n_heads", m.n_heads);
+  s.read("d_ff", m.d_ff);
+  s.read("tie_weights", m.tie_weights);
+  s.read("in_features", m.in_features);
+  s.read("hidden", m.hidden);
+  s.read("depth", m.depth);
+  s.read("out_features", m.out_features);
+  for (auto [key, v] : {std::pair<const char*, int64_t>{"vocab_size", m.vocab_size},
+                        {"seq_len", m.seq_len},
+                        {"d_model", m.d_model},
+                        {"n_layers", m.n_layers},
+                        {"n_heads", m.n_heads},
+                        {"d_ff", m.d_ff},
+                        {"in_features", m.in_features},
+                        {"hidden", m.hidden},
+                        {"depth", m.depth},
+                        {"out_features", m.out_features}}) {
+    s.check(v >= 1, key, "must be >= 1, got " + std::to_string(v));
+  }
+  s.check(m.vocab_size >= 2, "vocab_size", "must be >= 2");
+  s.check(m.d_model % m.n_heads == 0, "n_heads",
+          "d_model " + std::to_string(m.d_model) + " must be divisible by n_heads " +
+              std::to_string(m.n_heads));
+  s.finish();
+}
+
+void read_data(Section s, DataConfig& d) {
+  s.read_choice("source", d.source, {"synthetic", "corpus"});
+  s.read("path", d.path);
+  s.read("seed", d.seed);
+  if (d.source == "corpus") {
+    std::ifstream f(d.path);
+    s.check(
+        static_cast<bool>(f), "path",
+        "corpus file '" + d.path + "' cannot be read; give a text file, or use source: synthetic");
+  }
+  s.finish();
+}
+
+void read_train(Section s, TrainConfig& t) {
+  s.read("steps", t.steps, true);
+  s.read("batch_size", t.batch_size, true);
+  s.read("micro_batches", t.micro_batches);
+  s.read("lr", t.lr, true);
+  s.read("weight_decay", t.weight_decay);
+  s.read("warmup_steps", t.warmup_steps);
+  s.read("clip_grad_norm", t.clip_grad_norm);
+  s.read_choice("optimizer", t.optimizer, {"adamw", "sgd"});
+  s.read("momentum", t.momentum);
+  s.read("seed", t.seed);
+  s.check(t.steps >= 1, "steps", "must be >= 1, got " + std::to_string(t.steps));
+  s.check(t.batch_size >= 1, "batch_size", "must be >= 1, got " + std::to_string(t.batch_size));
+  s.check(t.micro_batches >= 1, "micro_batches", "must be >= 1");
+  s.check(t.batch_size % t.micro_batches == 0, "micro_batches",
+          "batch_size " + std::to_string(t.batch_size) + " must be divisible by micro_batches " +
+              std::to_string(t.micro_batches));
+  s.check(t.lr > 0, "lr", "must be > 0, got " + std::to_string(t.lr));
+  s.check(t.weight_decay >= 0, "weight_decay", "must be >= 0");
+  s.check(t.warmup_steps >= 0, "warmup_steps", "must be >= 0");
+  s.check(t.clip_grad_norm >= 0, "clip_grad_norm", "must be >= 0 (0 turns clipping off)");
+  s.check(t.momentum >= 0 && t.momentum < 1, "momentum", "must be in [0, 1)");
+  s.finish();
+}
+
+void read_parallel(Section s, ParallelConfig& p) {
+  s.read_choice("strategy", p.strategy, {"none", "ddp", "fsdp"});
+  s.read_choice("backend", p.backend, {"auto", "mpi", "gloo", "nccl"});
+  s.read("bucket_cap_mb", p.bucket_cap_mb);
+  s.read("find_unused_parameters", p.find_unused_parameters);
+  s.read("broadcast_buffers", p.broadcast_buffers);
+  s.read_choice("sharding_strategy", p.sharding_strategy,
+                {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"});
+  s.read("forward_prefetch", p.forward_prefetch);
+  s.read("backward_prefetch", p.backward_prefetch);
+  s.read("limit_all_gathers", p.limit_all_gathers);
+  s.read("timeout_s", p.timeout_s);
+  s.check(p.bucket_cap_mb > 0, "bucket_cap_mb",
+          "must be > 0, got " + std::to_string(p.bucket_cap_mb));
+  s.check(p.limit_all_gathers >= 1, "limit_all_gathers", "must be >= 1");
+  s.check(p.timeout_s > 0, "timeout_s", "must be > 0");
+  s.finish();
+}
+
+void read_precision(Section s, PrecisionConfig& p, std::vector<std::string>& warnings) {
+  s.read_choice("policy", p.policy, {"fp32", "bf16", "fp16"});
+  p.mixed = amp::MixedPrecisionPolicy::preset(p.policy);
+  auto dtype = [&](const char* key, auto assign) {
+    std::string name;
+    s.read(key, name);
+    if (name.empty()) return;
+    try {
+      assign(amp::parse_float_dtype(name));
+    } catch (const ConfigError&) {
+      s.fail(key, "expected fp32, bf16, fp16 or fp64, got '" + name + "'");
+    }
+  };
+  dtype("param_dtype", [&](c10::ScalarType t) { p.mixed.param_dtype = t; });
+  dtype("reduce_dtype", [&](c10::ScalarType t) { p.mixed.reduce_dtype = t; });
+  dtype("buffer_dtype", [&](c10::ScalarType t) { p.mixed.buffer_dtype = t; });
+  dtype("output_dtype", [&](c10::ScalarType t) { p.mixed.output_dtype = t; });
+  s.read("cast_forward_inputs", p.mixed.cast_forward_inputs);
+  s.read("keep_low_precision_grads", p.mixed.keep_low_precision_grads);
+  try {
+    p.mixed.validate();
+  } catch (const ConfigError& e) {
+    s.fail("policy", detail::strip_location(e.what()));
+  }
+  Section sc = s.section("scaler");
+  sc.read("enabled", p.scaler.enabled);
+  sc.read("init_scale", p.scaler.init_scale);
+  sc.read("growth_factor", p.scaler.growth_factor);
+  sc.read("backoff_factor", p.scaler.backoff_factor);
+  sc.read("growth_interval", p.scaler.growth_interval);
+  sc.check(p.scaler.init_scale > 0, "init_scale", "must be > 0");
+  sc.check(p.scaler.growth_factor > 1, "growth_factor", "must be > 1");
+  sc.check(p.scaler.backoff_factor > 0 && p.scaler.backoff_factor < 1, "backoff_factor",
+           "must be in (0, 1)");
+  sc.check(p.scaler.growth_interval >= 1, "growth_interval", "must be >= 1");
+  if (p.mixed.needs_grad_scaler()) {
+    sc.check(p.scaler.enabled, "enabled",
+             "policy " + p.policy +
+                 " computes or reduces in fp16, whose small gradients underflow without loss "
+                 "scaling: set precision.scaler.enabled: true");
+  } else if (p.scaler.enabled) {
+    warnings.push_back("precision.scaler.enabled is true with policy " + p.policy +
+                       ": bf16 and fp32 have fp32's range and need no loss scaling; the scaler "
+                       "only adds work");
+  }
+  sc.finish();
+  s.finish();
+}
+
+void read_checkpoint(Section s, CheckpointConfig& c) {
+  s.read("dir", c.dir);
+  s.read("every_steps", c.every_steps);
+  s.read("keep", c.keep);
+  s.read("resume", c.resume);
+  s.check(c.every_steps >= 0, "every_steps", "must be >= 0 (0: only at the end)");
+  s.check(c.keep >= 1, "keep", "must be >= 1");
+  s.finish();
+}
+
+void read_logging(Section s, LoggingConfig& l) {
+  s.read_choice("level", l.level, {"trace", "debug", "info", "warn", "error", "off"});
+  s.read("every_steps", l.every_steps);
+  s.read("all_ranks", l.all_ranks);
+  s.read("metrics_file", l.metrics_file);
+  s.read("progress_bar", l.progress_bar);
+  s.check(l.every_steps >= 1, "every_steps", "must be >= 1");
+  s.finish();
+}
+
+RunConfig parse_node(YAML::Node root, Origin& origin) {
+  RunConfig cfg;
+  cfg.source = origin.file;
+  Section top(root, "", origin, YAML::Mark());
+  if (!root || root.IsNull()) DTRAIN_FAIL(ConfigError, origin.file, ": the config is empty");
+  top.read_choice("device", cfg.device, {"cpu", "cuda"});
+  read_model(top.section("model"), cfg.model);
+  read_data(top.section("data"), cfg.data);
+  read_train(top.section("train"), cfg.train);
+  read_parallel(top.section("parallel"), cfg.parallel);
+  read_precision(top.section("precision"), cfg.precision, cfg.warnings);
+  read_checkpoint(top.section("checkpoint"), cfg.checkpoint);
+  read_logging(top.section("logging"), cfg.logging);
+  if (cfg.parallel.backend == "nccl" && cfg.device != "cuda") {
+    Section p = top.section("parallel");
+    p.fail("backend",
+           "nccl needs device: cuda (it moves CUDA tensors only); use gloo or mpi on cpu");
+  }
+  top.finish();
+  return cfg;
+}
+
+RunConfig parse_with(YAML::Node root, const std::string& name,
+                     const std::vector<std::string>& overrides) {
+  Origin origin{name, {}};
+  if (!root || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  DTRAIN_CHECK_AS(ConfigError, root.IsMap(), name, ": the top level must be a mapping of sections");
+  for (const auto& o : overrides) apply_override(root, o, origin);
+  return parse_node(root, origin);
+}
+
+}  // namespace
+
+RunConfig parse_config(const std::string& yaml_text, const std::string& name,
+                       const std::vector<std::string>& overrides) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    DTRAIN_FAIL(ConfigError, name, ":", e.mark.line + 1, ": not valid YAML: ", e.msg);
+  }
+  return parse_with(root, name, overrides);
+}
+
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream f(path);
+  DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(f), "config file '", path,
+                  "' cannot be read (does it exist?)");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_config(ss.str(), path, overrides);
+}
+
+}  // namespace dtrain::framework

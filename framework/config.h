@@ -1,0 +1,119 @@
+// A run's whole configuration: YAML -> typed structs, strictly validated.
+//
+// Every problem raises ConfigError naming where it is and what to do:
+//   configs/x.yaml:12: train.lr: must be > 0, got -0.1
+//   configs/x.yaml:14: train.learning_rate: unknown key; did you mean 'lr'? (keys under train: ...)
+//   --set train.steps=ten: train.steps: expected an integer, got 'ten'
+// Overrides (`--set key.path=value`, parsed as YAML scalars) pass through the same checks.
+// Required keys: model.type, train.steps, train.batch_size, train.lr. Everything else has the
+// default shown in configs/README.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "amp/policy.h"
+
+namespace dtrain::framework {
+
+struct ModelConfig {
+  std::string type;  // transformer | mlp
+  // transformer
+  int64_t vocab_size = 256;
+  int64_t seq_len = 128;
+  int64_t d_model = 256;
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;
+  int64_t d_ff = 1024;
+  bool tie_weights = true;
+  // mlp
+  int64_t in_features = 64;
+  int64_t hidden = 256;
+  int64_t depth = 3;
+  int64_t out_features = 10;
+};
+
+struct DataConfig {
+  std::string source = "synthetic";                       // synthetic | corpus
+  std::string path = "/usr/share/common-licenses/GPL-3";  // corpus: a text file
+  int64_t seed = 1;
+};
+
+struct TrainConfig {
+  int64_t steps = 0;
+  int64_t batch_size = 0;  // per rank per optimizer step, split into micro_batches
+  int64_t micro_batches = 1;
+  double lr = 0;
+  double weight_decay = 0.0;
+  int64_t warmup_steps = 0;
+  double clip_grad_norm = 0.0;      // 0: off
+  std::string optimizer = "adamw";  // adamw | sgd
+  double momentum = 0.9;            // sgd
+  int64_t seed = 1234;
+};
+
+struct ParallelConfig {
+  std::string strategy = "ddp";  // none | ddp | fsdp
+  std::string backend = "auto";  // auto | mpi | gloo | nccl
+  double bucket_cap_mb = 25.0;
+  bool find_unused_parameters = false;
+  bool broadcast_buffers = true;
+  std::string sharding_strategy =
+      "full_shard";  // full_shard | shard_grad_op | no_shard | hybrid_shard
+  bool forward_prefetch = false;
+  bool backward_prefetch = true;
+  int64_t limit_all_gathers = 2;
+  double timeout_s = 300.0;
+};
+
+struct ScalerConfig {
+  bool enabled = false;
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+};
+
+struct PrecisionConfig {
+  std::string policy = "fp32";      // fp32 | bf16 | fp16
+  amp::MixedPrecisionPolicy mixed;  // the preset with any explicit dtype overrides applied
+  ScalerConfig scaler;
+};
+
+struct CheckpointConfig {
+  std::string dir;  // empty: no checkpoints
+  int64_t every_steps = 0;
+  int64_t keep = 2;
+  std::string resume = "auto";  // auto | never | <path>
+};
+
+struct LoggingConfig {
+  std::string level = "info";
+  int64_t every_steps = 10;
+  bool all_ranks = false;
+  std::string metrics_file;  // JSON lines; empty: none
+  bool progress_bar = true;
+};
+
+struct RunConfig {
+  std::string source;          // the file it came from
+  std::string device = "cpu";  // cpu | cuda
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+  ParallelConfig parallel;
+  PrecisionConfig precision;
+  CheckpointConfig checkpoint;
+  LoggingConfig logging;
+  std::vector<std::string> warnings;  // valid but questionable choices, for the log
+};
+
+// Loads `path`, applies `overrides` ("key.path=value"), validates. Throws ConfigError.
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+// The same from YAML text (`name` stands in for the file name in messages).
+RunConfig parse_config(const std::string& yaml_text, const std::string& name,
+                       const std::vector<std::string>& overrides = {});
+
+}  // namespace dtrain::framework

@@ -1,0 +1,177 @@
+#include "framework/config.h"
+
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+
+#include <functional>
+
+#include "core/error.h"
+
+namespace dtrain::framework {
+namespace {
+
+const char* kGood = R"(device: cpu
+model:
+  type: transformer
+  d_model: 64
+  n_heads: 4
+train:
+  steps: 10
+  batch_size: 8
+  lr: 1.0e-3
+parallel:
+  strategy: ddp
+precision:
+  policy: bf16
+)";
+
+// Expects ConfigError whose message contains every needle.
+void expect_config_error(const std::function<void()>& f, const std::vector<std::string>& needles) {
+  try {
+    f();
+    ADD_FAILURE() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    for (const auto& n : needles) {
+      EXPECT_NE(std::string(e.what()).find(n), std::string::npos)
+          << "missing '" << n << "' in: " << e.what();
+    }
+  }
+}
+
+void expect_yaml_error(const std::string& yaml, const std::vector<std::string>& needles,
+                       const std::vector<std::string>& overrides = {}) {
+  expect_config_error([&] { parse_config(yaml, "run.yaml", overrides); }, needles);
+}
+
+std::string replace(std::string s, const std::string& from, const std::string& to) {
+  auto at = s.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  return s.replace(at, from.size(), to);
+}
+
+TEST(Config, ParsesAValidConfigWithDefaults) {
+  RunConfig c = parse_config(kGood, "run.yaml");
+  EXPECT_EQ(c.model.type, "transformer");
+  EXPECT_EQ(c.model.d_model, 64);
+  EXPECT_EQ(c.train.steps, 10);
+  EXPECT_EQ(c.train.micro_batches, 1);
+  EXPECT_DOUBLE_EQ(c.train.lr, 1e-3);
+  EXPECT_EQ(c.parallel.bucket_cap_mb, 25.0);
+  EXPECT_EQ(c.precision.mixed.param_dtype, c10::kBFloat16);
+  EXPECT_EQ(c.precision.mixed.effective_reduce_dtype(), c10::kBFloat16);
+  EXPECT_FALSE(c.precision.scaler.enabled);
+}
+
+TEST(Config, ExplicitDtypesOverrideThePreset) {
+  RunConfig c = parse_config(replace(kGood, "policy: bf16", "policy: bf16\n  reduce_dtype: fp32"),
+                             "run.yaml");
+  EXPECT_EQ(c.precision.mixed.param_dtype, c10::kBFloat16);
+  EXPECT_EQ(c.precision.mixed.effective_reduce_dtype(), c10::kFloat);
+}
+
+TEST(Config, OverridesApplyAndCreateKeys) {
+  RunConfig c = parse_config(kGood, "run.yaml",
+                             {"train.lr=0.5", "train.micro_batches=2", "logging.level=debug",
+                              "precision.scaler.growth_interval=7"});
+  EXPECT_DOUBLE_EQ(c.train.lr, 0.5);
+  EXPECT_EQ(c.train.micro_batches, 2);
+  EXPECT_EQ(c.logging.level, "debug");
+  EXPECT_EQ(c.precision.scaler.growth_interval, 7);
+}
+
+TEST(ConfigError, UnknownKeyNamesPathLineAndSuggestion) {
+  expect_yaml_error(replace(kGood, "  lr: 1.0e-3", "  lr: 1.0e-3\n  learnin_rate: 2"),
+                    {"run.yaml:10:", "train.learnin_rate", "unknown key", "keys under train"});
+  expect_yaml_error(replace(kGood, "  steps: 10", "  stpes: 10\n  steps: 10"),
+                    {"run.yaml:7:", "train.stpes", "did you mean 'steps'?"});
+  expect_yaml_error(std::string(kGood) + "optimiser: {}\n",
+                    {"run.yaml:14:", "optimiser", "keys under the top level"});
+}
+
+TEST(ConfigError, WrongTypeNamesPathLineAndValue) {
+  expect_yaml_error(replace(kGood, "steps: 10", "steps: ten"),
+                    {"run.yaml:7:", "train.steps", "expected an integer, got 'ten'"});
+  expect_yaml_error(replace(kGood, "lr: 1.0e-3", "lr: fast"),
+                    {"run.yaml:9:", "train.lr", "expected a number"});
+  expect_yaml_error(replace(kGood, "strategy: ddp", "strategy: [ddp]"),
+                    {"run.yaml:11:", "parallel.strategy", "expected a string"});
+  expect_yaml_error(
+      replace(kGood, "model:\n  type: transformer\n  d_model: 64\n  n_heads: 4\n", "model: 3\n"),
+      {"run.yaml:2:", "model", "expected a mapping"});
+}
+
+TEST(ConfigError, MissingRequiredKeyNamesPathAndSectionLine) {
+  expect_yaml_error(replace(kGood, "  lr: 1.0e-3\n", ""),
+                    {"run.yaml:7:", "train.lr", "required key is missing"});
+  expect_yaml_error(replace(kGood, "  type: transformer\n", ""),
+                    {"run.yaml:3:", "model.type", "required key is missing"});
+}
+
+TEST(ConfigError, OutOfRangeValuesNamePathAndLine) {
+  expect_yaml_error(replace(kGood, "lr: 1.0e-3", "lr: -0.1"),
+                    {"run.yaml:9:", "train.lr", "must be > 0"});
+  expect_yaml_error(replace(kGood, "strategy: ddp", "strategy: ddp\n  bucket_cap_mb: 0"),
+                    {"run.yaml:12:", "parallel.bucket_cap_mb", "must be > 0"});
+  expect_yaml_error(replace(kGood, "n_heads: 4", "n_heads: 5"),
+                    {"run.yaml:5:", "model.n_heads", "divisible"});
+  expect_yaml_error(replace(kGood, "strategy: ddp", "strategy: zero3"),
+                    {"run.yaml:11:", "parallel.strategy", "expected one of none, ddp, fsdp"});
+}
+
+TEST(ConfigError, ImpossibleCombinationsNamePathAndLine) {
+  // fp16 without loss scaling underflows.
+  expect_yaml_error(replace(kGood, "policy: bf16", "policy: fp16"),
+                    {"run.yaml", "precision.scaler.enabled", "set precision.scaler.enabled: true"});
+  expect_yaml_error(replace(kGood, "policy: bf16", "policy: fp16\n  scaler:\n    enabled: false"),
+                    {"run.yaml:15:", "precision.scaler.enabled", "underflow"});
+  expect_yaml_error(replace(kGood, "policy: bf16", "policy: bf16\n  reduce_dtype: fp16"),
+                    {"run.yaml:13:", "precision.policy", "mixes fp16 and bf16"});
+  expect_yaml_error(replace(kGood, "strategy: ddp", "strategy: ddp\n  backend: nccl"),
+                    {"run.yaml:12:", "parallel.backend", "needs device: cuda"});
+  expect_yaml_error(replace(kGood, "batch_size: 8", "batch_size: 8\n  micro_batches: 3"),
+                    {"run.yaml:9:", "train.micro_batches", "divisible"});
+}
+
+TEST(Config, Bf16WithAnEnabledScalerWarns) {
+  RunConfig c = parse_config(
+      replace(kGood, "policy: bf16", "policy: bf16\n  scaler:\n    enabled: true"), "run.yaml");
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_NE(c.warnings[0].find("need no loss scaling"), std::string::npos);
+}
+
+TEST(ConfigError, OverridesAreValidatedAndNamed) {
+  expect_yaml_error(kGood, {"--set train.lr=-1", "train.lr", "must be > 0"}, {"train.lr=-1"});
+  expect_yaml_error(kGood, {"--set train.steps=ten", "expected an integer"}, {"train.steps=ten"});
+  expect_yaml_error(kGood, {"--set train.lrr=1", "train.lrr", "did you mean 'lr'?"},
+                    {"train.lrr=1"});
+  expect_yaml_error(kGood, {"--set train", "key.path=value"}, {"train"});
+  expect_yaml_error(kGood, {"--set train.lr.x=1", "not a section"}, {"train.lr.x=1"});
+}
+
+TEST(ConfigError, SyntaxErrorsAndMissingFilesAreClear) {
+  expect_yaml_error("model:\n  type: [transformer\n", {"run.yaml:", "not valid YAML"});
+  expect_config_error([] { load_config("/nonexistent/run.yaml"); },
+                      {"/nonexistent/run.yaml", "cannot be read"});
+  expect_yaml_error("", {"run.yaml", "model.type", "required key is missing"});
+}
+
+TEST(Configs, EveryShippedConfigLoadsAndValidates) {
+  int loaded = 0;
+  for (std::string dir : {"configs", "configs/tiny"}) {
+    DIR* d = ::opendir(dir.c_str());
+    ASSERT_NE(d, nullptr) << "run from the repository root (cannot open " << dir << ")";
+    while (dirent* e = ::readdir(d)) {
+      std::string name = e->d_name;
+      if (name.size() < 5 || name.substr(name.size() - 5) != ".yaml") continue;
+      SCOPED_TRACE(dir + "/" + name);
+      EXPECT_NO_THROW(load_config(dir + "/" + name));
+      ++loaded;
+    }
+    ::closedir(d);
+  }
+  EXPECT_GE(loaded, 12);  // {ddp, fsdp} x {fp32, bf16, fp16}, real and tiny
+}
+
+}  // namespace
+}  // namespace dtrain::framework
