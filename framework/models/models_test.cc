@@ -1,0 +1,64 @@
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "framework/models/mlp.h"
+#include "framework/models/transformer_lm.h"
+
+namespace dtrain::framework {
+namespace {
+
+TEST(TransformerLM, ShapesParameterCountAndTiedHead) {
+  auto o =
+      TransformerLMOptions().vocab_size(50).seq_len(16).d_model(32).n_layers(2).n_heads(4).d_ff(64);
+  TransformerLM tied(o);
+  TransformerLM untied(TransformerLMOptions(o).tie_weights(false));
+  int64_t n = 0;
+  for (const auto& p : tied->parameters()) n += p.numel();
+  EXPECT_EQ(n, transformer_lm_parameter_count(o));
+  int64_t m = 0;
+  for (const auto& p : untied->parameters()) m += p.numel();
+  EXPECT_EQ(m, n + 32 * 50);
+  at::Tensor logits = tied->forward(at::randint(0, 50, {3, 10}));
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{3, 10, 50}));
+}
+
+TEST(TransformerLM, IsCausal) {
+  at::manual_seed(0);
+  TransformerLM lm(
+      TransformerLMOptions().vocab_size(20).seq_len(8).d_model(16).n_layers(2).n_heads(2).d_ff(32));
+  at::Tensor a = at::randint(0, 20, {1, 8});
+  at::Tensor b = a.clone();
+  b[0][7] = (a[0][7].item<int64_t>() + 1) % 20;  // change only the last token
+  at::Tensor la = lm->forward(a), lb = lm->forward(b);
+  EXPECT_TRUE(at::allclose(la.narrow(1, 0, 7), lb.narrow(1, 0, 7)));
+  EXPECT_FALSE(at::allclose(la.narrow(1, 7, 1), lb.narrow(1, 7, 1)));
+}
+
+TEST(TransformerLM, LearnsToCopyAShortSequence) {
+  at::manual_seed(1);
+  TransformerLM lm(
+      TransformerLMOptions().vocab_size(8).seq_len(8).d_model(32).n_layers(1).n_heads(2).d_ff(64));
+  at::Tensor tokens = at::arange(8, at::kLong).remainder(4).unsqueeze(0).repeat({4, 1});
+  at::Tensor inputs = tokens.narrow(1, 0, 7), targets = tokens.narrow(1, 1, 7);
+  auto loss_of = [&] {
+    return at::cross_entropy_loss(lm->forward(inputs).reshape({-1, 8}), targets.reshape(-1));
+  };
+  double first = loss_of().item<double>();
+  for (int i = 0; i < 60; ++i) {
+    lm->zero_grad();
+    at::Tensor l = loss_of();
+    l.backward();
+    c10::NoGradGuard g;
+    for (auto& p : lm->parameters()) p.sub_(p.grad() * 0.05);
+  }
+  EXPECT_LT(loss_of().item<double>(), first * 0.5);
+}
+
+TEST(MLP, Shapes) {
+  MLP mlp(MLPOptions().in_features(5).hidden(7).depth(2).out_features(3));
+  EXPECT_EQ(mlp->forward(at::randn({4, 5})).sizes(), (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(mlp->parameters().size(), 6u);
+}
+
+}  // namespace
+}  // namespace dtrain::framework

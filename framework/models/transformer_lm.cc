@@ -1,0 +1,97 @@
+#include "framework/models/transformer_lm.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace dtrain::framework {
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_heads)
+    : n_heads_(n_heads) {
+  DTRAIN_CHECK_AS(ConfigError, d_model % n_heads == 0, "d_model ", d_model,
+                  " must be divisible by n_heads ", n_heads);
+  qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
+  proj = register_module("proj", torch::nn::Linear(d_model, d_model));
+}
+
+at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_heads_, D = C / H;
+  auto parts = qkv->forward(x).split(C, /*dim=*/2);
+  auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
+  at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
+  at::Tensor mask =
+      at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
+  att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  att = at::softmax(att.to(at::kFloat), -1).to(v.scalar_type());
+  at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
+  return proj->forward(y);
+}
+
+BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff) {
+  ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  attn = register_module("attn", CausalSelfAttention(d_model, n_heads));
+  ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
+  fc = register_module("fc", torch::nn::Linear(d_model, d_ff));
+  fc_proj = register_module("fc_proj", torch::nn::Linear(d_ff, d_model));
+}
+
+at::Tensor BlockImpl::forward(const at::Tensor& x) {
+  at::Tensor h = x + attn->forward(ln1->forward(x));
+  return h + fc_proj->forward(at::gelu(fc->forward(ln2->forward(h)), "tanh"));
+}
+
+TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o) {
+  tok_emb = register_module("tok_emb", torch::nn::Embedding(o.vocab_size(), o.d_model()));
+  pos_emb = register_module("pos_emb", torch::nn::Embedding(o.seq_len(), o.d_model()));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < o.n_layers(); ++i) {
+    blocks->push_back(Block(o.d_model(), o.n_heads(), o.d_ff()));
+  }
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model()})));
+  if (!o.tie_weights()) {
+    head = register_module(
+        "head",
+        torch::nn::Linear(torch::nn::LinearOptions(o.d_model(), o.vocab_size()).bias(false)));
+  }
+  // GPT-2 initialization.
+  c10::NoGradGuard no_grad;
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(o.n_layers()));
+  for (auto& p : named_parameters()) {
+    const std::string& name = p.key();
+    at::Tensor& t = p.value();
+    if (name.find("ln") != std::string::npos) continue;  // LayerNorm: ones / zeros
+    if (name.size() >= 4 && name.substr(name.size() - 4) == "bias") {
+      t.zero_();
+    } else if (name.find("attn.proj.weight") != std::string::npos ||
+               name.find("fc_proj.weight") != std::string::npos) {
+      t.normal_(0.0, residual_std);
+    } else {
+      t.normal_(0.0, 0.02);
+    }
+  }
+}
+
+at::Tensor TransformerLMImpl::forward(const at::Tensor& tokens) {
+  const int64_t T = tokens.size(1);
+  DTRAIN_CHECK_AS(UsageError, T <= options_.seq_len(), "TransformerLM: sequence of ", T,
+                  " tokens is longer than seq_len ", options_.seq_len());
+  at::Tensor pos = at::arange(T, at::TensorOptions().dtype(at::kLong).device(tokens.device()));
+  at::Tensor x = tok_emb->forward(tokens) + pos_emb->forward(pos);
+  for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
+  x = ln_f->forward(x);
+  return options_.tie_weights() ? at::linear(x, tok_emb->weight) : head->forward(x);
+}
+
+int64_t transformer_lm_parameter_count(const TransformerLMOptions& o) {
+  const int64_t d = o.d_model(), f = o.d_ff();
+  int64_t block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d);
+  int64_t total = o.vocab_size() * d + o.seq_len() * d + o.n_layers() * block + 2 * d;
+  if (!o.tie_weights()) total += d * o.vocab_size();
+  return total;
+}
+
+}  // namespace dtrain::framework

@@ -1,0 +1,75 @@
+// TransformerLM: a GPT-style decoder-only language model over byte tokens.
+//
+// token + learned position embedding -> n_layers x [x + attn(ln1(x)); x + mlp(ln2(x))]
+// -> final LayerNorm -> head. Attention is causal multi-head self-attention with an explicit
+// softmax, computed in fp32 whatever the autocast dtype (LibTorch's CPU autocast lists leave
+// softmax in its input dtype; fp32 keeps the probabilities accurate). The MLP is
+// Linear -> GELU(tanh) -> Linear. With tie_weights the head reuses the token embedding
+// (logits = x @ tok_emb^T): one parameter, registered once, so DDP and optimizers see it once.
+// No dropout: runs are deterministic for a seed. Initialization follows GPT-2: N(0, 0.02),
+// residual projections scaled by 1/sqrt(2 n_layers), zero biases.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+namespace dtrain::framework {
+
+struct TransformerLMOptions {
+  TORCH_ARG(int64_t, vocab_size) = 256;
+  TORCH_ARG(int64_t, seq_len) = 128;
+  TORCH_ARG(int64_t, d_model) = 256;
+  TORCH_ARG(int64_t, n_layers) = 4;
+  TORCH_ARG(int64_t, n_heads) = 4;
+  TORCH_ARG(int64_t, d_ff) = 1024;
+  TORCH_ARG(bool, tie_weights) = true;
+};
+
+class CausalSelfAttentionImpl : public torch::nn::Module {
+ public:
+  CausalSelfAttentionImpl(int64_t d_model, int64_t n_heads);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+
+ private:
+  int64_t n_heads_;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+class BlockImpl : public torch::nn::Module {
+ public:
+  BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff);
+  at::Tensor forward(const at::Tensor& x);
+
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  torch::nn::Linear fc{nullptr}, fc_proj{nullptr};
+};
+TORCH_MODULE(Block);
+
+class TransformerLMImpl : public torch::nn::Module {
+ public:
+  explicit TransformerLMImpl(const TransformerLMOptions& options);
+  // tokens [B, T] (int64, T <= seq_len) -> logits [B, T, vocab_size]
+  at::Tensor forward(const at::Tensor& tokens);
+
+  const TransformerLMOptions& options() const { return options_; }
+
+  torch::nn::Embedding tok_emb{nullptr}, pos_emb{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear head{nullptr};  // only when !tie_weights
+
+ private:
+  TransformerLMOptions options_;
+};
+TORCH_MODULE(TransformerLM);
+
+// Parameters of a TransformerLM with these options (for sizing configs and benchmarks).
+int64_t transformer_lm_parameter_count(const TransformerLMOptions& o);
+
+}  // namespace dtrain::framework

@@ -1,0 +1,123 @@
+// DistributedDataParallel: PyTorch's DDP for LibTorch modules.
+//
+//   auto comm = dtrain::comm::create_world();
+//   dtrain::sharding::DistributedDataParallel<TransformerLM> model(TransformerLM(opts), comm);
+//   at::Tensor logits = model.forward(tokens);  // or model(tokens)
+//   loss.backward();                           // gradients are averaged over ranks on return
+//   optimizer.step();                          // torch::optim over model.module()->parameters()
+//
+// LibTorch modules have no forward hooks, so the wrapper is typed: change the declaration,
+// keep calling forward(...) with the module's own arguments and result type. At
+// construction every rank checks it holds the same parameters (UsageError naming the first
+// mismatch) and takes rank 0's parameters and buffers. Each forward re-broadcasts buffers
+// (broadcast_buffers) and arms the gradient hooks of the Reducer (sharding/reducer.h), which
+// buckets, overlaps and averages the all-reduce.
+//
+// Gradient accumulation: forwards under `auto guard = model.no_sync();` leave gradients
+// local; the first forward+backward outside it reduces everything accumulated.
+//
+// Choices where PyTorch is silent or dtrain differs: gradient_as_bucket_view defaults to on
+// (no copy; PyTorch defaults it off); there is no "module." prefix on parameter names
+// (model.module() is the plain module); forward outputs given to find_unused_parameters may
+// be at::Tensor, std::vector<at::Tensor> or std::tuple of tensors.
+#pragma once
+
+#include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "sharding/reducer.h"
+
+namespace dtrain::sharding {
+
+namespace detail {
+
+inline void collect(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
+inline void collect(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename... Ts>
+void collect(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... x) { (collect(x, out), ...); }, t);
+}
+template <typename T>
+void collect(const T& /*other*/, std::vector<at::Tensor>& /*out*/) {}
+
+inline Reducer::NamedTensors named(const torch::OrderedDict<std::string, at::Tensor>& d) {
+  Reducer::NamedTensors out;
+  for (const auto& item : d) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+}  // namespace detail
+
+// Turns gradient synchronization off for its lifetime (gradient accumulation).
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(Reducer& r) : reducer_(&r), previous_(r.require_sync()) {
+    r.set_require_sync(false);
+  }
+  NoSyncGuard(NoSyncGuard&& other) noexcept : reducer_(other.reducer_), previous_(other.previous_) {
+    other.reducer_ = nullptr;
+  }
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+  ~NoSyncGuard() {
+    if (reducer_ != nullptr) reducer_->set_require_sync(previous_);
+  }
+
+ private:
+  Reducer* reducer_;
+  bool previous_;
+};
+
+template <typename ModuleHolder>
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(ModuleHolder module, std::shared_ptr<comm::Communicator> comm,
+                          DDPOptions options = {})
+      : module_(std::move(module)),
+        reducer_(std::make_unique<Reducer>(detail::named(module_->named_parameters()),
+                                           detail::named(module_->named_buffers()), std::move(comm),
+                                           options)) {}
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    reducer_->prepare_for_forward();
+    auto out = module_->forward(std::forward<Args>(args)...);
+    if (reducer_->require_sync() && c10::GradMode::is_enabled()) {
+      std::vector<at::Tensor> outputs;
+      detail::collect(out, outputs);
+      reducer_->prepare_for_backward(outputs);
+    }
+    return out;
+  }
+
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  // The wrapped module (PyTorch's `ddp.module`).
+  ModuleHolder& module() { return module_; }
+  const ModuleHolder& module() const { return module_; }
+  std::vector<at::Tensor> parameters() const { return module_->parameters(); }
+
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
+
+  Reducer& reducer() { return *reducer_; }
+  const ReducerStats& last_stats() const { return reducer_->last_stats(); }
+
+ private:
+  ModuleHolder module_;
+  std::unique_ptr<Reducer> reducer_;
+};
+
+}  // namespace dtrain::sharding

@@ -1,0 +1,398 @@
+// DDP on real ranks (mpirun -np 2 / -np 4, dtrain-launch + Gloo): gradients equal one
+// process's full-batch gradients; ranks stay bitwise identical; no_sync, unused parameters,
+// reduce dtypes, fp16 overflow, GradScaler skips, mismatches, buffers.
+#include "sharding/ddp.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <limits>
+
+#include "amp/grad_scaler.h"
+#include "core/error.h"
+#include "framework/models/mlp.h"
+#include "framework/models/transformer_lm.h"
+#include "tests/multirank.h"
+
+namespace dtrain::sharding {
+namespace {
+
+using dtrain::framework::MLP;
+using dtrain::framework::MLPOptions;
+using dtrain::framework::TransformerLM;
+using dtrain::framework::TransformerLMOptions;
+using dtrain::testing::world;
+using dtrain::testing::world_ptr;
+using Test = dtrain::testing::MultiRankTest;
+
+constexpr int64_t kPerRank = 4;
+
+// The global batch, identical on every rank; each rank trains on its slice.
+struct Batch {
+  at::Tensor input, target;
+  Batch slice(int64_t rank, int64_t per_rank) const {
+    return {input.narrow(0, rank * per_rank, per_rank),
+            target.narrow(0, rank * per_rank, per_rank)};
+  }
+};
+
+Batch mlp_batch(int64_t n, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return {at::randn({n, 16}, gen), at::randint(0, 5, {n}, gen)};
+}
+
+Batch lm_batch(int64_t n, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return {at::randint(0, 40, {n, 12}, gen), at::randint(0, 40, {n, 12}, gen)};
+}
+
+at::Tensor mlp_loss(const at::Tensor& logits, const at::Tensor& target) {
+  return at::cross_entropy_loss(logits, target);
+}
+
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& target) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), target.reshape(-1));
+}
+
+MLP make_mlp() {
+  at::manual_seed(7 + world().rank());  // different on purpose: DDP must broadcast rank 0's
+  return MLP(MLPOptions().in_features(16).hidden(32).depth(3).out_features(5));
+}
+
+TransformerLM make_lm() {
+  at::manual_seed(11 + world().rank());
+  return TransformerLM(
+      TransformerLMOptions().vocab_size(40).seq_len(12).d_model(32).n_layers(2).n_heads(4).d_ff(
+          64));
+}
+
+template <typename M>
+void copy_params(M& from, M& to) {
+  c10::NoGradGuard g;
+  auto src = from->parameters(), dst = to->parameters();
+  for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+}
+
+// |a - b| <= rtol (|b| + max |b|): relative to the tensor's scale, since summation order
+// differs (per-rank means averaged vs one mean) and near-zero entries have no relative sense.
+void expect_close(const at::Tensor& got, const at::Tensor& want, double rtol,
+                  const std::string& what) {
+  ASSERT_TRUE(got.defined()) << what << ": no gradient";
+  at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
+  double atol = rtol * w.abs().max().item<double>() + 1e-12;
+  at::Tensor err = (g - w).abs() - (rtol * w.abs() + atol);
+  EXPECT_LE(err.max().item<double>(), 0.0)
+      << what << ": max |diff| " << (g - w).abs().max().item<double>() << " vs max |want| "
+      << w.abs().max().item<double>();
+}
+
+// Parameter grads after one DDP backward on each rank's slice == one process on the batch.
+template <typename M, typename MakeBatch, typename Loss>
+void check_equivalence(M (*make)(), MakeBatch make_batch, Loss loss_fn, DDPOptions options,
+                       bool set_to_none) {
+  const int64_t world_size = world().size(), rank = world().rank();
+  DistributedDataParallel<M> ddp(make(), world_ptr(), options);
+  M reference = make();
+  copy_params(ddp.module(), reference);
+  for (int iteration = 0; iteration < 3; ++iteration) {  // iteration 2 runs on rebuilt buckets
+    SCOPED_TRACE(::testing::Message() << "iteration " << iteration);
+    Batch full = make_batch(world_size * kPerRank, 100 + iteration);
+    Batch mine = full.slice(rank, kPerRank);
+    ddp.module()->zero_grad(set_to_none);
+    reference->zero_grad(true);
+    loss_fn(ddp.forward(mine.input), mine.target).backward();
+    loss_fn(reference->forward(full.input), full.target).backward();
+    auto got = ddp.module()->named_parameters();
+    auto want = reference->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      expect_close(got[i].value().grad(), want[i].value().grad(), 1e-5, got[i].key());
+    }
+  }
+}
+
+struct Layout {
+  const char* name;
+  double cap_mb;
+  double first_mb;
+};
+// One bucket, several, and one per parameter.
+const Layout kLayouts[] = {
+    {"one", 1000.0, 1000.0}, {"several", 0.004, 0.002}, {"per_param", 1e-9, 1e-9}};
+
+TEST_F(Test, MlpGradientsEqualSingleProcessFullBatchForEveryBucketLayout) {
+  for (const auto& l : kLayouts) {
+    for (bool none : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << l.name << " buckets, set_to_none=" << none);
+      check_equivalence<MLP>(make_mlp, mlp_batch, mlp_loss,
+                             DDPOptions().bucket_cap_mb(l.cap_mb).first_bucket_mb(l.first_mb),
+                             none);
+    }
+  }
+}
+
+TEST_F(Test, TransformerGradientsEqualSingleProcessFullBatchForEveryBucketLayout) {
+  for (const auto& l : kLayouts) {
+    SCOPED_TRACE(l.name);
+    check_equivalence<TransformerLM>(
+        make_lm, lm_batch, lm_loss,
+        DDPOptions().bucket_cap_mb(l.cap_mb).first_bucket_mb(l.first_mb), true);
+  }
+}
+
+TEST_F(Test, BucketsFollowReverseRegistrationOrderAndSizeLimits) {
+  MLP m = make_mlp();
+  const int64_t n = static_cast<int64_t>(m->parameters().size());
+  DistributedDataParallel<MLP> one(make_mlp(), world_ptr(),
+                                   DDPOptions().bucket_cap_mb(1000).first_bucket_mb(1000));
+  EXPECT_EQ(one.reducer().bucket_indices().size(), 1u);
+  DistributedDataParallel<MLP> per(make_mlp(), world_ptr(),
+                                   DDPOptions().bucket_cap_mb(1e-9).first_bucket_mb(1e-9));
+  auto b = per.reducer().bucket_indices();
+  ASSERT_EQ(static_cast<int64_t>(b.size()), n);
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(b[i], std::vector<int64_t>{n - 1 - i});
+  DistributedDataParallel<MLP> several(make_mlp(), world_ptr(),
+                                       DDPOptions().bucket_cap_mb(0.004).first_bucket_mb(0.002));
+  auto s = several.reducer().bucket_indices();
+  EXPECT_GT(s.size(), 1u);
+  EXPECT_LT(static_cast<int64_t>(s.size()), n);
+  EXPECT_EQ(s.front().front(), n - 1) << "the last-registered parameter goes first";
+}
+
+TEST_F(Test, RanksHoldBitwiseIdenticalParametersAfterSteps) {
+  DistributedDataParallel<TransformerLM> ddp(
+      make_lm(), world_ptr(), DDPOptions().bucket_cap_mb(0.01).first_bucket_mb(0.005));
+  torch::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < 5; ++step) {
+    Batch mine = lm_batch(world().size() * kPerRank, 200 + step).slice(world().rank(), kPerRank);
+    opt.zero_grad();
+    lm_loss(ddp(mine.input), mine.target).backward();
+    opt.step();
+  }
+  std::vector<at::Tensor> flat;
+  for (const auto& p : ddp.parameters()) flat.push_back(p.detach().reshape(-1));
+  at::Tensor mine = at::cat(flat), theirs = mine.clone();
+  world().broadcast(theirs, 0).wait();
+  EXPECT_TRUE(at::equal(mine, theirs)) << "parameters diverged from rank 0's";
+  EXPECT_GT(ddp.last_stats().buckets, 1);
+  EXPECT_GT(ddp.last_stats().comm_seconds, 0.0);
+}
+
+TEST_F(Test, NoSyncOverFourMicroBatchesEqualsOneStepOnTheCombinedBatch) {
+  const int64_t world_size = world().size(), rank = world().rank();
+  DistributedDataParallel<MLP> ddp(make_mlp(), world_ptr(), DDPOptions().bucket_cap_mb(0.004));
+  MLP reference = make_mlp();
+  copy_params(ddp.module(), reference);
+  torch::optim::SGD opt(ddp.parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD ref_opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+  const int kMicro = 4;
+  std::vector<Batch> micro;
+  for (int m = 0; m < kMicro; ++m) micro.push_back(mlp_batch(world_size * kPerRank, 300 + m));
+  opt.zero_grad();
+  {
+    auto guard = ddp.no_sync();
+    for (int m = 0; m < kMicro - 1; ++m) {
+      Batch mine = micro[m].slice(rank, kPerRank);
+      (mlp_loss(ddp(mine.input), mine.target) / kMicro).backward();
+    }
+    // Still local: ranks hold different gradients.
+    at::Tensor g = ddp.module()->out->weight.grad().clone(), g0 = g.clone();
+    world().broadcast(g0, 0).wait();
+    if (rank != 0) {
+      EXPECT_FALSE(at::equal(g, g0)) << "no_sync must not synchronize";
+    }
+  }
+  Batch last = micro[kMicro - 1].slice(rank, kPerRank);
+  (mlp_loss(ddp(last.input), last.target) / kMicro).backward();
+  ref_opt.zero_grad();
+  for (int m = 0; m < kMicro; ++m) {
+    (mlp_loss(reference->forward(micro[m].input), micro[m].target) / kMicro).backward();
+  }
+  auto got = ddp.module()->named_parameters();
+  auto want = reference->named_parameters();
+  for (size_t i = 0; i < got.size(); ++i) {
+    expect_close(got[i].value().grad(), want[i].value().grad(), 1e-5, got[i].key());
+  }
+  opt.step();
+  ref_opt.step();
+  for (size_t i = 0; i < got.size(); ++i) {
+    expect_close(got[i].value().detach(), want[i].value().detach(), 1e-5, got[i].key());
+  }
+}
+
+// `extra` is used only when the input says so, and `dead` never.
+class BranchyImpl : public torch::nn::Module {
+ public:
+  BranchyImpl() {
+    body = register_module("body", torch::nn::Linear(6, 4));
+    extra = register_module("extra", torch::nn::Linear(6, 4));
+    dead = register_module("dead", torch::nn::Linear(6, 4));
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_extra) {
+    at::Tensor y = body->forward(x);
+    return use_extra ? y + extra->forward(x) : y;
+  }
+  torch::nn::Linear body{nullptr}, extra{nullptr}, dead{nullptr};
+};
+TORCH_MODULE(Branchy);
+
+Branchy make_branchy() {
+  at::manual_seed(5);
+  return Branchy();
+}
+
+TEST_F(Test, FindUnusedParametersHandlesLocallyAndGloballyUnusedParameters) {
+  const int64_t world_size = world().size(), rank = world().rank();
+  DistributedDataParallel<Branchy> ddp(
+      make_branchy(), world_ptr(), DDPOptions().find_unused_parameters(true).bucket_cap_mb(1e-9));
+  Branchy reference = make_branchy();
+  copy_params(ddp.module(), reference);
+  for (int iteration = 0; iteration < 2; ++iteration) {
+    Batch full = mlp_batch(world_size * kPerRank, 400 + iteration);
+    ddp.module()->zero_grad();
+    reference->zero_grad();
+    // Only rank 0 uses `extra`; nobody uses `dead`.
+    at::Tensor x = full.input.narrow(1, 0, 6);
+    at::Tensor mine = x.narrow(0, rank * kPerRank, kPerRank);
+    ddp.forward(mine, rank == 0).pow(2).mean().backward();
+    at::Tensor ref = reference->forward(x, false);
+    at::Tensor ref_extra = reference->extra->forward(x.narrow(0, 0, kPerRank));
+    // Reference: mean over ranks of each rank's own loss.
+    at::Tensor total = at::zeros({});
+    for (int64_t r = 0; r < world_size; ++r) {
+      at::Tensor y = ref.narrow(0, r * kPerRank, kPerRank);
+      if (r == 0) y = y + ref_extra;
+      total = total + y.pow(2).mean();
+    }
+    (total / world_size).backward();
+    expect_close(ddp.module()->body->weight.grad(), reference->body->weight.grad(), 1e-5, "body");
+    expect_close(ddp.module()->extra->weight.grad(), reference->extra->weight.grad(), 1e-5,
+                 "extra");
+    EXPECT_FALSE(ddp.module()->dead->weight.grad().defined())
+        << "a parameter no rank used keeps no gradient, as in PyTorch";
+  }
+}
+
+TEST_F(Test, UnusedParameterWithoutFindUnusedRaisesNamingItAtTheNextForward) {
+  DistributedDataParallel<Branchy> ddp(make_branchy(), world_ptr(),
+                                       DDPOptions().bucket_cap_mb(1e-9));
+  at::Tensor x = at::randn({kPerRank, 6});
+  ddp.forward(x, true).sum().backward();  // `dead` got no gradient
+  try {
+    ddp.forward(x, true);
+    FAIL() << "no error for an unused parameter";
+  } catch (const UsageError& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("dead.weight"), std::string::npos) << what;
+    EXPECT_NE(what.find("find_unused_parameters"), std::string::npos) << what;
+  }
+}
+
+// 16-bit reduce dtypes: within a stated tolerance of the fp32 reduction.
+TEST_F(Test, Bf16AndFp16ReduceDtypesStayWithinToleranceOfFp32) {
+  for (auto [dtype, rtol] : {std::pair<c10::ScalarType, double>{at::kBFloat16, 2e-2},
+                             std::pair<c10::ScalarType, double>{at::kHalf, 2e-3}}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    DistributedDataParallel<TransformerLM> fp32(make_lm(), world_ptr(), DDPOptions());
+    DistributedDataParallel<TransformerLM> low(make_lm(), world_ptr(),
+                                               DDPOptions().reduce_dtype(dtype));
+    Batch mine = lm_batch(world().size() * kPerRank, 500).slice(world().rank(), kPerRank);
+    lm_loss(fp32(mine.input), mine.target).backward();
+    lm_loss(low(mine.input), mine.target).backward();
+    auto a = fp32.module()->named_parameters(), b = low.module()->named_parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_EQ(b[i].value().grad().scalar_type(), at::kFloat) << "gradients return to fp32";
+      expect_close(b[i].value().grad(), a[i].value().grad(), rtol, b[i].key());
+    }
+  }
+}
+
+class WeightedSumImpl : public torch::nn::Module {
+ public:
+  WeightedSumImpl() { w = register_parameter("w", at::ones({8})); }
+  at::Tensor forward(const at::Tensor& x) { return (w * x).sum(); }
+  at::Tensor w;
+};
+TORCH_MODULE(WeightedSum);
+
+TEST_F(Test, Fp16ReduceOfValuesNearMaxOverWorldDoesNotOverflow) {
+  // Every rank's gradient is 1.5 x 65504 / world: summed undivided it would reach 1.5 x the
+  // fp16 maximum and become inf.
+  const double v = 1.5 * 65504.0 / world().size();
+  DistributedDataParallel<WeightedSum> ddp(WeightedSum(), world_ptr(),
+                                           DDPOptions().reduce_dtype(at::kHalf));
+  ddp(at::full({8}, v)).backward();
+  at::Tensor g = ddp.module()->w.grad();
+  EXPECT_TRUE(at::isfinite(g).all().item<bool>()) << g;
+  expect_close(g, at::full({8}, v), 1e-3, "w");
+}
+
+TEST_F(Test, GradScalerSkipsOnEveryRankWhenOneRankProducesInf) {
+  DistributedDataParallel<MLP> ddp(make_mlp(), world_ptr(), DDPOptions().bucket_cap_mb(0.004));
+  torch::optim::SGD opt(ddp.parameters(), torch::optim::SGDOptions(0.1));
+  amp::GradScaler scaler(amp::GradScalerOptions().init_scale(256.0).growth_interval(2));
+  for (int step = 0; step < 5; ++step) {
+    Batch mine = mlp_batch(world().size() * kPerRank, 600 + step).slice(world().rank(), kPerRank);
+    opt.zero_grad();
+    at::Tensor loss = mlp_loss(ddp(mine.input), mine.target);
+    if (step == 2 && world().rank() == world().size() - 1) {
+      loss = loss * std::numeric_limits<float>::infinity();
+    }
+    scaler.scale(loss).backward();
+    EXPECT_EQ(scaler.step(opt), step != 2) << "step " << step;
+    scaler.update();
+    at::Tensor s = at::full({1}, scaler.get_scale(), at::kDouble), s0 = s.clone();
+    world().broadcast(s0, 0).wait();
+    EXPECT_EQ(s.item<double>(), s0.item<double>())
+        << "scale differs from rank 0's at step " << step;
+  }
+}
+
+TEST_F(Test, MismatchedParametersRaiseNamingTheFirstDifference) {
+  at::manual_seed(3);
+  MLP m(
+      MLPOptions().in_features(16).hidden(world().rank() == 0 ? 32 : 33).depth(2).out_features(5));
+  try {
+    DistributedDataParallel<MLP> ddp(m, world_ptr());
+    FAIL() << "mismatched models accepted";
+  } catch (const UsageError& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("layers.0.weight"), std::string::npos) << what;
+    EXPECT_NE(what.find("on rank 1"), std::string::npos) << what;
+    EXPECT_NE(what.find("[32, 16]"), std::string::npos) << what;
+  }
+}
+
+class WithBufferImpl : public torch::nn::Module {
+ public:
+  WithBufferImpl() {
+    lin = register_module("lin", torch::nn::Linear(3, 3));
+    stat = register_buffer("stat", at::zeros({2}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return lin->forward(x) + stat.sum(); }
+  torch::nn::Linear lin{nullptr};
+  at::Tensor stat;
+};
+TORCH_MODULE(WithBuffer);
+
+TEST_F(Test, ParametersAndBuffersComeFromRankZero) {
+  at::manual_seed(100 + world().rank());
+  WithBuffer m;
+  m->stat.fill_(world().rank() + 1);
+  DistributedDataParallel<WithBuffer> ddp(m, world_ptr());
+  EXPECT_EQ(ddp.module()->stat[0].item<float>(), 1.0f) << "construction broadcasts buffers";
+  at::Tensor w = ddp.module()->lin->weight.detach().clone(), w0 = w.clone();
+  world().broadcast(w0, 0).wait();
+  EXPECT_TRUE(at::equal(w, w0));
+  ddp.module()->stat.fill_(world().rank() + 10);
+  ddp(at::ones({1, 3}));
+  EXPECT_EQ(ddp.module()->stat[1].item<float>(), 10.0f) << "each forward broadcasts buffers";
+}
+
+}  // namespace
+}  // namespace dtrain::sharding
+
+int main(int argc, char** argv) { return dtrain::testing::multirank_main(argc, argv); }

@@ -1,0 +1,471 @@
+#include "sharding/reducer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <chrono>
+#include <map>
+#include <sstream>
+#include <unordered_set>
+
+#include "amp/numerics.h"
+#include "comm/types.h"
+#include "core/error.h"
+#include "core/logging.h"
+
+namespace dtrain::sharding {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+bool is_16bit(c10::ScalarType t) { return t == c10::kHalf || t == c10::kBFloat16; }
+
+// FSDP's gradient pre-divide factor: doubles while world % f == 0 and world / f > f.
+int64_t predivide_factor(int64_t world) {
+  int64_t f = 1;
+  while (world % f == 0 && world / f > f) f *= 2;
+  return f;
+}
+
+// A tensor shaped like `param` over flat[offset, offset + numel): it shares the bucket's
+// storage but is not an autograd view, because LibTorch's Optimizer::zero_grad() calls
+// detach_() on every gradient and autograd refuses detach_() on views.
+at::Tensor bucket_slot(const at::Tensor& flat, int64_t offset, const at::Tensor& param) {
+  at::Tensor t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), flat.storage_offset() + offset, param.sizes(),
+         param.is_contiguous() ? at::IntArrayRef(c10::contiguous_strides(param.sizes()))
+                               : param.strides());
+  return t;
+}
+
+std::string shape_string(const std::vector<int64_t>& sig, size_t& at) {
+  int64_t ndim = sig[at++];
+  std::ostringstream os;
+  os << "[";
+  for (int64_t d = 0; d < ndim; ++d) os << (d ? ", " : "") << sig[at++];
+  os << "] " << comm::dtype_name(static_cast<c10::ScalarType>(sig[at++]));
+  os << (sig[at++] ? "" : " (frozen)");
+  return os.str();
+}
+
+}  // namespace
+
+Reducer::Reducer(NamedTensors params, NamedTensors buffers,
+                 std::shared_ptr<comm::Communicator> comm, DDPOptions options)
+    : params_(std::move(params)),
+      buffers_(std::move(buffers)),
+      comm_(std::move(comm)),
+      options_(options) {
+  DTRAIN_CHECK_AS(UsageError, comm_ != nullptr, "DDP needs a communicator");
+  DTRAIN_CHECK_AS(UsageError, options_.bucket_cap_mb() > 0, "DDP: bucket_cap_mb must be > 0, got ",
+                  options_.bucket_cap_mb());
+  DTRAIN_CHECK_AS(UsageError, options_.first_bucket_mb() > 0,
+                  "DDP: first_bucket_mb must be > 0, got ", options_.first_bucket_mb());
+  if (options_.reduce_dtype()) {
+    DTRAIN_CHECK_AS(UsageError, c10::isFloatingType(*options_.reduce_dtype()),
+                    "DDP: reduce_dtype must be a floating dtype, got ", *options_.reduce_dtype());
+  }
+  verify_same_parameters();
+  sync_module_states();
+  std::vector<int64_t> order;
+  for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
+    if (params_[i].second.requires_grad()) order.push_back(i);
+  }
+  DTRAIN_CHECK_AS(UsageError, !order.empty(),
+                  "DDP: the module has no parameter that requires grad; there is nothing to "
+                  "synchronize");
+  where_.assign(params_.size(), Location{});
+  ready_.assign(params_.size(), false);
+  local_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+  build_buckets(order);
+  register_hooks();
+}
+
+Reducer::~Reducer() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    if (accumulators_[i]) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+// Every rank must hold the same parameters, in the same order, with the same shapes.
+void Reducer::verify_same_parameters() {
+  std::vector<int64_t> sig{static_cast<int64_t>(params_.size())};
+  for (const auto& [name, p] : params_) {
+    sig.push_back(p.dim());
+    for (int64_t s : p.sizes()) sig.push_back(s);
+    sig.push_back(static_cast<int64_t>(p.scalar_type()));
+    sig.push_back(p.requires_grad() ? 1 : 0);
+  }
+  const int world = comm_->size();
+  at::Tensor len = at::full({1}, static_cast<int64_t>(sig.size()), at::kLong);
+  comm_->all_reduce(len, comm::ReduceOp::kMax).wait();
+  const int64_t width = len.item<int64_t>();
+  at::Tensor mine = at::full({width}, -1, at::kLong);
+  std::copy(sig.begin(), sig.end(), mine.data_ptr<int64_t>());
+  at::Tensor all = at::empty({world * width}, at::kLong);
+  comm_->all_gather(mine, all).wait();
+  const int64_t* base = all.data_ptr<int64_t>();
+  std::vector<int64_t> ref(base, base + width);  // rank 0's
+  for (int r = 1; r < world; ++r) {
+    std::vector<int64_t> other(base + r * width, base + (r + 1) * width);
+    if (other == ref) continue;
+    size_t a = 1, b = 1;
+    for (int64_t i = 0; i < std::min(ref[0], other[0]); ++i) {
+      std::string s0 = shape_string(ref, a), sr = shape_string(other, b);
+      DTRAIN_CHECK_AS(UsageError, s0 == sr, "DDP: parameter #", i, " ('", params_[i].first,
+                      "' on this rank) is ", sr, " on rank ", r, " but ", s0,
+                      " on rank 0. Every rank must build the same model.");
+    }
+    DTRAIN_FAIL(UsageError, "DDP: rank ", r, " has ", other[0], " parameters but rank 0 has ",
+                ref[0], ". Every rank must build the same model.");
+  }
+}
+
+void Reducer::broadcast_flat(const std::vector<at::Tensor>& tensors) {
+  if (comm_->size() == 1 || tensors.empty()) return;
+  c10::NoGradGuard no_grad;
+  // One broadcast per dtype/device, in first-seen order (identical on every rank).
+  std::vector<std::pair<std::string, std::vector<at::Tensor>>> groups;
+  for (const auto& t : tensors) {
+    std::string key = t.device().str() + "/" + c10::toString(t.scalar_type());
+    auto it = std::find_if(groups.begin(), groups.end(), [&](auto& g) { return g.first == key; });
+    if (it == groups.end()) {
+      groups.push_back({key, {}});
+      it = groups.end() - 1;
+    }
+    it->second.push_back(t);
+  }
+  for (auto& [key, group] : groups) {
+    std::vector<at::Tensor> flat_parts;
+    for (const auto& t : group) flat_parts.push_back(t.detach().reshape({-1}));
+    at::Tensor flat = at::cat(flat_parts);
+    comm_->broadcast(flat, 0).wait();
+    int64_t off = 0;
+    for (auto& t : group) {
+      t.detach().copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+  }
+}
+
+void Reducer::sync_module_states() {
+  std::vector<at::Tensor> tensors;
+  for (const auto& [name, p] : params_) tensors.push_back(p);
+  for (const auto& [name, b] : buffers_) tensors.push_back(b);
+  broadcast_flat(tensors);
+}
+
+void Reducer::build_buckets(const std::vector<int64_t>& order) {
+  c10::NoGradGuard no_grad;
+  const double mb = 1024.0 * 1024.0;
+  const int64_t world = comm_->size();
+  // Greedy by size, per dtype/device: close a bucket once it reaches its limit.
+  struct Open {
+    std::vector<int64_t> params;
+    int64_t bytes = 0;
+    bool first = true;
+  };
+  std::map<std::string, Open> open;
+  std::vector<std::vector<int64_t>> assignment;
+  for (int64_t i : order) {
+    const at::Tensor& p = params_[i].second;
+    std::string key = p.device().str() + "/" + c10::toString(p.scalar_type());
+    Open& o = open[key];
+    o.params.push_back(i);
+    o.bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    double limit = (o.first ? options_.first_bucket_mb() : options_.bucket_cap_mb()) * mb;
+    if (o.bytes >= limit) {
+      assignment.push_back(std::move(o.params));
+      o.params.clear();
+      o.bytes = 0;
+      o.first = false;
+    }
+  }
+  for (auto& [key, o] : open) {
+    if (!o.params.empty()) assignment.push_back(std::move(o.params));
+  }
+
+  std::vector<Bucket> buckets;
+  for (size_t bi = 0; bi < assignment.size(); ++bi) {
+    Bucket b;
+    b.params = assignment[bi];
+    const at::Tensor& first = params_[b.params.front()].second;
+    int64_t total = 0;
+    for (int64_t i : b.params) {
+      b.offsets.push_back(total);
+      total += params_[i].second.numel();
+    }
+    b.contents = at::zeros({total}, first.options());
+    c10::ScalarType reduce = options_.reduce_dtype().value_or(first.scalar_type());
+    b.comm_buffer = reduce == first.scalar_type()
+                        ? b.contents
+                        : at::empty({total}, first.options().dtype(reduce));
+    for (size_t s = 0; s < b.params.size(); ++s) {
+      at::Tensor& p = params_[b.params[s]].second;
+      at::Tensor view = bucket_slot(b.contents, b.offsets[s], p);
+      b.views.push_back(view);
+      where_[b.params[s]] = Location{static_cast<int64_t>(bi), static_cast<int64_t>(s)};
+      // Keep accumulated gradients (a rebuild between accumulation steps).
+      at::Tensor& grad = p.mutable_grad();
+      if (grad.defined()) {
+        view.copy_(grad);
+        if (options_.gradient_as_bucket_view()) grad = view;
+      }
+    }
+    b.pending = static_cast<int64_t>(b.params.size());
+    buckets.push_back(std::move(b));
+  }
+  buckets_ = std::move(buckets);
+  // Averaging split (see reducer.h).
+  c10::ScalarType reduce =
+      options_.reduce_dtype().value_or(params_[order.front()].second.scalar_type());
+  pre_divide_ = is_16bit(reduce) ? predivide_factor(world) : world;
+  post_divide_ = world / pre_divide_;
+  std::ostringstream os;
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    os << (bi ? ", " : "") << buckets_[bi].params.size() << " params/"
+       << logging::fixed(buckets_[bi].contents.numel() * buckets_[bi].contents.element_size() / mb,
+                         2)
+       << " MB";
+  }
+  logging::debug("DDP: ", buckets_.size(), " buckets (", os.str(), "), reduce dtype ",
+                 comm::dtype_name(reduce), ", divide by ", pre_divide_, " before and ",
+                 post_divide_, " after");
+}
+
+void Reducer::register_hooks() {
+  accumulators_.assign(params_.size(), nullptr);
+  hook_keys_.assign(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i].second;
+    if (!p.requires_grad()) continue;
+    // The autograd graph keeps only a weak reference to the accumulator: hold it, or a new
+    // one (without our hook) would be created for the next graph.
+    auto acc = torch::autograd::impl::grad_accumulator(p);
+    const int64_t index = static_cast<int64_t>(i);
+    hook_keys_[i] = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, index](const torch::autograd::variable_list& outputs,
+                      const torch::autograd::variable_list& /*inputs*/) {
+          autograd_hook(index);
+          return outputs;
+        }));
+    accumulators_[i] = std::move(acc);
+  }
+}
+
+void Reducer::autograd_hook(int64_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (options_.find_unused_parameters()) local_used_.data_ptr<int>()[index] = 1;
+  if (!expect_hooks_) return;  // no_sync, or a forward that did not go through DDP
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+  }
+  if (!marked_unused_) {
+    marked_unused_ = true;
+    for (int64_t u : unused_) mark_ready(u, /*from_hook=*/false);
+  }
+  mark_ready(index, /*from_hook=*/true);
+}
+
+void Reducer::mark_ready(int64_t index, bool from_hook) {
+  const std::string& name = params_[index].first;
+  DTRAIN_CHECK_AS(UsageError, !ready_[index], "DDP: parameter '", name,
+                  "' received its gradient twice in one iteration. Run backward once per DDP "
+                  "forward (wrap extra backward passes in no_sync()), and do not share a "
+                  "parameter between reentrant checkpointed regions.");
+  ready_[index] = true;
+  if (from_hook && !rebuilt_) ready_order_.push_back(index);
+  const Location loc = where_[index];
+  Bucket& b = buckets_[loc.bucket];
+  at::Tensor& view = b.views[loc.slot];
+  at::Tensor& grad = params_[index].second.mutable_grad();
+  c10::NoGradGuard no_grad;
+  if (grad.defined()) {
+    if (!grad.is_alias_of(view)) {
+      view.copy_(grad);
+      if (options_.gradient_as_bucket_view()) grad = view;
+    }
+  } else {
+    view.zero_();  // unused here: contributes nothing to the average
+  }
+  if (--b.pending == 0) launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
+  // Strictly in bucket order, so every rank issues the same collectives in the same order.
+  while (next_bucket_ < static_cast<int64_t>(buckets_.size()) &&
+         buckets_[next_bucket_].pending == 0) {
+    Bucket& b = buckets_[next_bucket_++];
+    if (pre_divide_ != 1) b.contents.div_(pre_divide_);
+    if (!b.comm_buffer.is_same(b.contents)) b.comm_buffer.copy_(b.contents);
+    b.work = comm_->all_reduce(b.comm_buffer, comm::ReduceOp::kSum);
+    b.launched = true;
+  }
+}
+
+void Reducer::finalize_backward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  callback_queued_ = false;
+  c10::NoGradGuard no_grad;
+  ReducerStats stats;
+  auto t0 = Clock::now();
+  for (auto& b : buckets_) {
+    if (b.launched && !b.finished) b.work.wait();
+  }
+  stats.exposed_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  at::Tensor global_used;
+  if (options_.find_unused_parameters()) {
+    global_used = local_used_.clone();
+    comm_->all_reduce(global_used, comm::ReduceOp::kMax).wait();
+    local_used_.zero_();
+  }
+  bool all_done = true;
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    if (!b.launched) {
+      all_done = false;
+      continue;
+    }
+    if (b.finished) continue;
+    if (!b.comm_buffer.is_same(b.contents)) b.contents.copy_(b.comm_buffer);
+    if (post_divide_ != 1) b.contents.div_(post_divide_);
+    for (size_t s = 0; s < b.params.size(); ++s) {
+      at::Tensor& p = params_[b.params[s]].second;
+      at::Tensor& grad = p.mutable_grad();
+      const bool globally_used =
+          !global_used.defined() || global_used.data_ptr<int>()[b.params[s]] != 0;
+      if (!grad.defined()) {
+        // Unused on this rank: takes the others' average, unless nobody used it (then it
+        // keeps no gradient, as in PyTorch, so the optimizer leaves it alone).
+        if (globally_used) {
+          grad = options_.gradient_as_bucket_view() ? b.views[s] : b.views[s].clone();
+        }
+      } else if (!grad.is_alias_of(b.views[s])) {
+        grad.copy_(b.views[s]);
+      }
+    }
+    if (options_.monitor() != nullptr) {
+      options_.monitor()->record("ddp.bucket" + std::to_string(bi) + ".grad", b.contents);
+    }
+    stats.comm_seconds += b.work.busy_seconds();
+    ++stats.buckets;
+    b.finished = true;
+  }
+  stats_ = stats;
+  if (all_done) {
+    expect_hooks_ = false;
+    unfinished_ = false;
+    if (options_.rebuild_buckets() && !options_.find_unused_parameters() && !rebuilt_) {
+      rebuild_due_ = true;
+    }
+  } else {
+    unfinished_ = true;  // reported by the next forward (another backward may still come)
+  }
+}
+
+void Reducer::reset_iteration() {
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (auto& b : buckets_) {
+    b.pending = static_cast<int64_t>(b.params.size());
+    b.launched = false;
+    b.finished = false;
+    b.work = comm::Work();
+  }
+  next_bucket_ = 0;
+  marked_unused_ = false;
+  callback_queued_ = false;
+  unused_.clear();
+}
+
+std::vector<int64_t> Reducer::find_unused(const std::vector<at::Tensor>& outputs) const {
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& out : outputs) {
+    if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function) stack.push_back(edge.function.get());
+    }
+  }
+  std::vector<int64_t> unused;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (accumulators_[i] && seen.count(accumulators_[i].get()) == 0) {
+      unused.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return unused;
+}
+
+void Reducer::rebuild_buckets() {
+  // Rank 0's arrival order, so every rank builds identical buckets.
+  std::vector<int64_t> order = ready_order_;
+  std::vector<bool> seen(params_.size(), false);
+  for (int64_t i : order) seen[i] = true;
+  for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
+    if (!seen[i] && params_[i].second.requires_grad()) order.push_back(i);
+  }
+  at::Tensor t = at::tensor(order, at::kLong);
+  comm_->broadcast(t, 0).wait();
+  std::vector<int64_t> agreed(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+  build_buckets(agreed);
+  rebuilt_ = true;
+  rebuild_due_ = false;
+  ready_order_.clear();
+}
+
+void Reducer::prepare_for_forward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (unfinished_) {
+    std::ostringstream names;
+    int64_t count = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!accumulators_[i] || ready_[i]) continue;
+      if (count < 10) names << (count ? ", " : "") << params_[i].first;
+      ++count;
+    }
+    DTRAIN_FAIL(UsageError, "DDP: the previous iteration's backward produced no gradient for ",
+                count, " parameter(s): ", names.str(), count > 10 ? ", ..." : "",
+                ". They did not take part in computing the loss, so their gradients were never "
+                "reduced. Construct DDP with find_unused_parameters(true) (config: "
+                "parallel.find_unused_parameters: true), or make every parameter contribute "
+                "to the loss.");
+  }
+  if (rebuild_due_) rebuild_buckets();
+  if (options_.broadcast_buffers() && !buffers_.empty()) {
+    std::vector<at::Tensor> b;
+    for (const auto& [name, t] : buffers_) b.push_back(t);
+    broadcast_flat(b);
+  }
+}
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  reset_iteration();
+  if (!rebuilt_) ready_order_.clear();
+  expect_hooks_ = true;
+  if (options_.find_unused_parameters()) {
+    DTRAIN_CHECK_AS(UsageError, !outputs.empty(),
+                    "DDP: find_unused_parameters needs the forward's output tensors; return "
+                    "at::Tensor, std::vector<at::Tensor> or a std::tuple of tensors from "
+                    "forward()");
+    unused_ = find_unused(outputs);
+  }
+}
+
+std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& b : buckets_) out.push_back(b.params);
+  return out;
+}
+
+}  // namespace dtrain::sharding

@@ -1,0 +1,165 @@
+// Reducer: the gradient machinery of DistributedDataParallel (sharding/ddp.h), after
+// PyTorch's c10d Reducer.
+//
+// Parameters are grouped into buckets in reverse registration order (the order gradients
+// usually become ready in backward): the first bucket closes at first_bucket_mb (1 MB), the
+// others at bucket_cap_mb (25 MB), and a bucket never mixes dtypes or devices. Each bucket
+// owns one flat buffer; with gradient_as_bucket_view every parameter's .grad is a view into
+// it, so gradients are accumulated, reduced and stepped without a copy.
+//
+// A post-hook on each parameter's gradient accumulator marks it ready. When a bucket's last
+// gradient arrives the bucket is launched at once, asynchronously, in bucket order (ranks
+// must issue collectives in the same order) — so communication overlaps the rest of
+// backward. An end-of-backward callback waits for the buckets and writes averaged gradients
+// back before backward() returns.
+//
+// Averaging: fp32/fp64 buckets are divided by the world size before the all-reduce, as
+// PyTorch's DDP does. Buckets reduced in a 16-bit reduce_dtype use FSDP's split instead:
+// divide by f before (f starts at 1 and doubles while world % f == 0 and world / f > f) and
+// by world / f after, so fp16 sums neither overflow nor underflow. The division happens in
+// the gradient's own dtype before the cast to reduce_dtype. inf/NaN survive the reduction, so
+// every rank's GradScaler reaches the same verdict.
+//
+// Ownership and threads: the Reducer owns the bucket buffers; parameters are owned by the
+// module. Hooks run on the thread that runs backward (CPU) and mark_ready takes a mutex; the
+// collectives run on the communicator's own thread.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/communicator.h"
+
+namespace torch::autograd {
+class Node;
+}
+
+namespace dtrain::amp {
+class NumericsMonitor;
+}
+
+namespace dtrain::sharding {
+
+// A named pointer type: TORCH_ARG pastes its type after `const`.
+using MonitorPtr = amp::NumericsMonitor*;
+
+struct DDPOptions {
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  TORCH_ARG(double, first_bucket_mb) = 1.0;
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  TORCH_ARG(bool, gradient_as_bucket_view) = true;
+  // Rebuild buckets once, after the first iteration, in the order gradients arrived there
+  // (rank 0's order, broadcast). Not with find_unused_parameters, as in PyTorch.
+  TORCH_ARG(bool, rebuild_buckets) = true;
+  // Dtype gradients travel in; unset: the gradient's own dtype.
+  TORCH_ARG(std::optional<c10::ScalarType>, reduce_dtype) = std::nullopt;
+  // When set and enabled, records each bucket's reduced gradients ("ddp.bucket<i>.grad").
+  TORCH_ARG(MonitorPtr, monitor) = nullptr;
+};
+
+// Per-iteration timing of the gradient reduction (the last completed backward).
+struct ReducerStats {
+  int64_t buckets = 0;
+  double comm_seconds = 0;     // sum of the collectives' execution times
+  double exposed_seconds = 0;  // time backward waited for them at its end
+  // Share of communication hidden behind backward compute, in [0, 1].
+  double hidden_fraction() const {
+    return comm_seconds > 0 ? std::max(0.0, 1.0 - exposed_seconds / comm_seconds) : 1.0;
+  }
+};
+
+class Reducer {
+ public:
+  using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+  // Checks that every rank holds the same parameters (throws UsageError naming the first
+  // mismatch), broadcasts parameters and buffers from rank 0, builds buckets and hooks.
+  Reducer(NamedTensors params, NamedTensors buffers, std::shared_ptr<comm::Communicator> comm,
+          DDPOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Before the module's forward: reports a previous iteration that left gradients
+  // unreduced, rebuilds buckets once if due, broadcasts buffers.
+  void prepare_for_forward();
+  // After the module's forward, when gradients are to be synchronized: arms the hooks and,
+  // with find_unused_parameters, finds the parameters `outputs` do not depend on.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  bool require_sync() const { return require_sync_; }
+  void set_require_sync(bool on) { require_sync_ = on; }
+
+  const ReducerStats& last_stats() const { return stats_; }
+  // Parameter indices of each bucket, in launch order.
+  std::vector<std::vector<int64_t>> bucket_indices() const;
+  const comm::Communicator& communicator() const { return *comm_; }
+
+ private:
+  struct Bucket {
+    std::vector<int64_t> params;  // indices into params_
+    std::vector<int64_t> offsets;
+    at::Tensor contents;            // flat, the parameters' dtype and device
+    at::Tensor comm_buffer;         // contents, or a reduce_dtype copy
+    std::vector<at::Tensor> views;  // per parameter, shaped like it
+    int64_t pending = 0;
+    bool launched = false;
+    bool finished = false;
+    comm::Work work;
+  };
+  struct Location {
+    int64_t bucket = -1;
+    int64_t slot = -1;
+  };
+
+  void verify_same_parameters();
+  void sync_module_states();
+  void broadcast_flat(const std::vector<at::Tensor>& tensors);
+  void build_buckets(const std::vector<int64_t>& order);
+  void register_hooks();
+  void autograd_hook(int64_t index);
+  void mark_ready(int64_t index, bool from_hook);
+  void launch_ready_buckets();
+  void finalize_backward();
+  void reset_iteration();
+  std::vector<int64_t> find_unused(const std::vector<at::Tensor>& outputs) const;
+  void rebuild_buckets();
+
+  NamedTensors params_;
+  NamedTensors buffers_;
+  std::shared_ptr<comm::Communicator> comm_;
+  DDPOptions options_;
+  int64_t pre_divide_ = 1;
+  int64_t post_divide_ = 1;
+
+  std::vector<Bucket> buckets_;
+  std::vector<Location> where_;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  std::mutex mu_;
+  bool require_sync_ = true;
+  bool expect_hooks_ = false;  // between a syncing forward and the end of its backward
+  bool callback_queued_ = false;
+  bool marked_unused_ = false;
+  int64_t next_bucket_ = 0;
+  std::vector<bool> ready_;           // marked this iteration
+  std::vector<int64_t> unused_;       // found by prepare_for_backward
+  at::Tensor local_used_;             // int32 per parameter: a hook fired since the last sync
+  bool unfinished_ = false;           // the last backward left buckets unreduced
+  std::vector<int64_t> ready_order_;  // first syncing iteration, for the rebuild
+  bool rebuild_due_ = false;
+  bool rebuilt_ = false;
+  ReducerStats stats_;
+};
+
+}  // namespace dtrain::sharding
