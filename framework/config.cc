@@ -329,6 +329,7 @@ void read_logging(Section s, LoggingConfig& l) {
   s.read("all_ranks", l.all_ranks);
   s.read("metrics_file", l.metrics_file);
   s.read("progress_bar", l.progress_bar);
+  s.read("numerics", l.numerics);
   s.check(l.every_steps >= 1, "every_steps", "must be >= 1");
   s.finish();
 }

@@ -94,6 +94,7 @@ struct LoggingConfig {
   bool all_ranks = false;
   std::string metrics_file;  // JSON lines; empty: none
   bool progress_bar = true;
+  bool numerics = false;  // per-unit numerics monitor (amp/numerics.h), reported on skipped steps
 };
 
 struct RunConfig {

@@ -1,0 +1,305 @@
+#include "framework/trainer.h"
+
+#include <ATen/ATen.h>
+#include <sys/resource.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+
+#include "amp/autocast.h"
+#include "amp/grad_scaler.h"
+#include "amp/numerics.h"
+#include "core/error.h"
+#include "core/logging.h"
+#include "framework/data.h"
+#include "framework/models/mlp.h"
+#include "framework/models/transformer_lm.h"
+#include "sharding/clip_grad.h"
+#include "sharding/ddp.h"
+
+namespace dtrain::framework {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double peak_rss_mb() {
+  rusage r{};
+  getrusage(RUSAGE_SELF, &r);
+  return r.ru_maxrss / 1024.0;
+}
+
+double lr_at(const TrainConfig& t, int64_t step) {
+  if (t.warmup_steps > 0 && step < t.warmup_steps) {
+    return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
+  }
+  double span = std::max<int64_t>(1, t.steps - t.warmup_steps);
+  double progress = std::min(1.0, static_cast<double>(step - t.warmup_steps) / span);
+  return t.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
+std::string progress_bar(int64_t done, int64_t total, int width = 30) {
+  int filled = static_cast<int>(width * done / std::max<int64_t>(1, total));
+  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "] " +
+         std::to_string(done) + "/" + std::to_string(total);
+}
+
+// The model behind a uniform forward and loss, with or without DDP.
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual at::Tensor loss(const Batch& b) = 0;
+  virtual std::vector<at::Tensor> parameters() = 0;
+  virtual std::optional<sharding::NoSyncGuard> no_sync() = 0;
+  virtual const sharding::ReducerStats* stats() const = 0;
+};
+
+at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
+}
+
+template <typename M>
+class Wrapped : public Model {
+ public:
+  Wrapped(M module, std::shared_ptr<comm::Communicator> comm, const RunConfig& c,
+          amp::NumericsMonitor* monitor)
+      : monitor_(monitor) {
+    if (comm && c.parallel.strategy == "ddp") {
+      sharding::DDPOptions o;
+      o.bucket_cap_mb(c.parallel.bucket_cap_mb)
+          .find_unused_parameters(c.parallel.find_unused_parameters)
+          .broadcast_buffers(c.parallel.broadcast_buffers)
+          .reduce_dtype(c.precision.mixed.effective_reduce_dtype())
+          .monitor(monitor);
+      ddp_.emplace(std::move(module), std::move(comm), o);
+    } else {
+      plain_ = std::move(module);
+    }
+  }
+
+  at::Tensor loss(const Batch& b) override {
+    at::Tensor out = ddp_ ? ddp_->forward(b.inputs) : plain_->forward(b.inputs);
+    if (monitor_ != nullptr) monitor_->record("model.output", out);
+    return out.dim() == 3 ? lm_loss(out, b.targets) : at::cross_entropy_loss(out, b.targets);
+  }
+  std::vector<at::Tensor> parameters() override {
+    return ddp_ ? ddp_->parameters() : plain_->parameters();
+  }
+  std::optional<sharding::NoSyncGuard> no_sync() override {
+    if (!ddp_) return std::nullopt;
+    return ddp_->no_sync();
+  }
+  const sharding::ReducerStats* stats() const override {
+    return ddp_ ? &ddp_->last_stats() : nullptr;
+  }
+
+ private:
+  amp::NumericsMonitor* monitor_;
+  std::optional<sharding::DistributedDataParallel<M>> ddp_;
+  M plain_{nullptr};
+};
+
+double mean_over_ranks(comm::Communicator* comm, double v) {
+  if (comm == nullptr || comm->size() == 1) return v;
+  at::Tensor t = at::full({1}, v, at::kDouble);
+  comm->all_reduce(t, comm::ReduceOp::kAvg).wait();
+  return t.item<double>();
+}
+
+void check_supported(const RunConfig& c, const comm::Communicator* comm) {
+  DTRAIN_CHECK_AS(ConfigError, c.parallel.strategy != "fsdp", c.source,
+                  ": parallel.strategy: fsdp is not available in this version of dtrain yet "
+                  "(the FSDP capability is still open); use ddp or none");
+  DTRAIN_CHECK_AS(ConfigError, c.checkpoint.dir.empty(), c.source,
+                  ": checkpoint.dir: checkpointing is not available in this version of dtrain "
+                  "yet; leave checkpoint.dir unset");
+  DTRAIN_CHECK_AS(ConfigError,
+                  c.parallel.strategy != "none" || comm == nullptr || comm->size() == 1, c.source,
+                  ": parallel.strategy: none trains one process, but this job has ",
+                  comm ? comm->size() : 1, " ranks; use ddp");
+  DTRAIN_CHECK_AS(ConfigError, c.device == "cpu" || at::hasCUDA(), c.source,
+                  ": device: cuda, but this LibTorch has no CUDA device; use device: cpu");
+}
+
+}  // namespace
+
+TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) {
+  check_supported(c, comm.get());
+  const int rank = comm ? comm->rank() : 0;
+  const int world = comm ? comm->size() : 1;
+  const c10::DeviceType device = c.device == "cuda" ? c10::kCUDA : c10::kCPU;
+  for (const auto& w : c.warnings) logging::warn(c.source, ": ", w);
+
+  at::manual_seed(static_cast<uint64_t>(c.train.seed));  // identical init; DDP broadcasts anyway
+  amp::NumericsMonitor monitor(c.logging.numerics);
+  std::unique_ptr<Model> model;
+  std::unique_ptr<BatchSource> data;
+  const int64_t micro_batch = c.train.batch_size / c.train.micro_batches;
+  const uint64_t data_seed = static_cast<uint64_t>(c.data.seed);
+  if (c.model.type == "transformer") {
+    auto o = TransformerLMOptions()
+                 .vocab_size(c.model.vocab_size)
+                 .seq_len(c.model.seq_len)
+                 .d_model(c.model.d_model)
+                 .n_layers(c.model.n_layers)
+                 .n_heads(c.model.n_heads)
+                 .d_ff(c.model.d_ff)
+                 .tie_weights(c.model.tie_weights);
+    TransformerLM lm(o);
+    lm->to(device);
+    logging::info("model: TransformerLM, ", transformer_lm_parameter_count(o) / 1e6,
+                  "M parameters");
+    model = std::make_unique<Wrapped<TransformerLM>>(lm, comm, c, &monitor);
+    if (c.data.source == "corpus") {
+      DTRAIN_CHECK_AS(ConfigError, c.model.vocab_size >= 256, c.source,
+                      ": model.vocab_size must be >= 256 for the byte corpus");
+      data = std::make_unique<ByteCorpusSource>(c.data.path, c.model.seq_len, micro_batch, world,
+                                                rank, data_seed);
+    } else {
+      data = std::make_unique<SyntheticLMSource>(c.model.vocab_size, c.model.seq_len, micro_batch,
+                                                 rank, data_seed);
+    }
+  } else {
+    MLP mlp(MLPOptions()
+                .in_features(c.model.in_features)
+                .hidden(c.model.hidden)
+                .depth(c.model.depth)
+                .out_features(c.model.out_features));
+    mlp->to(device);
+    model = std::make_unique<Wrapped<MLP>>(mlp, comm, c, &monitor);
+    data = std::make_unique<SyntheticClassificationSource>(
+        c.model.in_features, c.model.out_features, micro_batch, rank, data_seed);
+  }
+
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (c.train.optimizer == "adamw") {
+    opt = std::make_unique<torch::optim::AdamW>(
+        model->parameters(),
+        torch::optim::AdamWOptions(c.train.lr).weight_decay(c.train.weight_decay));
+  } else {
+    opt = std::make_unique<torch::optim::SGD>(model->parameters(),
+                                              torch::optim::SGDOptions(c.train.lr)
+                                                  .momentum(c.train.momentum)
+                                                  .weight_decay(c.train.weight_decay));
+  }
+  const auto& sc = c.precision.scaler;
+  amp::GradScaler scaler(amp::GradScalerOptions()
+                             .init_scale(sc.init_scale)
+                             .growth_factor(sc.growth_factor)
+                             .backoff_factor(sc.backoff_factor)
+                             .growth_interval(sc.growth_interval)
+                             .enabled(sc.enabled));
+  const bool autocast = c.precision.mixed.is_low_precision();
+  const c10::ScalarType compute = c.precision.mixed.param_dtype;
+  logging::info("run: ", c.source, ", ", world, " rank(s), strategy ", c.parallel.strategy,
+                comm ? ", backend " + comm->backend() : std::string(), ", precision ",
+                c.precision.policy, " ", c.precision.mixed.to_string(), ", loss scaling ",
+                sc.enabled ? "on" : "off");
+
+  std::ofstream metrics;
+  if (rank == 0 && !c.logging.metrics_file.empty()) {
+    auto parent = std::filesystem::path(c.logging.metrics_file).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent);
+    metrics.open(c.logging.metrics_file, std::ios::trunc);
+    DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(metrics), c.source,
+                    ": logging.metrics_file: cannot write '", c.logging.metrics_file, "'");
+  }
+  const bool tty = rank == 0 && c.logging.progress_bar && ::isatty(2);
+
+  TrainResult result;
+  double window_loss = 0, window_time = 0;
+  int64_t window_steps = 0;
+  bool first_logged = false;
+  for (int64_t step = 0; step < c.train.steps; ++step) {
+    auto t0 = Clock::now();
+    monitor.begin_step(step);
+    const double lr = lr_at(c.train, step);
+    for (auto& g : opt->param_groups()) g.options().set_lr(lr);
+    opt->zero_grad(/*set_to_none=*/true);
+    double loss_sum = 0;
+    for (int64_t m = 0; m < c.train.micro_batches; ++m) {
+      Batch b = data->next(step, m);
+      b.inputs = b.inputs.to(device);
+      b.targets = b.targets.to(device);
+      std::optional<sharding::NoSyncGuard> local =
+          m + 1 < c.train.micro_batches ? model->no_sync() : std::nullopt;
+      at::Tensor loss;
+      {
+        amp::AutocastGuard ac(
+            device, autocast ? std::optional<c10::ScalarType>(compute) : std::nullopt, autocast);
+        loss = model->loss(b) / static_cast<double>(c.train.micro_batches);
+      }
+      scaler.scale(loss).backward();
+      loss_sum += loss.item<double>();
+    }
+    scaler.unscale_(*opt);
+    std::vector<at::Tensor> params = model->parameters();
+    double grad_norm = sharding::clip_grad_norm_(
+        params, c.train.clip_grad_norm > 0 ? c.train.clip_grad_norm
+                                           : std::numeric_limits<double>::infinity());
+    const double scale_used = scaler.get_scale();
+    bool stepped = scaler.step(*opt);
+    scaler.update();
+    monitor.record_scale(step, scaler.get_scale());
+    if (!stepped) {
+      ++result.skipped_steps;
+      logging::warn("step ", step + 1, ": inf/NaN gradients, step skipped; loss scale ", scale_used,
+                    " -> ", scaler.get_scale());
+      if (monitor.enabled()) logging::warn(monitor.report());
+    }
+    double step_time = std::chrono::duration<double>(Clock::now() - t0).count();
+    window_loss += loss_sum;
+    window_time += step_time;
+    ++window_steps;
+    const bool last = step + 1 == c.train.steps;
+    if ((step + 1) % c.logging.every_steps == 0 || last || step == 0) {
+      double loss = mean_over_ranks(comm.get(), window_loss / window_steps);
+      if (!first_logged) {
+        result.first_loss = loss;
+        first_logged = true;
+      }
+      result.last_loss = loss;
+      double avg_time = window_time / window_steps;
+      double tokens_per_s = world * c.train.batch_size * data->items_per_sample() / avg_time;
+      const sharding::ReducerStats* rs = model->stats();
+      logging::info("step ", step + 1, "/", c.train.steps, " loss ", logging::fixed(loss, 4),
+                    " scale ", scaler.get_scale(), " grad_norm ", logging::fixed(grad_norm, 3),
+                    " skipped ", result.skipped_steps, " lr ", lr, " tokens/s ",
+                    logging::fixed(tokens_per_s, 0), " step ", logging::fixed(avg_time * 1000, 1),
+                    " ms",
+                    rs ? " comm hidden " + logging::fixed(100 * rs->hidden_fraction(), 0) + "%"
+                       : std::string(),
+                    " peak_rss ", logging::fixed(peak_rss_mb(), 0), " MB",
+                    tty ? "" : "  " + progress_bar(step + 1, c.train.steps));
+      if (metrics) {
+        char line[512];
+        std::snprintf(line, sizeof(line),
+                      "{\"step\":%lld,\"loss\":%.6f,\"scale\":%.6g,\"grad_norm\":%.6g,"
+                      "\"skipped\":%lld,\"lr\":%.6g,\"tokens_per_s\":%.1f,\"step_time_s\":%.6f,"
+                      "\"comm_hidden\":%.4f,\"peak_rss_mb\":%.1f}\n",
+                      static_cast<long long>(step + 1), loss, scaler.get_scale(), grad_norm,
+                      static_cast<long long>(result.skipped_steps), lr, tokens_per_s, avg_time,
+                      rs ? rs->hidden_fraction() : 1.0, peak_rss_mb());
+        metrics << line << std::flush;
+      }
+      window_loss = window_time = 0;
+      window_steps = 0;
+    }
+    if (tty) std::fprintf(stderr, "\r%s ", progress_bar(step + 1, c.train.steps).c_str());
+  }
+  if (tty) std::fprintf(stderr, "\n");
+  result.steps = c.train.steps;
+  result.final_scale = scaler.get_scale();
+  logging::info("done: ", result.steps, " steps, loss ", logging::fixed(result.first_loss, 4),
+                " -> ", logging::fixed(result.last_loss, 4), ", ", result.skipped_steps,
+                " skipped");
+  return result;
+}
+
+}  // namespace dtrain::framework
