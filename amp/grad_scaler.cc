@@ -74,8 +74,6 @@ PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
     at::Tensor& f = on(found, device, found_master);
     at::_amp_foreach_non_finite_check_and_unscale_(list, f, on(inv, device, inv_scale));
   }
-  // A rank or optimizer without gradients still reports (a zero flag) on the scale's device.
-  if (found.empty()) found.emplace(scale_.device(), found_master);
   return found;
 }
 
@@ -89,7 +87,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
                   "unscale_() is being called after step().");
   at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   state.found_inf_per_device = unscale_grads(optimizer, inv_scale);
-  sync_found_inf(state.found_inf_per_device);
+  sync_found_inf(state.found_inf_per_device, scale_);
   state.stage = Stage::kUnscaled;
 }
 

@@ -98,8 +98,9 @@ class GradScaler {
   // ShardedGradScaler: accept fp16 gradients.
   virtual bool allow_fp16_grads() const { return false; }
   // ShardedGradScaler: make found-inf agree across ranks (called after every unscale_).
-  // `found` maps device to a 1-element fp32 flag; it holds at least the scale's device.
-  virtual void sync_found_inf(PerDevice& /*found*/) {}
+  // `found` maps device to a 1-element fp32 flag; it is empty when the optimizer had no
+  // gradient (the plain scaler then refuses to step, as PyTorch does).
+  virtual void sync_found_inf(PerDevice& /*found*/, const at::Tensor& /*scale*/) {}
   // ShardedGradScaler: cast the scaled output back to the input's dtype.
   virtual at::Tensor finish_scale(const at::Tensor& scaled, const at::Tensor& /*input*/) {
     return scaled;

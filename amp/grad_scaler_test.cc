@@ -161,6 +161,13 @@ TEST(GradScaler, ScaleLivesOnTheOutputsDeviceAndKeepsBf16LossDtypeRules) {
   EXPECT_EQ(both[1][1].item<float>(), 4.0f);
 }
 
+TEST(GradScaler, RefusesToStepAnOptimizerWithoutGradientsAsPyTorchDoes) {
+  Fixture f;
+  GradScaler s;
+  s.scale(f.loss());  // no backward: no gradient
+  expect_usage_error([&] { s.step(f.opt); }, "No inf checks were recorded for this optimizer.");
+}
+
 TEST(GradScaler, RejectsBadFactors) {
   expect_usage_error([] { GradScaler(GradScalerOptions().growth_factor(1.0)); },
                      "The growth factor must be > 1.0.");

@@ -24,7 +24,7 @@ class ShardedGradScaler : public GradScaler {
 
  protected:
   bool allow_fp16_grads() const override { return true; }
-  void sync_found_inf(PerDevice& found) override;
+  void sync_found_inf(PerDevice& found, const at::Tensor& scale) override;
   at::Tensor finish_scale(const at::Tensor& scaled, const at::Tensor& input) override;
 
  private:

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "comm/mpi_raw.h"
 #include "comm/staging.h"
 #include "comm/worker.h"
 #include "core/error.h"
@@ -66,9 +67,9 @@ class MpiRuntime {
       case c10::kDouble:
         return MPI_DOUBLE;
       case c10::kHalf:
-        return half_;
+        return handles_.half;
       case c10::kBFloat16:
-        return bf16_;
+        return handles_.bf16;
       case c10::kInt:
         return MPI_INT32_T;
       case c10::kLong:
@@ -82,8 +83,8 @@ class MpiRuntime {
 
   MPI_Op op(c10::ScalarType t, ReduceOp op) const {
     int i = op == ReduceOp::kMax ? 1 : op == ReduceOp::kMin ? 2 : 0;  // AVG is SUM then divide
-    if (t == c10::kHalf) return half_ops_[i];
-    if (t == c10::kBFloat16) return bf16_ops_[i];
+    if (t == c10::kHalf) return handles_.half_ops[i];
+    if (t == c10::kBFloat16) return handles_.bf16_ops[i];
     return i == 1 ? MPI_MAX : i == 2 ? MPI_MIN : MPI_SUM;
   }
 
@@ -99,7 +100,8 @@ class MpiRuntime {
     // After a timeout the worker may be blocked in a collective a peer never joined; then
     // MPI_Finalize cannot run and the launcher or mpirun ends the job. If a late peer freed
     // it, finalize as usual.
-    worker_.post([this] { finalize(); });
+    // Values, not `this`: a detached worker may run this after the runtime is gone.
+    worker_.post([h = handles_, owns = owns_mpi_]() mutable { finalize(h, owns); });
     worker_.shutdown(abandoned_ ? std::chrono::seconds(2) : std::chrono::seconds(60));
   }
 
@@ -119,37 +121,42 @@ class MpiRuntime {
       DTRAIN_MPI(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));
       owns_mpi_ = true;
     }
-    DTRAIN_MPI(MPI_Type_contiguous(2, MPI_BYTE, &half_));
-    DTRAIN_MPI(MPI_Type_commit(&half_));
-    DTRAIN_MPI(MPI_Type_contiguous(2, MPI_BYTE, &bf16_));
-    DTRAIN_MPI(MPI_Type_commit(&bf16_));
-    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Sum>, 1, &half_ops_[0]));
-    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Max>, 1, &half_ops_[1]));
-    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Min>, 1, &half_ops_[2]));
-    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Sum>, 1, &bf16_ops_[0]));
-    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Max>, 1, &bf16_ops_[1]));
-    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Min>, 1, &bf16_ops_[2]));
+    Handles& h = handles_;
+    DTRAIN_MPI(MPI_Type_contiguous(2, MPI_BYTE, &h.half));
+    DTRAIN_MPI(MPI_Type_commit(&h.half));
+    DTRAIN_MPI(MPI_Type_contiguous(2, MPI_BYTE, &h.bf16));
+    DTRAIN_MPI(MPI_Type_commit(&h.bf16));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Sum>, 1, &h.half_ops[0]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Max>, 1, &h.half_ops[1]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Min>, 1, &h.half_ops[2]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Sum>, 1, &h.bf16_ops[0]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Max>, 1, &h.bf16_ops[1]));
+    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Min>, 1, &h.bf16_ops[2]));
   }
 
-  void finalize() {
+  struct Handles {
+    MPI_Datatype half = MPI_DATATYPE_NULL, bf16 = MPI_DATATYPE_NULL;
+    MPI_Op half_ops[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+    MPI_Op bf16_ops[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  };
+
+  static void finalize(Handles& h, bool owns_mpi) {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
-    for (MPI_Op* op : {&half_ops_[0], &half_ops_[1], &half_ops_[2], &bf16_ops_[0], &bf16_ops_[1],
-                       &bf16_ops_[2]}) {
-      MPI_Op_free(op);
+    for (int i = 0; i < 3; ++i) {
+      MPI_Op_free(&h.half_ops[i]);
+      MPI_Op_free(&h.bf16_ops[i]);
     }
-    MPI_Type_free(&half_);
-    MPI_Type_free(&bf16_);
-    if (owns_mpi_) MPI_Finalize();
+    MPI_Type_free(&h.half);
+    MPI_Type_free(&h.bf16);
+    if (owns_mpi) MPI_Finalize();
   }
 
   OrderedWorker worker_;
   bool owns_mpi_ = false;
   std::atomic<bool> abandoned_{false};
-  MPI_Datatype half_ = MPI_DATATYPE_NULL, bf16_ = MPI_DATATYPE_NULL;
-  MPI_Op half_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
-  MPI_Op bf16_ops_[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+  Handles handles_;
 };
 
 constexpr int64_t kMaxCount = INT_MAX;
@@ -163,7 +170,11 @@ class MpiCommunicator : public Communicator {
   ~MpiCommunicator() override {
     if (is_broken()) return;  // the worker may be stuck in this communicator
     MPI_Comm comm = comm_;
-    MpiRuntime::get().worker().post([comm]() mutable { MPI_Comm_free(&comm); });
+    try {
+      MpiRuntime::get().worker().post([comm]() mutable { MPI_Comm_free(&comm); });
+    } catch (const std::exception&) {
+      // The runtime already shut down (destroyed at exit): MPI_Finalize freed it.
+    }
   }
 
   std::string backend() const override { return "mpi"; }
@@ -292,5 +303,9 @@ std::shared_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout) 
 }
 
 void run_on_mpi_thread(const std::function<void()>& fn) { MpiRuntime::get().worker().run_sync(fn); }
+
+MPI_Datatype mpi_datatype(c10::ScalarType dtype) { return MpiRuntime::get().datatype(dtype); }
+
+MPI_Op mpi_op(c10::ScalarType dtype, ReduceOp op) { return MpiRuntime::get().op(dtype, op); }
 
 }  // namespace dtrain::comm

@@ -3,6 +3,8 @@
 #include <exception>
 #include <future>
 
+#include "core/error.h"
+
 namespace dtrain::comm {
 
 OrderedWorker::OrderedWorker()
@@ -13,6 +15,9 @@ OrderedWorker::~OrderedWorker() { shutdown(std::chrono::hours(24 * 365)); }
 void OrderedWorker::post(std::function<void()> task) {
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
+    DTRAIN_CHECK_AS(CommError, !shared_->stop,
+                    "a communicator's worker thread was used after it shut down (at process "
+                    "exit?); create communicators before, and use them while, the program runs");
     shared_->queue.push_back(std::move(task));
   }
   shared_->cv.notify_one();

@@ -24,6 +24,7 @@ class OrderedWorker {
   OrderedWorker(const OrderedWorker&) = delete;
   OrderedWorker& operator=(const OrderedWorker&) = delete;
 
+  // Throws CommError after shutdown(): the task would never run.
   void post(std::function<void()> task);
 
   // Runs `task` on the worker and waits for it (for setup calls that must be serialized

@@ -73,7 +73,12 @@ int main(int argc, char** argv) {
     dtrain::comm::CommOptions co;
     co.backend = dtrain::comm::parse_backend(config.parallel.backend);
     co.device = config.device == "cuda" ? c10::kCUDA : c10::kCPU;
-    co.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.parallel.timeout_s * 1000));
+    // DTRAIN_COMM_TIMEOUT_S, when set, wins over parallel.timeout_s (like DTRAIN_LOG_LEVEL):
+    // an operator's knob that needs no config edit.
+    if (std::getenv("DTRAIN_COMM_TIMEOUT_S") == nullptr) {
+      co.timeout =
+          std::chrono::milliseconds(static_cast<int64_t>(config.parallel.timeout_s * 1000));
+    }
     auto info = dtrain::comm::detect_rank_info(co.rendezvous);
     dtrain::logging::configure(info.rank, {config.logging.level, config.logging.all_ranks});
     std::shared_ptr<dtrain::comm::Communicator> comm;

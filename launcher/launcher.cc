@@ -27,8 +27,19 @@ using Clock = std::chrono::steady_clock;
 int g_signal_pipe[2] = {-1, -1};
 
 void on_signal(int sig) {
+  int saved = errno;
   unsigned char s = static_cast<unsigned char>(sig);
   [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &s, 1);
+  errno = saved;
+}
+
+// The signals the launcher forwards; blocked around fork() so a just-forked rank never runs
+// the launcher's handler.
+sigset_t forwarded_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
+  return set;
 }
 
 int to_int(const std::string& flag, const std::string& value) {
@@ -134,22 +145,23 @@ pid_t spawn(const LaunchOptions& o, Rank& r, int restart_count, int port) {
     env["OMP_NUM_THREADS"] = "1";
   }
   pid_t launcher_pid = ::getpid();
+  sigset_t block = forwarded_signals(), previous;
+  ::sigprocmask(SIG_BLOCK, &block, &previous);
   pid_t pid = ::fork();
+  if (pid != 0) ::sigprocmask(SIG_SETMASK, &previous, nullptr);
   DTRAIN_CHECK(pid >= 0, "dtrain-launch: fork() failed: ", std::strerror(errno));
   if (pid == 0) {
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != launcher_pid) ::_exit(127);
-    ::signal(SIGINT, SIG_DFL);
-    ::signal(SIGTERM, SIG_DFL);
-    ::signal(SIGHUP, SIG_DFL);
-    ::signal(SIGPIPE, SIG_DFL);
-    ::dup2(out[1], 1);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
+    ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+    // Ranks run in their own process groups, outside the terminal's foreground group: a
+    // read from the terminal would stop them (SIGTTIN). They get no stdin.
+    int devnull = ::open("/dev/null", O_RDONLY);
+    if (devnull >= 0) ::dup2(devnull, 0);
+    ::dup2(out[1], 1);  // dup2 clears O_CLOEXEC on the copies
     ::dup2(err[1], 2);
-    ::close(out[0]);
-    ::close(out[1]);
-    ::close(err[0]);
-    ::close(err[1]);
     for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
     std::vector<char*> argv;
     for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
@@ -187,6 +199,7 @@ struct Result {
   Outcome outcome = Outcome::kSuccess;
   int code = 0;
   int failed_rank = -1;
+  bool interrupted = false;  // the launcher was signalled: never restart
 };
 
 // Runs one attempt of the whole group.
@@ -286,6 +299,7 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
           if (result.outcome != Outcome::kRankFailed) {
             result = {Outcome::kInterrupted, 128 + sig, -1};
           }
+          result.interrupted = true;
           start_termination(sig);
         }
         continue;
@@ -375,7 +389,7 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
 }
 
 int run(const LaunchOptions& options) {
-  DTRAIN_CHECK(::pipe(g_signal_pipe) == 0, "dtrain-launch: pipe() failed");
+  DTRAIN_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC) == 0, "dtrain-launch: pipe() failed");
   ::fcntl(g_signal_pipe[0], F_SETFL, O_NONBLOCK);
   ::fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK);
   struct sigaction sa {};
@@ -388,7 +402,7 @@ int run(const LaunchOptions& options) {
     int port = options.master_port == 0 ? free_port(options.master_addr) : options.master_port;
     Result r = run_group(options, attempt, port);
     if (r.outcome == Outcome::kSuccess) return 0;
-    if (r.outcome == Outcome::kInterrupted) return r.code;
+    if (r.outcome == Outcome::kInterrupted || r.interrupted) return r.code;
     if (attempt >= options.max_restarts) {
       if (options.max_restarts > 0) {
         std::cerr << "[dtrain-launch] giving up after " << options.max_restarts << " restart(s)"

@@ -16,6 +16,10 @@
 // Gradient accumulation: forwards under `auto guard = model.no_sync();` leave gradients
 // local; the first forward+backward outside it reduces everything accumulated.
 //
+// As in PyTorch, every forward broadcasts buffers (when the module has any and
+// broadcast_buffers is on), so all ranks must run it: evaluate on one rank through
+// model.module(), not through the wrapper.
+//
 // Choices where PyTorch is silent or dtrain differs: gradient_as_bucket_view defaults to on
 // (no copy; PyTorch defaults it off); there is no "module." prefix on parameter names
 // (model.module() is the plain module); forward outputs given to find_unused_parameters may
@@ -90,9 +94,10 @@ class DistributedDataParallel {
 
   template <typename... Args>
   auto forward(Args&&... args) {
-    reducer_->prepare_for_forward();
+    const bool will_sync = reducer_->require_sync() && c10::GradMode::is_enabled();
+    reducer_->prepare_for_forward(will_sync);
     auto out = module_->forward(std::forward<Args>(args)...);
-    if (reducer_->require_sync() && c10::GradMode::is_enabled()) {
+    if (will_sync) {
       std::vector<at::Tensor> outputs;
       detail::collect(out, outputs);
       reducer_->prepare_for_backward(outputs);

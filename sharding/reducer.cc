@@ -87,6 +87,7 @@ Reducer::Reducer(NamedTensors params, NamedTensors buffers,
 }
 
 Reducer::~Reducer() {
+  drain_in_flight();
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     if (accumulators_[i]) accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
@@ -117,9 +118,11 @@ void Reducer::verify_same_parameters() {
     size_t a = 1, b = 1;
     for (int64_t i = 0; i < std::min(ref[0], other[0]); ++i) {
       std::string s0 = shape_string(ref, a), sr = shape_string(other, b);
-      DTRAIN_CHECK_AS(UsageError, s0 == sr, "DDP: parameter #", i, " ('", params_[i].first,
-                      "' on this rank) is ", sr, " on rank ", r, " but ", s0,
-                      " on rank 0. Every rank must build the same model.");
+      std::string here = i < static_cast<int64_t>(params_.size())
+                             ? " ('" + params_[i].first + "' on this rank)"
+                             : std::string();
+      DTRAIN_CHECK_AS(UsageError, s0 == sr, "DDP: parameter #", i, here, " is ", sr, " on rank ", r,
+                      " but ", s0, " on rank 0. Every rank must build the same model.");
     }
     DTRAIN_FAIL(UsageError, "DDP: rank ", r, " has ", other[0], " parameters but rank 0 has ",
                 ref[0], ". Every rank must build the same model.");
@@ -225,7 +228,7 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
   c10::ScalarType reduce =
       options_.reduce_dtype().value_or(params_[order.front()].second.scalar_type());
   pre_divide_ = is_16bit(reduce) ? predivide_factor(world) : world;
-  post_divide_ = world / pre_divide_;
+  post_divide_ = static_cast<double>(world) / static_cast<double>(pre_divide_);
   std::ostringstream os;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     os << (bi ? ", " : "") << buckets_[bi].params.size() << " params/"
@@ -286,10 +289,20 @@ void Reducer::mark_ready(int64_t index, bool from_hook) {
   at::Tensor& view = b.views[loc.slot];
   at::Tensor& grad = params_[index].second.mutable_grad();
   c10::NoGradGuard no_grad;
+  // Averaging happens here, fused with the copy into the bucket (one pass, as PyTorch's
+  // mul_out), so launching a bucket needs no extra pass over it.
   if (grad.defined()) {
     if (!grad.is_alias_of(view)) {
-      view.copy_(grad);
+      if (pre_divide_ != 1) {
+        at::mul_out(view, grad,
+                    at::scalar_tensor(1.0 / static_cast<double>(pre_divide_),
+                                      grad.options().device(c10::kCPU)));
+      } else {
+        view.copy_(grad);
+      }
       if (options_.gradient_as_bucket_view()) grad = view;
+    } else if (pre_divide_ != 1) {
+      view.div_(pre_divide_);
     }
   } else {
     view.zero_();  // unused here: contributes nothing to the average
@@ -302,7 +315,6 @@ void Reducer::launch_ready_buckets() {
   while (next_bucket_ < static_cast<int64_t>(buckets_.size()) &&
          buckets_[next_bucket_].pending == 0) {
     Bucket& b = buckets_[next_bucket_++];
-    if (pre_divide_ != 1) b.contents.div_(pre_divide_);
     if (!b.comm_buffer.is_same(b.contents)) b.comm_buffer.copy_(b.contents);
     b.work = comm_->all_reduce(b.comm_buffer, comm::ReduceOp::kSum);
     b.launched = true;
@@ -369,7 +381,21 @@ void Reducer::finalize_backward() {
   }
 }
 
+void Reducer::drain_in_flight() noexcept {
+  for (auto& b : buckets_) {
+    if (!b.launched || b.finished) continue;
+    try {
+      b.work.wait();
+    } catch (const std::exception& e) {
+      logging::warn("DDP: a gradient all-reduce left behind by an aborted backward failed: ",
+                    e.what());
+    }
+    b.finished = true;
+  }
+}
+
 void Reducer::reset_iteration() {
+  drain_in_flight();
   std::fill(ready_.begin(), ready_.end(), false);
   for (auto& b : buckets_) {
     b.pending = static_cast<int64_t>(b.params.size());
@@ -423,7 +449,7 @@ void Reducer::rebuild_buckets() {
   ready_order_.clear();
 }
 
-void Reducer::prepare_for_forward() {
+void Reducer::prepare_for_forward(bool will_sync) {
   std::lock_guard<std::mutex> lock(mu_);
   if (unfinished_) {
     std::ostringstream names;
@@ -440,7 +466,10 @@ void Reducer::prepare_for_forward() {
                 "parallel.find_unused_parameters: true), or make every parameter contribute "
                 "to the loss.");
   }
-  if (rebuild_due_) rebuild_buckets();
+  if (rebuild_due_ && will_sync) {
+    drain_in_flight();
+    rebuild_buckets();
+  }
   if (options_.broadcast_buffers() && !buffers_.empty()) {
     std::vector<at::Tensor> b;
     for (const auto& [name, t] : buffers_) b.push_back(t);

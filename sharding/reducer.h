@@ -90,8 +90,9 @@ class Reducer {
   Reducer& operator=(const Reducer&) = delete;
 
   // Before the module's forward: reports a previous iteration that left gradients
-  // unreduced, rebuilds buckets once if due, broadcasts buffers.
-  void prepare_for_forward();
+  // unreduced, broadcasts buffers, and — only in a forward that will synchronize
+  // gradients (`will_sync`), so that every rank takes part — rebuilds buckets once if due.
+  void prepare_for_forward(bool will_sync);
   // After the module's forward, when gradients are to be synchronized: arms the hooks and,
   // with find_unused_parameters, finds the parameters `outputs` do not depend on.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
@@ -131,6 +132,9 @@ class Reducer {
   void launch_ready_buckets();
   void finalize_backward();
   void reset_iteration();
+  // Waits for collectives launched by a backward that threw before its end-of-backward
+  // callback, so their results never land in buffers a new iteration is using.
+  void drain_in_flight() noexcept;
   std::vector<int64_t> find_unused(const std::vector<at::Tensor>& outputs) const;
   void rebuild_buckets();
 
@@ -139,7 +143,7 @@ class Reducer {
   std::shared_ptr<comm::Communicator> comm_;
   DDPOptions options_;
   int64_t pre_divide_ = 1;
-  int64_t post_divide_ = 1;
+  double post_divide_ = 1;  // world / pre_divide_: not an integer for world 3, 5, 6, ...
 
   std::vector<Bucket> buckets_;
   std::vector<Location> where_;

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""PyTorch's own DDP (Gloo) on the TransformerLM of ddp_bench: the reference dtrain must match.
+
+Run under dtrain-launch (or torchrun), one process per rank:
+    dtrain-launch --nproc-per-node 2 -- .venv/bin/python bench/reference/ddp_reference.py
+Same step as bench/ddp_bench.cc: zero_grad -> forward -> cross-entropy -> backward -> AdamW.
+Prints one JSON line on rank 0.
+"""
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from model import TransformerLM
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for name, default in [("steps", 8), ("warmup", 2), ("d-model", 512), ("layers", 6), ("heads", 8),
+                          ("d-ff", 2048), ("seq", 64), ("batch", 4)]:
+        ap.add_argument("--" + name, type=int, default=default)
+    ap.add_argument("--bucket-cap-mb", type=float, default=25)
+    a = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    vocab = 256
+    model = TransformerLM(vocab, a.seq, a.d_model, a.layers, a.heads, a.d_ff)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=a.bucket_cap_mb, gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    steps, backwards = [], []
+    for s in range(a.warmup + a.steps):
+        x = torch.randint(0, vocab, (a.batch, a.seq), generator=gen)
+        y = torch.randint(0, vocab, (a.batch, a.seq), generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
+        tb = time.perf_counter()
+        loss.backward()
+        te = time.perf_counter()
+        opt.step()
+        t1 = time.perf_counter()
+        if s >= a.warmup:
+            steps.append(t1 - t0)
+            backwards.append(te - tb)
+    if rank == 0:
+        print(json.dumps({"impl": "pytorch", "backend": "gloo", "world": dist.get_world_size(),
+                          "params": sum(p.numel() for p in model.parameters()),
+                          "torch": torch.__version__,
+                          "median_step_s": statistics.median(steps),
+                          "median_backward_s": statistics.median(backwards)}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
