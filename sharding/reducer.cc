@@ -192,6 +192,27 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
   for (auto& [key, o] : open) {
     if (!o.params.empty()) assignment.push_back(std::move(o.params));
   }
+  // The last bucket holds the gradients that arrive last (the first layers): nothing is left
+  // to compute while it is reduced, so its all-reduce is exposed in full. PyTorch keeps the
+  // first bucket small to start communicating early; dtrain also keeps the last one small
+  // (first_bucket_mb), splitting off its tail, so that less waits at the end of backward.
+  if (!assignment.empty() && assignment.back().size() > 1) {
+    std::vector<int64_t>& last = assignment.back();
+    auto bytes_of = [&](int64_t i) {
+      return params_[i].second.numel() * static_cast<int64_t>(params_[i].second.element_size());
+    };
+    int64_t total = 0;
+    for (int64_t i : last) total += bytes_of(i);
+    const double tail_limit = options_.first_bucket_mb() * mb;
+    if (total > tail_limit) {
+      size_t cut = last.size();
+      int64_t tail = 0;
+      while (cut > 1 && tail < tail_limit) tail += bytes_of(last[--cut]);
+      std::vector<int64_t> tail_params(last.begin() + static_cast<long>(cut), last.end());
+      last.resize(cut);
+      assignment.push_back(std::move(tail_params));
+    }
+  }
 
   std::vector<Bucket> buckets;
   for (size_t bi = 0; bi < assignment.size(); ++bi) {

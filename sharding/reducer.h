@@ -3,7 +3,9 @@
 //
 // Parameters are grouped into buckets in reverse registration order (the order gradients
 // usually become ready in backward): the first bucket closes at first_bucket_mb (1 MB), the
-// others at bucket_cap_mb (25 MB), and a bucket never mixes dtypes or devices. Each bucket
+// others at bucket_cap_mb (25 MB), and a bucket never mixes dtypes or devices. Unlike
+// PyTorch, the last bucket is also kept near first_bucket_mb: its all-reduce cannot overlap
+// any compute, so a small one shortens the wait at the end of backward. Each bucket
 // owns one flat buffer; with gradient_as_bucket_view every parameter's .grad is a view into
 // it, so gradients are accumulated, reduced and stepped without a copy.
 //
