@@ -10,6 +10,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "tests/flags.h"
+
 namespace {
 
 std::string g_launcher, g_trainer;
@@ -100,11 +102,8 @@ TEST(EndToEnd, BadConfigExitsTwoNamingTheKey) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--launcher=", 0) == 0) g_launcher = a.substr(11);
-    if (a.rfind("--trainer=", 0) == 0) g_trainer = a.substr(10);
-  }
+  g_launcher = dtrain::testing::flag_value(argc, argv, "launcher");
+  g_trainer = dtrain::testing::flag_value(argc, argv, "trainer");
   if (g_launcher.empty() || g_trainer.empty()) {
     std::fprintf(stderr, "usage: e2e_test --launcher=PATH --trainer=PATH\n");
     return 2;

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "tests/flags.h"
 
 namespace {
 
@@ -178,11 +179,8 @@ TEST(Launcher, MissingProgramExits127) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--launcher=", 0) == 0) g_launcher = a.substr(11);
-    if (a.rfind("--child=", 0) == 0) g_child = a.substr(8);
-  }
+  g_launcher = dtrain::testing::flag_value(argc, argv, "launcher");
+  g_child = dtrain::testing::flag_value(argc, argv, "child");
   if (g_launcher.empty() || g_child.empty()) {
     std::cerr << "usage: launcher_test --launcher=PATH --child=PATH" << std::endl;
     return 2;
