@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "amp/grad_scaler.h"
+#include "amp/numerics.h"
 #include "core/error.h"
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
@@ -390,6 +391,52 @@ TEST_F(Test, ParametersAndBuffersComeFromRankZero) {
   ddp.module()->stat.fill_(world().rank() + 10);
   ddp(at::ones({1, 3}));
   EXPECT_EQ(ddp.module()->stat[1].item<float>(), 10.0f) << "each forward broadcasts buffers";
+}
+
+// Layers registered a, b, c, d but applied d, c, b, a: gradients arrive a first.
+class ReversedImpl : public torch::nn::Module {
+ public:
+  ReversedImpl() {
+    for (const char* n : {"a", "b", "c", "d"})
+      layers.push_back(register_module(n, torch::nn::Linear(5, 5)));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = x;
+    for (auto it = layers.rbegin(); it != layers.rend(); ++it) h = (*it)->forward(h);
+    return h;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Reversed);
+
+TEST_F(Test, BucketsAreRebuiltInArrivalOrderAfterTheFirstIteration) {
+  at::manual_seed(2);
+  DistributedDataParallel<Reversed> ddp(Reversed(), world_ptr(),
+                                        DDPOptions().bucket_cap_mb(1e-9).first_bucket_mb(1e-9));
+  // Before: reverse registration order, so d's parameters (indices 6, 7) go first.
+  EXPECT_EQ(ddp.reducer().bucket_indices().front().front(), 7);
+  at::Tensor x = at::randn({2, 5});
+  ddp(x).sum().backward();
+  ddp(x).sum().backward();  // this forward rebuilt the buckets
+  auto rebuilt = ddp.reducer().bucket_indices();
+  ASSERT_EQ(rebuilt.size(), 8u);
+  // a (indices 0, 1) is applied last, so its gradients arrive first.
+  EXPECT_LT(rebuilt.front().front(), 2)
+      << "first bucket holds parameter #" << rebuilt.front().front();
+  EXPECT_GE(rebuilt.back().front(), 6) << "last bucket holds parameter #" << rebuilt.back().front();
+}
+
+TEST_F(Test, NumericsMonitorRecordsEveryReducedBucket) {
+  amp::NumericsMonitor monitor(true);
+  DistributedDataParallel<MLP> ddp(
+      make_mlp(), world_ptr(),
+      DDPOptions().bucket_cap_mb(0.004).first_bucket_mb(0.002).monitor(&monitor));
+  monitor.begin_step(0);
+  Batch mine = mlp_batch(world().size() * kPerRank, 700).slice(world().rank(), kPerRank);
+  mlp_loss(ddp(mine.input), mine.target).backward();
+  ASSERT_EQ(monitor.records().size(), ddp.reducer().bucket_indices().size());
+  EXPECT_EQ(monitor.records().front().first, "ddp.bucket0.grad");
+  EXPECT_FALSE(monitor.first_nonfinite_unit().has_value());
 }
 
 }  // namespace
