@@ -240,9 +240,9 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
     }
     scaler.unscale_(*opt);
     std::vector<at::Tensor> params = model->parameters();
-    double grad_norm = sharding::clip_grad_norm_(
-        params, c.train.clip_grad_norm > 0 ? c.train.clip_grad_norm
-                                           : std::numeric_limits<double>::infinity());
+    double grad_norm = c.train.clip_grad_norm > 0
+                           ? sharding::clip_grad_norm_(params, c.train.clip_grad_norm)
+                           : sharding::grad_norm(params).item<double>();
     const double scale_used = scaler.get_scale();
     bool stepped = scaler.step(*opt);
     scaler.update();

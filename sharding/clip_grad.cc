@@ -11,14 +11,19 @@
 
 namespace dtrain::sharding {
 
-double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm, double norm_type,
-                       comm::Communicator* comm, bool error_if_nonfinite) {
-  c10::NoGradGuard no_grad;
+namespace {
+
+std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> grads;
   for (const auto& p : params) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
-  const bool inf_norm = std::isinf(norm_type);
+  return grads;
+}
+
+at::Tensor total_norm(const std::vector<at::Tensor>& grads, double norm_type,
+                      comm::Communicator* comm) {
+  c10::NoGradGuard no_grad;
   at::Tensor total;
   if (grads.empty()) {
     total = at::zeros({}, at::kFloat);
@@ -34,7 +39,7 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm, d
     // Combine the shards' norms: (sum_r n_r^p)^(1/p), or max_r n_r for p = inf.
     at::Tensor t = total.to(at::kFloat).reshape({1});
     if (comm->device_type() != t.device().type()) t = t.to(comm->device_type());
-    if (inf_norm) {
+    if (std::isinf(norm_type)) {
       comm->all_reduce(t, comm::ReduceOp::kMax).wait();
     } else {
       t = t.pow(norm_type);
@@ -43,6 +48,21 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm, d
     }
     total = t.reshape({}).to(total.device());
   }
+  return total;
+}
+
+}  // namespace
+
+at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type,
+                     comm::Communicator* comm) {
+  return total_norm(grads_of(params), norm_type, comm);
+}
+
+double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm, double norm_type,
+                       comm::Communicator* comm, bool error_if_nonfinite) {
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads = grads_of(params);
+  at::Tensor total = total_norm(grads, norm_type, comm);
   if (error_if_nonfinite) {
     double v = total.item<double>();
     DTRAIN_CHECK_AS(Error, std::isfinite(v), "The total norm of order ", norm_type,

@@ -19,6 +19,11 @@ class Communicator;
 
 namespace dtrain::sharding {
 
+// The total norm of the gradients of `params` (over all shards with `comm`), as a 0-dim
+// tensor on the first gradient's device; gradients untouched.
+at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type = 2.0,
+                     comm::Communicator* comm = nullptr);
+
 // Clips the gradients of `params` in place; returns the total norm before clipping.
 double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
                        double norm_type = 2.0, comm::Communicator* comm = nullptr,
