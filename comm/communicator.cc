@@ -143,7 +143,9 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
   }
   std::stable_sort(members.begin(), members.end(),
                    [&](int x, int y) { return a[2 * x + 1] < a[2 * y + 1]; });
-  return split_impl(color, key, members, next_split_++);
+  auto me = std::find(members.begin(), members.end(), rank_);
+  int new_rank = me == members.end() ? -1 : static_cast<int>(me - members.begin());
+  return split_impl(color, key, members, new_rank, next_split_++);
 }
 
 }  // namespace dtrain::comm

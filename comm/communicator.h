@@ -84,11 +84,12 @@ class Communicator {
   virtual void enqueue(Collective c) = 0;
 
   // Creates the communicator for this rank's color group. `members` are ranks of this
-  // communicator in new-rank order; `split_id` is the same on every rank for this split.
+  // communicator in new-rank order, `new_rank` this rank's index among them (-1 when not a
+  // member); `split_id` is the same on every rank for this split.
   // Called on every rank, also those with color < 0 (members empty), since MPI and NCCL
   // splits are collective over the parent.
   virtual std::shared_ptr<Communicator> split_impl(int color, int key,
-                                                   const std::vector<int>& members,
+                                                   const std::vector<int>& members, int new_rank,
                                                    int64_t split_id) = 0;
 
   void mark_broken(const std::string& reason);

@@ -84,12 +84,8 @@ class GlooCommunicator : public Communicator {
   }
 
   std::shared_ptr<Communicator> split_impl(int color, int /*key*/, const std::vector<int>& members,
-                                           int64_t split_id) override {
+                                           int new_rank, int64_t split_id) override {
     if (members.empty()) return nullptr;
-    int new_rank = -1;
-    for (size_t i = 0; i < members.size(); ++i) {
-      if (members[i] == rank()) new_rank = static_cast<int>(i);
-    }
     std::string prefix =
         prefix_ + "/split" + std::to_string(split_id) + "/color" + std::to_string(color);
     return std::make_shared<GlooCommunicator>(root_store_, prefix, new_rank,

@@ -201,7 +201,7 @@ class MpiCommunicator : public Communicator {
   }
 
   std::shared_ptr<Communicator> split_impl(int color, int key, const std::vector<int>& members,
-                                           int64_t /*split_id*/) override {
+                                           int new_rank, int64_t /*split_id*/) override {
     MPI_Comm out = MPI_COMM_NULL;
     MPI_Comm parent = comm_;
     MpiRuntime::get().worker().run_sync([&] {
@@ -209,10 +209,6 @@ class MpiCommunicator : public Communicator {
       if (out != MPI_COMM_NULL) DTRAIN_MPI(MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN));
     });
     if (out == MPI_COMM_NULL) return nullptr;
-    int new_rank = -1;
-    for (size_t i = 0; i < members.size(); ++i) {
-      if (members[i] == rank()) new_rank = static_cast<int>(i);
-    }
     return std::make_shared<MpiCommunicator>(out, new_rank, static_cast<int>(members.size()),
                                              to_world_ranks(members), timeout());
   }

@@ -273,15 +273,13 @@ class NcclCommunicator : public Communicator {
   }
 
   std::shared_ptr<Communicator> split_impl(int color, int key, const std::vector<int>& members,
-                                           int64_t /*split_id*/) override {
+                                           int new_rank, int64_t /*split_id*/) override {
     ncclComm_t out = nullptr;
     DTRAIN_CUDA(cudaSetDevice(group_->device()));
     DTRAIN_NCCL(
         ncclCommSplit(group_->comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &out, nullptr),
         group_->comm());
     if (color < 0 || out == nullptr) return nullptr;
-    int new_rank = 0;
-    DTRAIN_NCCL(ncclCommUserRank(out, &new_rank), out);
     auto group = std::make_shared<NcclGroup>(out, group_->device(), timeout());
     return std::make_shared<NcclCommunicator>(group, new_rank, static_cast<int>(members.size()),
                                               to_world_ranks(members), timeout());

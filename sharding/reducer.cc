@@ -43,6 +43,11 @@ at::Tensor bucket_slot(const at::Tensor& flat, int64_t offset, const at::Tensor&
   return t;
 }
 
+// Buckets and broadcasts never mix dtypes or devices.
+std::string group_key(const at::Tensor& t) {
+  return t.device().str() + "/" + c10::toString(t.scalar_type());
+}
+
 std::string shape_string(const std::vector<int64_t>& sig, size_t& at) {
   int64_t ndim = sig[at++];
   std::ostringstream os;
@@ -135,7 +140,7 @@ void Reducer::broadcast_flat(const std::vector<at::Tensor>& tensors) {
   // One broadcast per dtype/device, in first-seen order (identical on every rank).
   std::vector<std::pair<std::string, std::vector<at::Tensor>>> groups;
   for (const auto& t : tensors) {
-    std::string key = t.device().str() + "/" + c10::toString(t.scalar_type());
+    std::string key = group_key(t);
     auto it = std::find_if(groups.begin(), groups.end(), [&](auto& g) { return g.first == key; });
     if (it == groups.end()) {
       groups.push_back({key, {}});
@@ -177,7 +182,7 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
   std::vector<std::vector<int64_t>> assignment;
   for (int64_t i : order) {
     const at::Tensor& p = params_[i].second;
-    std::string key = p.device().str() + "/" + c10::toString(p.scalar_type());
+    std::string key = group_key(p);
     Open& o = open[key];
     o.params.push_back(i);
     o.bytes += p.numel() * static_cast<int64_t>(p.element_size());
