@@ -1,24 +1,37 @@
-// Replays tests/fixtures/grad_scaler_fixtures.json (recorded from torch.amp.GradScaler by
-// tests/fixtures/gen_grad_scaler_fixtures.py) and requires exact equality of scale and
-// growth tracker and bitwise-equal parameters after every step.
+// Replays torch.amp.GradScaler trajectories and requires exact equality of scale and growth
+// tracker and bitwise-equal parameters after every step.
+//
+// The reference is recorded at the start of each run, on this machine, by
+// tests/fixtures/gen_grad_scaler_fixtures.py with the venv's torch (--python, --generator):
+// PyTorch's CPU kernels round differently per instruction set, so a file recorded on one
+// machine would compare two machines, not dtrain and PyTorch. The generator inherits this
+// process's environment, ATEN_CPU_CAPABILITY included, so both sides run the same kernels.
+//   --device=cuda  the same scenarios on the GPU, forward under fp16 autocast (gpu-check)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <limits>
 #include <map>
 
+#include "amp/autocast.h"
 #include "amp/grad_scaler.h"
 #include "sharding/clip_grad.h"
+#include "tests/flags.h"
 
 namespace dtrain::amp {
 namespace {
 
-const char* kFixtures = "tests/fixtures/grad_scaler_fixtures.json";
+std::string g_fixtures;  // written by main() before the tests are registered
+c10::Device g_device = c10::kCPU;
 
 at::Tensor tensor_of(const YAML::Node& values, std::vector<int64_t> shape) {
   std::vector<float> v;
@@ -56,7 +69,7 @@ GradScalerOptions options_of(const YAML::Node& s) {
 class Conformance : public ::testing::TestWithParam<int> {
  protected:
   static YAML::Node& fixtures() {
-    static YAML::Node root = YAML::LoadFile(kFixtures);
+    static YAML::Node root = YAML::LoadFile(g_fixtures);
     return root;
   }
 };
@@ -68,7 +81,8 @@ TEST_P(Conformance, MatchesPyTorchTrajectory) {
   std::map<std::string, at::Tensor> params;
   for (const auto& kv : sc["params"]) {
     auto shape = kv.second["shape"].as<std::vector<int64_t>>();
-    params[kv.first.as<std::string>()] = tensor_of(kv.second["data"], shape).requires_grad_();
+    params[kv.first.as<std::string>()] =
+        tensor_of(kv.second["data"], shape).to(g_device).requires_grad_();
   }
   std::vector<std::unique_ptr<torch::optim::SGD>> opts;
   std::vector<at::Tensor> all_params;
@@ -90,11 +104,16 @@ TEST_P(Conformance, MatchesPyTorchTrajectory) {
     SCOPED_TRACE(::testing::Message() << "iteration " << it++);
     for (auto& o : opts) o->zero_grad(/*set_to_none=*/true);
     for (const auto& m : entry["micro"]) {
-      at::Tensor x = tensor_of(m["x"], {-1, 3});
-      at::Tensor y = tensor_of(m["y"], {-1, 2});
-      at::Tensor h = at::relu(at::linear(x, params["w1"], params["b1"]));
-      at::Tensor out = at::linear(h, params["w2"], params["b2"]);
-      at::Tensor loss = at::mse_loss(out, y) * (loss_mult / static_cast<double>(micro_batches));
+      at::Tensor x = tensor_of(m["x"], {-1, 3}).to(g_device);
+      at::Tensor y = tensor_of(m["y"], {-1, 2}).to(g_device);
+      at::Tensor loss;
+      {
+        // The generator's CUDA recipe: fp16 autocast around the forward and the loss.
+        AutocastGuard autocast(g_device.type(), at::kHalf, /*enabled=*/g_device.is_cuda());
+        at::Tensor h = at::relu(at::linear(x, params["w1"], params["b1"]));
+        at::Tensor out = at::linear(h, params["w2"], params["b2"]);
+        loss = at::mse_loss(out, y) * (loss_mult / static_cast<double>(micro_batches));
+      }
       EXPECT_EQ(loss.item<double>(), m["loss"].as<double>());
       scaler->scale(loss).backward();
       for (const auto& inj : m["inject"]) {
@@ -137,27 +156,72 @@ TEST_P(Conformance, MatchesPyTorchTrajectory) {
     for (const auto& kv : expect["params"]) {
       std::string name = kv.first.as<std::string>();
       at::Tensor want = tensor_of(kv.second, params[name].sizes().vec());
-      int64_t diff = first_bit_difference(params[name].detach(), want);
-      EXPECT_EQ(diff, -1)
-          << name << "[" << diff << "]: got "
-          << params[name].detach().reshape(-1)[std::max<int64_t>(diff, 0)].item<float>()
-          << ", PyTorch " << want.reshape(-1)[std::max<int64_t>(diff, 0)].item<float>();
+      at::Tensor got = params[name].detach().cpu();
+      int64_t diff = first_bit_difference(got, want);
+      EXPECT_EQ(diff, -1) << name << "[" << diff << "]: got "
+                          << got.reshape(-1)[std::max<int64_t>(diff, 0)].item<float>()
+                          << ", PyTorch "
+                          << want.reshape(-1)[std::max<int64_t>(diff, 0)].item<float>();
     }
   }
 }
 
 std::string scenario_name(const ::testing::TestParamInfo<int>& info) {
-  YAML::Node root = YAML::LoadFile(kFixtures);
+  YAML::Node root = YAML::LoadFile(g_fixtures);
   return root["scenarios"][info.param]["name"].as<std::string>();
 }
 
 INSTANTIATE_TEST_SUITE_P(PyTorchFixtures, Conformance, ::testing::Range(0, 10), scenario_name);
 
 TEST(ConformanceFixtures, CoverEveryScenarioTheGeneratorWrote) {
-  YAML::Node root = YAML::LoadFile(kFixtures);
+  YAML::Node root = YAML::LoadFile(g_fixtures);
   EXPECT_EQ(root["scenarios"].size(), 10u) << "update the Range() above";
-  EXPECT_EQ(root["torch_version"].as<std::string>().substr(0, 6), "2.13.0");
+  EXPECT_EQ(root["device"].as<std::string>(), g_device.is_cuda() ? "cuda" : "cpu");
+  // The same kernels on both sides: the generator saw the capability this process uses.
+  std::cout << "reference: torch " << root["torch_version"].as<std::string>() << " on "
+            << root["device"].as<std::string>() << ", CPU capability "
+            << root["cpu_capability"].as<std::string>() << std::endl;
+}
+
+// Records the reference with the given Python and generator into a temporary file.
+// Returns the path, or exits with a message that says what to fix.
+std::string record_fixtures(const std::string& python, const std::string& generator,
+                            const std::string& device) {
+  if (python.empty() || generator.empty()) {
+    std::cerr << "grad_scaler_conformance_test: pass --python=<venv python with torch> and "
+                 "--generator=tests/fixtures/gen_grad_scaler_fixtures.py (the Bazel and CMake "
+                 "targets do)\n";
+    std::exit(2);
+  }
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  std::string out = std::string(tmp ? tmp : "/tmp") + "/grad_scaler_fixtures_" + device + "_" +
+                    std::to_string(::getpid()) + ".json";
+  std::string cmd = "'" + python + "' '" + generator + "' --device " + device + " > '" + out + "'";
+  int rc = std::system(cmd.c_str());
+  if (rc != 0) {
+    std::cerr << "grad_scaler_conformance_test: the reference generator failed (" << cmd
+              << ", status " << rc << "). Run scripts/bootstrap to install the venv's torch.\n";
+    std::exit(2);
+  }
+  return out;
 }
 
 }  // namespace
 }  // namespace dtrain::amp
+
+int main(int argc, char** argv) {
+  using dtrain::testing::flag_value;
+  std::string device = flag_value(argc, argv, "device");
+  if (device.empty()) device = "cpu";
+  if (device == "cuda" && !at::hasCUDA()) {
+    std::cout << "[  SKIPPED ] --device=cuda needs a CUDA device and a CUDA LibTorch" << std::endl;
+    return 0;
+  }
+  dtrain::amp::g_device = c10::Device(device);
+  dtrain::amp::g_fixtures = dtrain::amp::record_fixtures(
+      flag_value(argc, argv, "python"), flag_value(argc, argv, "generator"), device);
+  ::testing::InitGoogleTest(&argc, argv);
+  int rc = RUN_ALL_TESTS();
+  std::remove(dtrain::amp::g_fixtures.c_str());
+  return rc;
+}

@@ -9,6 +9,16 @@
 #include "core/error.h"
 
 namespace dtrain::comm {
+namespace {
+
+std::exception_ptr abandoned_error(const detail::WorkState& state, const std::string& why) {
+  return std::make_exception_ptr(CommError(describe(state.info()) +
+                                           " was abandoned: an earlier collective on this "
+                                           "communicator failed (" +
+                                           why + ")"));
+}
+
+}  // namespace
 
 Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
                            std::chrono::milliseconds timeout)
@@ -22,8 +32,37 @@ Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
 }
 
 void Communicator::Health::mark(const std::string& why) {
-  std::lock_guard<std::mutex> lock(mu);
-  if (!broken.exchange(true)) reason = why;
+  std::vector<std::weak_ptr<detail::WorkState>> abandoned;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (broken.exchange(true)) return;
+    reason = why;
+    abandoned.swap(pending);
+  }
+  for (auto& weak : abandoned) {
+    if (auto state = weak.lock()) state->fail(abandoned_error(*state, why));
+  }
+}
+
+void Communicator::Health::track(const std::shared_ptr<detail::WorkState>& state) {
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!broken) {
+      // Forget finished ops first, so the list holds only what is in flight.
+      pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                   [](const std::weak_ptr<detail::WorkState>& w) {
+                                     auto s = w.lock();
+                                     return !s || s->is_completed();
+                                   }),
+                    pending.end());
+      pending.push_back(state);
+      return;
+    }
+    why = reason;
+  }
+  // Broken since submit() checked: this op would only wait out its timeout.
+  state->fail(abandoned_error(*state, why));
 }
 
 bool Communicator::is_broken() const { return health_->broken.load(); }
@@ -123,7 +162,8 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
   if (kind != OpKind::kBarrier && info.numel == 0) return Work();
 
   auto state = std::make_shared<detail::WorkState>(std::move(info), timeout_);
-  state->on_timeout = [health = health_](const std::string& why) { health->mark(why); };
+  state->on_break = [health = health_](const std::string& why) { health->mark(why); };
+  health_->track(state);
   Collective c{kind, input, output, op, root, state};
   enqueue(std::move(c));
   return Work(state);
@@ -131,8 +171,8 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key) {
   // Everyone learns everyone's (color, key) through the communicator itself.
-  auto opts = at::TensorOptions().dtype(at::kLong).device(device_type());
-  at::Tensor mine = at::tensor({int64_t{color}, int64_t{key}}, at::kLong).to(opts.device());
+  auto opts = at::TensorOptions().dtype(at::kLong).device(device());
+  at::Tensor mine = at::tensor({int64_t{color}, int64_t{key}}, at::kLong).to(device());
   at::Tensor all = at::empty({2 * int64_t{size_}}, opts);
   all_gather(mine, all).wait();
   all = all.cpu();

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <atomic>
 #include <chrono>
@@ -39,8 +40,11 @@ class Communicator {
   // Members of this communicator as world ranks (identity for the world communicator).
   const std::vector<int>& world_ranks() const { return world_ranks_; }
   virtual std::string backend() const = 0;
-  // The device type this communicator's collectives run on (kCPU, or kCUDA for NCCL).
-  virtual c10::DeviceType device_type() const { return c10::kCPU; }
+  // The device this communicator's collectives run on: the CPU, or this rank's GPU for NCCL.
+  // Tensors a library creates for its own collectives (flags, counts, signatures) belong
+  // here; NCCL refuses host tensors, MPI and Gloo stage CUDA tensors through the host.
+  virtual c10::Device device() const { return c10::Device(c10::kCPU); }
+  c10::DeviceType device_type() const { return device().type(); }
 
   std::chrono::milliseconds timeout() const { return timeout_; }
 
@@ -107,11 +111,15 @@ class Communicator {
   int64_t next_seq_ = 1;
   int64_t next_split_ = 1;
   // Shared with pending Works, whose timeout marks it even if this communicator is gone.
+  // Marking it fails every op still pending, so a rank that hit one timeout (or error) does
+  // not wait a full timeout again per queued bucket: it can report and exit at once.
   struct Health {
     std::atomic<bool> broken{false};
     std::mutex mu;
     std::string reason;
+    std::vector<std::weak_ptr<detail::WorkState>> pending;
     void mark(const std::string& why);
+    void track(const std::shared_ptr<detail::WorkState>& state);
   };
   std::shared_ptr<Health> health_ = std::make_shared<Health>();
 };

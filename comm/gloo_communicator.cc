@@ -70,6 +70,9 @@ class GlooCommunicator : public Communicator {
  protected:
   void enqueue(Collective c) override {
     worker_.post([pg = pg_, size = size(), c = std::move(c)] {
+      // Failed already: the communicator broke while this waited in the queue. Issuing it
+      // now would pair it with a different collective on the ranks still in step.
+      if (c.state->is_completed()) return;
       c.state->mark_started();
       try {
         run(*pg, size, c);
@@ -97,7 +100,7 @@ class GlooCommunicator : public Communicator {
   static void run(c10d::ProcessGroupGloo& pg, int size, const Collective& c) {
     switch (c.kind) {
       case OpKind::kAllReduce: {
-        std::vector<at::Tensor> v{to_host(c.input)};
+        std::vector<at::Tensor> v{to_host_flat(c.input)};
         c10d::AllreduceOptions o;
         o.reduceOp = to_c10d(c.op);
         pg.allreduce(v, o)->wait();
@@ -106,7 +109,7 @@ class GlooCommunicator : public Communicator {
         break;
       }
       case OpKind::kBroadcast: {
-        std::vector<at::Tensor> v{to_host(c.input)};
+        std::vector<at::Tensor> v{to_host_flat(c.input)};
         c10d::BroadcastOptions o;
         o.rootRank = c.root;
         pg.broadcast(v, o)->wait();
@@ -114,8 +117,8 @@ class GlooCommunicator : public Communicator {
         break;
       }
       case OpKind::kReduceScatter: {
-        at::Tensor in = to_host(c.input);
-        at::Tensor out = host_like(c.output);
+        at::Tensor in = to_host_flat(c.input);
+        at::Tensor out = host_flat_like(c.output);
         c10d::ReduceScatterOptions o;
         o.reduceOp = to_c10d(c.op);
         pg._reduce_scatter_base(out, in, o)->wait();
@@ -124,8 +127,8 @@ class GlooCommunicator : public Communicator {
         break;
       }
       case OpKind::kAllGather: {
-        at::Tensor in = to_host(c.input);
-        at::Tensor out = host_like(c.output);
+        at::Tensor in = to_host_flat(c.input);
+        at::Tensor out = host_flat_like(c.output);
         pg._allgather_base(out, in)->wait();
         copy_back(c.output, out);
         break;

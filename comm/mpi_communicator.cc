@@ -50,6 +50,16 @@ void combine(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
   for (int i = 0; i < *len; ++i) b[i] = T(op(static_cast<float>(a[i]), static_cast<float>(b[i])));
 }
 
+// inout[i] = in[i] + inout[i] modulo 2^bits. OpenMPI 4.1's AVX reduction component saturates
+// 8- and 16-bit integer sums (255 + 1 = 255) with no error, where every other backend wraps;
+// dtrain's own op gives the documented result on any MPI.
+template <typename T>
+void wrapping_sum(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = static_cast<T>(a[i] + b[i]);
+}
+
 // Everything that must be created and destroyed on the MPI thread.
 class MpiRuntime {
  public:
@@ -85,6 +95,7 @@ class MpiRuntime {
     int i = op == ReduceOp::kMax ? 1 : op == ReduceOp::kMin ? 2 : 0;  // AVG is SUM then divide
     if (t == c10::kHalf) return handles_.half_ops[i];
     if (t == c10::kBFloat16) return handles_.bf16_ops[i];
+    if (t == c10::kByte && i == 0) return handles_.u8_sum;
     return i == 1 ? MPI_MAX : i == 2 ? MPI_MIN : MPI_SUM;
   }
 
@@ -132,12 +143,14 @@ class MpiRuntime {
     DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Sum>, 1, &h.bf16_ops[0]));
     DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Max>, 1, &h.bf16_ops[1]));
     DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Min>, 1, &h.bf16_ops[2]));
+    DTRAIN_MPI(MPI_Op_create(&wrapping_sum<uint8_t>, 1, &h.u8_sum));
   }
 
   struct Handles {
     MPI_Datatype half = MPI_DATATYPE_NULL, bf16 = MPI_DATATYPE_NULL;
     MPI_Op half_ops[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
     MPI_Op bf16_ops[3] = {MPI_OP_NULL, MPI_OP_NULL, MPI_OP_NULL};
+    MPI_Op u8_sum = MPI_OP_NULL;
   };
 
   static void finalize(Handles& h, bool owns_mpi) {
@@ -148,6 +161,7 @@ class MpiRuntime {
       MPI_Op_free(&h.half_ops[i]);
       MPI_Op_free(&h.bf16_ops[i]);
     }
+    MPI_Op_free(&h.u8_sum);
     MPI_Type_free(&h.half);
     MPI_Type_free(&h.bf16);
     if (owns_mpi) MPI_Finalize();
@@ -183,13 +197,16 @@ class MpiCommunicator : public Communicator {
   void enqueue(Collective c) override {
     auto& runtime = MpiRuntime::get();
     // Abandon the runtime's finalize if this collective times out.
-    auto on_timeout = c.state->on_timeout;
-    c.state->on_timeout = [on_timeout, &runtime](const std::string& why) {
+    auto on_break = c.state->on_break;
+    c.state->on_break = [on_break, &runtime](const std::string& why) {
       runtime.abandon();
-      if (on_timeout) on_timeout(why);
+      if (on_break) on_break(why);
     };
     // Capture values, not `this`: the task may outlive a communicator destroyed early.
     runtime.worker().post([comm = comm_, size = size(), c = std::move(c), &runtime] {
+      // Failed already: the communicator broke while this waited in the queue. Issuing it
+      // now would pair it with a different collective on the ranks still in step.
+      if (c.state->is_completed()) return;
       c.state->mark_started();
       try {
         run(runtime, comm, size, c);
@@ -224,7 +241,7 @@ class MpiCommunicator : public Communicator {
     const int64_t elem = c.input.element_size();
     switch (c.kind) {
       case OpKind::kAllReduce: {
-        at::Tensor host = to_host(c.input);
+        at::Tensor host = to_host_flat(c.input);
         char* p = static_cast<char*>(host.data_ptr());
         for (int64_t off = 0; off < host.numel(); off += kMaxCount) {
           int n = static_cast<int>(std::min(kMaxCount, host.numel() - off));
@@ -235,7 +252,7 @@ class MpiCommunicator : public Communicator {
         break;
       }
       case OpKind::kBroadcast: {
-        at::Tensor host = to_host(c.input);
+        at::Tensor host = to_host_flat(c.input);
         char* p = static_cast<char*>(host.data_ptr());
         for (int64_t off = 0; off < host.numel(); off += kMaxCount) {
           int n = static_cast<int>(std::min(kMaxCount, host.numel() - off));
@@ -248,8 +265,8 @@ class MpiCommunicator : public Communicator {
         DTRAIN_CHECK_AS(CommError, c.output.numel() <= kMaxCount, "mpi reduce_scatter: a shard of ",
                         c.output.numel(),
                         " elements exceeds MPI's int count; use more ranks or smaller units");
-        at::Tensor in = to_host(c.input);
-        at::Tensor out = host_like(c.output);
+        at::Tensor in = to_host_flat(c.input);
+        at::Tensor out = host_flat_like(c.output);
         DTRAIN_MPI(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(),
                                             static_cast<int>(out.numel()), dt, rt.op(dtype, c.op),
                                             comm));
@@ -261,8 +278,8 @@ class MpiCommunicator : public Communicator {
         DTRAIN_CHECK_AS(CommError, c.input.numel() <= kMaxCount, "mpi all_gather: a shard of ",
                         c.input.numel(),
                         " elements exceeds MPI's int count; use more ranks or smaller units");
-        at::Tensor in = to_host(c.input);
-        at::Tensor out = host_like(c.output);
+        at::Tensor in = to_host_flat(c.input);
+        at::Tensor out = host_flat_like(c.output);
         int n = static_cast<int>(in.numel());
         DTRAIN_MPI(MPI_Allgather(in.data_ptr(), n, dt, out.data_ptr(), n, dt, comm));
         copy_back(c.output, out);

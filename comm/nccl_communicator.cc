@@ -91,10 +91,15 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 }
 
 // Owns the NCCL communicator, its stream and the watchdog; shared with in-flight work.
+//
+// Threads: callers enqueue under comm_mu_; the watchdog polls events and, on an error or an
+// overdue op, aborts under the same mutex, so an abort never races an enqueue and happens
+// once (the destructor destroys only a communicator that was not aborted).
 class NcclGroup {
  public:
-  NcclGroup(ncclComm_t comm, int device, std::chrono::milliseconds timeout)
-      : comm_(comm), device_(device), timeout_(timeout) {
+  NcclGroup(ncclComm_t comm, int device, std::chrono::milliseconds timeout,
+            c10::intrusive_ptr<c10d::Store> store = {})
+      : comm_(comm), device_(device), timeout_(timeout), store_(std::move(store)) {
     DTRAIN_CUDA(cudaSetDevice(device_));
     DTRAIN_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     DTRAIN_CUDA(cudaMalloc(&scratch_, sizeof(float)));
@@ -109,11 +114,12 @@ class NcclGroup {
     cv_.notify_all();
     watchdog_.join();
     cudaSetDevice(device_);
-    if (aborted_) {
-      ncclCommAbort(comm_);
-    } else {
-      cudaStreamSynchronize(stream_);
-      ncclCommDestroy(comm_);
+    {
+      std::lock_guard<std::mutex> lock(comm_mu_);
+      if (!aborted_) {
+        cudaStreamSynchronize(stream_);
+        ncclCommDestroy(comm_);
+      }
     }
     cudaFree(scratch_);
     cudaStreamDestroy(stream_);
@@ -123,40 +129,54 @@ class NcclGroup {
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
   float* scratch() const { return static_cast<float*>(scratch_); }
+  // Held while issuing NCCL calls; the watchdog takes it to abort.
+  std::mutex& comm_mutex() { return comm_mu_; }
+  bool aborted() const { return aborted_; }
+
+  // Records the start of the next op on stream(), for its device-side duration.
+  std::shared_ptr<cudaEvent_t> record_start() { return record(); }
 
   // Records completion of the ops just issued on stream() for `state`.
-  void track(std::shared_ptr<detail::WorkState> state, std::vector<at::Tensor> keep_alive) {
-    cudaEvent_t done;
-    DTRAIN_CUDA(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    DTRAIN_CUDA(cudaEventRecord(done, stream_));
-    int device = device_;
-    // Later work on the caller's stream must see the result: order it after `done`.
-    // The event lives as long as the WorkState.
-    auto holder = std::shared_ptr<cudaEvent_t>(new cudaEvent_t(done), [](cudaEvent_t* e) {
-      cudaEventDestroy(*e);
-      delete e;
-    });
-    state->after_wait = [holder, device] {
+  void track(std::shared_ptr<detail::WorkState> state, std::shared_ptr<cudaEvent_t> start,
+             std::vector<at::Tensor> keep_alive) {
+    auto done = record();
+    const int device = device_;
+    // Work::wait() makes the caller's stream wait for `done` instead of blocking the host.
+    state->stream_wait = [done, device] {
       cudaSetDevice(device);
-      cudaStreamWaitEvent(caller_stream(device), *holder, 0);
+      cudaStreamWaitEvent(caller_stream(device), *done, 0);
     };
     {
       std::lock_guard<std::mutex> lock(mu_);
-      pending_.push_back({std::move(state), holder, std::move(keep_alive),
-                          std::chrono::steady_clock::now() + timeout_});
+      pending_.push_back({std::move(state), std::move(start), std::move(done),
+                          std::move(keep_alive), std::chrono::steady_clock::now() + timeout_});
     }
     cv_.notify_all();
   }
 
-  bool aborted() const { return aborted_; }
-
  private:
   struct Pending {
     std::shared_ptr<detail::WorkState> state;
-    std::shared_ptr<cudaEvent_t> done;
+    std::shared_ptr<cudaEvent_t> start, done;
     std::vector<at::Tensor> keep_alive;
     std::chrono::steady_clock::time_point deadline;
   };
+
+  std::shared_ptr<cudaEvent_t> record() {
+    cudaEvent_t e;
+    DTRAIN_CUDA(cudaEventCreate(&e));  // timing enabled: busy_seconds is device time
+    DTRAIN_CUDA(cudaEventRecord(e, stream_));
+    return std::shared_ptr<cudaEvent_t>(new cudaEvent_t(e), [](cudaEvent_t* p) {
+      cudaEventDestroy(*p);
+      delete p;
+    });
+  }
+
+  void abort_once() {
+    std::lock_guard<std::mutex> lock(comm_mu_);
+    if (aborted_.exchange(true)) return;
+    ncclCommAbort(comm_);
+  }
 
   void watch() {
     cudaSetDevice(device_);
@@ -167,11 +187,16 @@ class NcclGroup {
       for (auto it = pending_.begin(); it != pending_.end();) {
         cudaError_t q = cudaEventQuery(*it->done);
         if (q == cudaSuccess) {
+          float ms = 0;
+          if (cudaEventElapsedTime(&ms, *it->start, *it->done) == cudaSuccess) {
+            it->state->set_busy_seconds(ms / 1000.0);
+          }
           it->state->finish();
           it = pending_.erase(it);
           continue;
         }
         std::string error;
+        bool late = false;
         ncclResult_t async = ncclSuccess;
         ncclCommGetAsyncError(comm_, &async);
         if (q != cudaErrorNotReady) {
@@ -180,22 +205,41 @@ class NcclGroup {
           error = std::string("NCCL error: ") + ncclGetErrorString(async) + " (" +
                   ncclGetLastError(comm_) + "; NCCL " + nccl_version() + ")";
         } else if (std::chrono::steady_clock::now() > it->deadline) {
-          error = "watchdog: not complete after " + std::to_string(timeout_.count() / 1000.0) +
-                  " s; aborting the NCCL communicator";
+          late = true;
+          error = describe(it->state->info()) + " did not complete within " +
+                  std::to_string(timeout_.count() / 1000.0) + " s on rank " +
+                  std::to_string(it->state->info().rank) +
+                  " (NCCL watchdog). Another rank skipped this collective, issued a different "
+                  "one, or died: check the other ranks' logs. The NCCL communicator was "
+                  "aborted; raise parallel.timeout_s or DTRAIN_COMM_TIMEOUT_S if the op is "
+                  "legitimately slow.";
         }
         if (error.empty()) {
           ++it;
           continue;
         }
-        // The communicator is unusable: fail everything in flight and abort, so kernels
-        // waiting on absent peers return and the process can exit.
-        aborted_ = true;
-        ncclCommAbort(comm_);
-        for (auto& p : pending_) {
-          p.state->fail(
-              std::make_exception_ptr(CommError(describe(p.state->info()) + " failed: " + error)));
+        // The communicator is unusable: abort, so kernels waiting on absent peers return
+        // and the process can exit; fail this op (TimeoutError when late) and, through the
+        // communicator it breaks, every other op still pending.
+        std::list<Pending> failed;
+        failed.swap(pending_);
+        lock.unlock();
+        abort_once();
+        Pending& culprit = *it;  // list::swap keeps iterators valid: now in `failed`
+        if (late) {
+          culprit.state->time_out(error);
+        } else {
+          culprit.state->fail(std::make_exception_ptr(
+              CommError(describe(culprit.state->info()) + " failed: " + error)));
+          if (culprit.state->on_break) culprit.state->on_break(error);
         }
-        pending_.clear();
+        for (auto& p : failed) {
+          if (!p.state->is_completed()) {
+            p.state->fail(std::make_exception_ptr(
+                CommError(describe(p.state->info()) + " failed: " + error)));
+          }
+        }
+        lock.lock();
         break;
       }
       if (stop_ && pending_.empty()) return;
@@ -205,12 +249,16 @@ class NcclGroup {
   ncclComm_t comm_;
   int device_;
   std::chrono::milliseconds timeout_;
+  // Rank 0 serves the store the unique id went through: it lives as long as the group, so
+  // no peer finds it gone before reading the id.
+  c10::intrusive_ptr<c10d::Store> store_;
   cudaStream_t stream_ = nullptr;
   void* scratch_ = nullptr;
   std::mutex mu_;
   std::condition_variable cv_;
   std::list<Pending> pending_;
   bool stop_ = false;
+  std::mutex comm_mu_;
   std::atomic<bool> aborted_{false};
   std::thread watchdog_;
 };
@@ -222,11 +270,14 @@ class NcclCommunicator : public Communicator {
       : Communicator(rank, size, std::move(world_ranks), timeout), group_(std::move(group)) {}
 
   std::string backend() const override { return "nccl"; }
-  c10::DeviceType device_type() const override { return c10::kCUDA; }
+  c10::Device device() const override {
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(group_->device()));
+  }
 
  protected:
   void enqueue(Collective c) override {
     NcclGroup& g = *group_;
+    std::lock_guard<std::mutex> lock(g.comm_mutex());
     DTRAIN_CHECK_AS(CommError, !g.aborted(), describe(c.state->info()),
                     ": the NCCL communicator was aborted after an earlier error");
     DTRAIN_CUDA(cudaSetDevice(g.device()));
@@ -237,6 +288,7 @@ class NcclCommunicator : public Communicator {
     DTRAIN_CUDA(cudaStreamWaitEvent(g.stream(), ready, 0));
     DTRAIN_CUDA(cudaEventDestroy(ready));
     c.state->mark_started();
+    auto start = g.record_start();
     ncclComm_t comm = g.comm();
     cudaStream_t s = g.stream();
     switch (c.kind) {
@@ -269,7 +321,7 @@ class NcclCommunicator : public Communicator {
                     comm);
         break;
     }
-    g.track(c.state, {c.input, c.output});
+    g.track(c.state, std::move(start), {c.input, c.output});
   }
 
   std::shared_ptr<Communicator> split_impl(int color, int key, const std::vector<int>& members,
@@ -302,13 +354,14 @@ std::shared_ptr<Communicator> make_nccl_world(const RankInfo& info,
   if (info.rank == 0) DTRAIN_NCCL(ncclGetUniqueId(&id), nullptr);
   std::vector<uint8_t> bytes(reinterpret_cast<uint8_t*>(&id),
                              reinterpret_cast<uint8_t*>(&id) + sizeof(id));
+  c10::intrusive_ptr<c10d::Store> store;
   if (info.world_size > 1) {
     if (info.mpi_launched) {
       auto mpi = make_mpi_world(timeout);
       at::Tensor t = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte);
       mpi->broadcast(t, 0).wait();
     } else {
-      auto store = make_tcp_store(info, timeout);
+      store = make_tcp_store(info, timeout);
       const std::string key = "dtrain/nccl/unique_id";
       if (info.rank == 0) {
         store->set(key, bytes);
@@ -320,7 +373,7 @@ std::shared_ptr<Communicator> make_nccl_world(const RankInfo& info,
   std::memcpy(&id, bytes.data(), sizeof(id));
   ncclComm_t comm = nullptr;
   DTRAIN_NCCL(ncclCommInitRank(&comm, info.world_size, id, info.rank), comm);
-  auto group = std::make_shared<NcclGroup>(comm, device, timeout);
+  auto group = std::make_shared<NcclGroup>(comm, device, timeout, std::move(store));
   return std::make_shared<NcclCommunicator>(group, info.rank, info.world_size, std::vector<int>{},
                                             timeout);
 }

@@ -53,8 +53,12 @@ TEST(CommTimeout, SkippedCollectiveRaisesTimeoutNamingTheOpAndRanks) {
   } catch (const CommError& e) {
     EXPECT_NE(std::string(e.what()).find("unusable"), std::string::npos) << e.what();
   }
-  // Rank 0 joins late, which releases the backend's blocked call before exit.
-  w.wait(std::chrono::seconds(30));
+  // The timed-out op stays failed: waiting again rethrows at once.
+  auto t1 = std::chrono::steady_clock::now();
+  EXPECT_THROW(w.wait(), TimeoutError);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count(), 0.5);
+  // Rank 0 joins late, which releases the backend's blocked call (MPI can then finalize).
+  std::this_thread::sleep_for(std::chrono::seconds(3));
 }
 
 }  // namespace

@@ -45,25 +45,54 @@ void WorkState::fail(std::exception_ptr error) {
   cv_.notify_all();
 }
 
+void WorkState::time_out(const std::string& message) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (timed_out_ || done_) return;
+    timed_out_ = true;
+  }
+  fail(std::make_exception_ptr(TimeoutError(message)));
+  if (on_break) on_break(message);
+}
+
+namespace {
+
+std::string late_message(const CollectiveInfo& info, std::chrono::milliseconds timeout) {
+  std::ostringstream msg;
+  msg << describe(info) << " did not complete within " << timeout.count() / 1000.0 << " s on rank "
+      << info.rank
+      << ". Another rank skipped this collective, issued a different one, or died: check "
+         "the other ranks' logs. If the op is legitimately slow, raise the timeout "
+         "(parallel.timeout_s or DTRAIN_COMM_TIMEOUT_S).";
+  return msg.str();
+}
+
+}  // namespace
+
 void WorkState::wait(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
+  if (!done_ && stream_wait) {
+    // NCCL: order the caller's stream after the op and return; the watchdog reports a late
+    // or failed op through this state and the communicator.
+    lock.unlock();
+    stream_wait();
+    return;
+  }
   bool ok = cv_.wait_for(lock, timeout, [&] { return done_; });
   if (!ok) {
     bool first = !timed_out_;
     timed_out_ = true;
     lock.unlock();
-    std::ostringstream msg;
-    msg << describe(info_) << " did not complete within " << timeout.count() / 1000.0
-        << " s on rank " << info_.rank
-        << ". Another rank skipped this collective, issued a different one, or died: check "
-           "the other ranks' logs. If the op is legitimately slow, raise the timeout "
-           "(parallel.timeout_s or DTRAIN_COMM_TIMEOUT_S).";
-    if (first && on_timeout) on_timeout(msg.str());
-    DTRAIN_FAIL(TimeoutError, msg.str());
+    std::string msg = late_message(info_, timeout);
+    if (first) {
+      // This op fails for good (a later wait rethrows at once); then the communicator fails
+      // every other pending op, since the ranks are out of step.
+      fail(std::make_exception_ptr(TimeoutError(msg)));
+      if (on_break) on_break(msg);
+    }
+    DTRAIN_FAIL(TimeoutError, msg);
   }
   if (error_) std::rethrow_exception(error_);
-  lock.unlock();
-  if (after_wait) after_wait();
 }
 
 bool WorkState::is_completed() const {
@@ -73,8 +102,15 @@ bool WorkState::is_completed() const {
 
 double WorkState::busy_seconds() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!done_ || started_ == std::chrono::steady_clock::time_point{}) return 0.0;
+  if (!done_) return 0.0;
+  if (device_seconds_ >= 0) return device_seconds_;
+  if (started_ == std::chrono::steady_clock::time_point{}) return 0.0;
   return std::chrono::duration<double>(finished_ - started_).count();
+}
+
+void WorkState::set_busy_seconds(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  device_seconds_ = seconds;
 }
 
 }  // namespace detail

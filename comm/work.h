@@ -44,8 +44,11 @@ class WorkState {
   void mark_started();
   void finish();
   void fail(std::exception_ptr error);
+  // Fails with TimeoutError(message) and tells the communicator (on_break), once. For
+  // backends that detect lateness themselves (NCCL's watchdog).
+  void time_out(const std::string& message);
 
-  // Blocks until completion or timeout. On timeout calls on_timeout (once) and throws.
+  // Blocks until completion or timeout. On timeout calls on_break (once) and throws.
   void wait(std::chrono::milliseconds timeout);
   bool is_completed() const;
 
@@ -53,11 +56,16 @@ class WorkState {
   std::chrono::milliseconds default_timeout() const { return timeout_; }
   // Seconds the backend spent executing the collective (0 until completed).
   double busy_seconds() const;
+  // Backends that time the op on the device (NCCL: CUDA events) report it here; it replaces
+  // the host-clock figure.
+  void set_busy_seconds(double seconds);
 
   // Called once if a wait times out (the communicator marks itself broken).
-  std::function<void(const std::string&)> on_timeout;
-  // Run after a successful host-side wait (NCCL: make the caller's stream wait on the op).
-  std::function<void()> after_wait;
+  std::function<void(const std::string&)> on_break;
+  // NCCL: instead of blocking the host, make the caller's current stream wait for the op
+  // (c10d's semantics). Called by wait() while the op is still running on the device; once
+  // completed, wait() returns at once.
+  std::function<void()> stream_wait;
 
  private:
   CollectiveInfo info_;
@@ -68,6 +76,7 @@ class WorkState {
   bool timed_out_ = false;
   std::exception_ptr error_;
   std::chrono::steady_clock::time_point started_{}, finished_{};
+  double device_seconds_ = -1;
 };
 
 }  // namespace detail

@@ -66,9 +66,13 @@ template <typename E>
 
 // DTRAIN_CHECK(cond, parts...): throws dtrain::Error with the parts streamed together.
 #define DTRAIN_CHECK(cond, ...) DTRAIN_CHECK_AS(::dtrain::Error, cond, __VA_ARGS__)
-// DTRAIN_CHECK_AS(ErrorType, cond, parts...): the same with a chosen error type.
-#define DTRAIN_CHECK_AS(E, cond, ...) \
-  if (!(cond)) ::dtrain::detail::fail<E>(__FILE__, __LINE__, ::dtrain::detail::str(__VA_ARGS__))
+// DTRAIN_CHECK_AS(ErrorType, cond, parts...): the same with a chosen error type. The
+// do/while makes it one statement, so an `else` after it binds to the caller's `if`.
+#define DTRAIN_CHECK_AS(E, cond, ...)                                                    \
+  do {                                                                                   \
+    if (!(cond))                                                                         \
+      ::dtrain::detail::fail<E>(__FILE__, __LINE__, ::dtrain::detail::str(__VA_ARGS__)); \
+  } while (0)
 // DTRAIN_FAIL(ErrorType, parts...): throws unconditionally.
 #define DTRAIN_FAIL(E, ...) \
   ::dtrain::detail::fail<E>(__FILE__, __LINE__, ::dtrain::detail::str(__VA_ARGS__))

@@ -27,6 +27,17 @@ TEST(Error, TimeoutIsACommErrorIsAnError) {
   EXPECT_NO_THROW(DTRAIN_CHECK(true, "never"));
 }
 
+// An `else` after a check binds to the caller's `if`, not to one hidden in the macro.
+TEST(Error, CheckIsOneStatementSoElseBindsToTheCallersIf) {
+  int branch = 0;
+  bool take_if = false;
+  if (take_if)
+    DTRAIN_CHECK(true, "never");
+  else
+    branch = 2;
+  EXPECT_EQ(branch, 2);
+}
+
 TEST(Env, ParsesIntegersAndRejectsGarbageNamingTheVariable) {
   std::map<std::string, std::string> vars{{"A", "12"}, {"B", "x1"}};
   EnvLookup env = [&](const std::string& k) -> std::optional<std::string> {

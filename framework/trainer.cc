@@ -107,7 +107,7 @@ class Wrapped : public Model {
 
 double mean_over_ranks(comm::Communicator* comm, double v) {
   if (comm == nullptr || comm->size() == 1) return v;
-  at::Tensor t = at::full({1}, v, at::kDouble);
+  at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kDouble).device(comm->device()));
   comm->all_reduce(t, comm::ReduceOp::kAvg).wait();
   return t.item<double>();
 }

@@ -41,14 +41,17 @@ struct Batch {
   }
 };
 
+// Tensors live on dtrain::testing::device(): the CPU, or this rank's GPU in gpu-check.
+at::Device dev() { return dtrain::testing::device(); }
+
 Batch mlp_batch(int64_t n, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return {at::randn({n, 16}, gen), at::randint(0, 5, {n}, gen)};
+  return {at::randn({n, 16}, gen).to(dev()), at::randint(0, 5, {n}, gen).to(dev())};
 }
 
 Batch lm_batch(int64_t n, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return {at::randint(0, 40, {n, 12}, gen), at::randint(0, 40, {n, 12}, gen)};
+  return {at::randint(0, 40, {n, 12}, gen).to(dev()), at::randint(0, 40, {n, 12}, gen).to(dev())};
 }
 
 at::Tensor mlp_loss(const at::Tensor& logits, const at::Tensor& target) {
@@ -61,14 +64,18 @@ at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& target) {
 
 MLP make_mlp() {
   at::manual_seed(7 + world().rank());  // different on purpose: DDP must broadcast rank 0's
-  return MLP(MLPOptions().in_features(16).hidden(32).depth(3).out_features(5));
+  MLP m(MLPOptions().in_features(16).hidden(32).depth(3).out_features(5));
+  m->to(dev());
+  return m;
 }
 
 TransformerLM make_lm() {
   at::manual_seed(11 + world().rank());
-  return TransformerLM(
+  TransformerLM m(
       TransformerLMOptions().vocab_size(40).seq_len(12).d_model(32).n_layers(2).n_heads(4).d_ff(
           64));
+  m->to(dev());
+  return m;
 }
 
 template <typename M>
@@ -242,7 +249,9 @@ TORCH_MODULE(Branchy);
 
 Branchy make_branchy() {
   at::manual_seed(5);
-  return Branchy();
+  Branchy m;
+  m->to(dev());
+  return m;
 }
 
 TEST_F(Test, FindUnusedParametersHandlesLocallyAndGloballyUnusedParameters) {
@@ -262,7 +271,7 @@ TEST_F(Test, FindUnusedParametersHandlesLocallyAndGloballyUnusedParameters) {
     at::Tensor ref = reference->forward(x, false);
     at::Tensor ref_extra = reference->extra->forward(x.narrow(0, 0, kPerRank));
     // Reference: mean over ranks of each rank's own loss.
-    at::Tensor total = at::zeros({});
+    at::Tensor total = at::zeros({}, dev());
     for (int64_t r = 0; r < world_size; ++r) {
       at::Tensor y = ref.narrow(0, r * kPerRank, kPerRank);
       if (r == 0) y = y + ref_extra;
@@ -280,7 +289,7 @@ TEST_F(Test, FindUnusedParametersHandlesLocallyAndGloballyUnusedParameters) {
 TEST_F(Test, UnusedParameterWithoutFindUnusedRaisesNamingItAtTheNextForward) {
   DistributedDataParallel<Branchy> ddp(make_branchy(), world_ptr(),
                                        DDPOptions().bucket_cap_mb(1e-9));
-  at::Tensor x = at::randn({kPerRank, 6});
+  at::Tensor x = at::randn({kPerRank, 6}).to(dev());
   ddp.forward(x, true).sum().backward();  // `dead` got no gradient
   try {
     ddp.forward(x, true);
@@ -323,12 +332,13 @@ TEST_F(Test, Fp16ReduceOfValuesNearMaxOverWorldDoesNotOverflow) {
   // Every rank's gradient is 1.5 x 65504 / world: summed undivided it would reach 1.5 x the
   // fp16 maximum and become inf.
   const double v = 1.5 * 65504.0 / world().size();
-  DistributedDataParallel<WeightedSum> ddp(WeightedSum(), world_ptr(),
-                                           DDPOptions().reduce_dtype(at::kHalf));
-  ddp(at::full({8}, v)).backward();
+  WeightedSum m;
+  m->to(dev());
+  DistributedDataParallel<WeightedSum> ddp(m, world_ptr(), DDPOptions().reduce_dtype(at::kHalf));
+  ddp(at::full({8}, v, dev())).backward();
   at::Tensor g = ddp.module()->w.grad();
   EXPECT_TRUE(at::isfinite(g).all().item<bool>()) << g;
-  expect_close(g, at::full({8}, v), 1e-3, "w");
+  expect_close(g, at::full({8}, v, dev()), 1e-3, "w");
 }
 
 TEST_F(Test, GradScalerSkipsOnEveryRankWhenOneRankProducesInf) {
@@ -345,7 +355,8 @@ TEST_F(Test, GradScalerSkipsOnEveryRankWhenOneRankProducesInf) {
     scaler.scale(loss).backward();
     EXPECT_EQ(scaler.step(opt), step != 2) << "step " << step;
     scaler.update();
-    at::Tensor s = at::full({1}, scaler.get_scale(), at::kDouble), s0 = s.clone();
+    at::Tensor s = at::full({1}, scaler.get_scale(), at::TensorOptions(at::kDouble).device(dev()));
+    at::Tensor s0 = s.clone();
     world().broadcast(s0, 0).wait();
     EXPECT_EQ(s.item<double>(), s0.item<double>())
         << "scale differs from rank 0's at step " << step;
@@ -356,6 +367,7 @@ TEST_F(Test, MismatchedParametersRaiseNamingTheFirstDifference) {
   at::manual_seed(3);
   MLP m(
       MLPOptions().in_features(16).hidden(world().rank() == 0 ? 32 : 33).depth(2).out_features(5));
+  m->to(dev());
   try {
     DistributedDataParallel<MLP> ddp(m, world_ptr());
     FAIL() << "mismatched models accepted";
@@ -382,6 +394,7 @@ TORCH_MODULE(WithBuffer);
 TEST_F(Test, ParametersAndBuffersComeFromRankZero) {
   at::manual_seed(100 + world().rank());
   WithBuffer m;
+  m->to(dev());
   m->stat.fill_(world().rank() + 1);
   DistributedDataParallel<WithBuffer> ddp(m, world_ptr());
   EXPECT_EQ(ddp.module()->stat[0].item<float>(), 1.0f) << "construction broadcasts buffers";
@@ -389,7 +402,7 @@ TEST_F(Test, ParametersAndBuffersComeFromRankZero) {
   world().broadcast(w0, 0).wait();
   EXPECT_TRUE(at::equal(w, w0));
   ddp.module()->stat.fill_(world().rank() + 10);
-  ddp(at::ones({1, 3}));
+  ddp(at::ones({1, 3}, dev()));
   EXPECT_EQ(ddp.module()->stat[1].item<float>(), 10.0f) << "each forward broadcasts buffers";
 }
 
@@ -411,11 +424,13 @@ TORCH_MODULE(Reversed);
 
 TEST_F(Test, BucketsAreRebuiltInArrivalOrderAfterTheFirstIteration) {
   at::manual_seed(2);
-  DistributedDataParallel<Reversed> ddp(Reversed(), world_ptr(),
+  Reversed m;
+  m->to(dev());
+  DistributedDataParallel<Reversed> ddp(m, world_ptr(),
                                         DDPOptions().bucket_cap_mb(1e-9).first_bucket_mb(1e-9));
   // Before: reverse registration order, so d's parameters (indices 6, 7) go first.
   EXPECT_EQ(ddp.reducer().bucket_indices().front().front(), 7);
-  at::Tensor x = at::randn({2, 5});
+  at::Tensor x = at::randn({2, 5}).to(dev());
   ddp(x).sum().backward();
   ddp(x).sum().backward();  // this forward rebuilt the buckets
   auto rebuilt = ddp.reducer().bucket_indices();

@@ -108,13 +108,16 @@ void Reducer::verify_same_parameters() {
     sig.push_back(p.requires_grad() ? 1 : 0);
   }
   const int world = comm_->size();
-  at::Tensor len = at::full({1}, static_cast<int64_t>(sig.size()), at::kLong);
+  // The reducer's own collectives run on the communicator's device (NCCL: this rank's GPU).
+  const auto on_comm = at::TensorOptions().dtype(at::kLong).device(comm_->device());
+  at::Tensor len = at::full({1}, static_cast<int64_t>(sig.size()), on_comm);
   comm_->all_reduce(len, comm::ReduceOp::kMax).wait();
   const int64_t width = len.item<int64_t>();
   at::Tensor mine = at::full({width}, -1, at::kLong);
   std::copy(sig.begin(), sig.end(), mine.data_ptr<int64_t>());
-  at::Tensor all = at::empty({world * width}, at::kLong);
-  comm_->all_gather(mine, all).wait();
+  at::Tensor all = at::empty({world * width}, on_comm);
+  comm_->all_gather(mine.to(comm_->device()), all).wait();
+  all = all.cpu();
   const int64_t* base = all.data_ptr<int64_t>();
   std::vector<int64_t> ref(base, base + width);  // rank 0's
   for (int r = 1; r < world; ++r) {
@@ -359,8 +362,10 @@ void Reducer::finalize_backward() {
   stats.exposed_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   at::Tensor global_used;
   if (options_.find_unused_parameters()) {
-    global_used = local_used_.clone();
+    // Hooks write local_used_ on the host; the MAX runs on the communicator's device.
+    global_used = local_used_.to(comm_->device(), /*non_blocking=*/false, /*copy=*/true);
     comm_->all_reduce(global_used, comm::ReduceOp::kMax).wait();
+    global_used = global_used.cpu();
     local_used_.zero_();
   }
   bool all_done = true;
@@ -466,8 +471,9 @@ void Reducer::rebuild_buckets() {
   for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
     if (!seen[i] && params_[i].second.requires_grad()) order.push_back(i);
   }
-  at::Tensor t = at::tensor(order, at::kLong);
+  at::Tensor t = at::tensor(order, at::kLong).to(comm_->device());
   comm_->broadcast(t, 0).wait();
+  t = t.cpu();
   std::vector<int64_t> agreed(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
   build_buckets(agreed);
   rebuilt_ = true;

@@ -8,6 +8,8 @@
 
 #include <gtest/gtest.h>
 
+#include <c10/core/Device.h>
+
 #include <memory>
 
 #include "comm/communicator.h"
@@ -17,6 +19,12 @@ namespace dtrain::testing {
 // The world communicator the harness created (backend from DTRAIN_BACKEND / auto).
 comm::Communicator& world();
 std::shared_ptr<comm::Communicator> world_ptr();
+
+// The device tests put their tensors on: this rank's GPU under nccl, or with
+// DTRAIN_TEST_DEVICE=cuda (MPI and Gloo then stage CUDA tensors through the host); else the
+// CPU. DTRAIN_TEST_DEVICE=cuda without a CUDA device fails the test run rather than
+// silently testing the CPU.
+at::Device device();
 
 class MultiRankTest : public ::testing::Test {
  protected:
