@@ -1,9 +1,11 @@
 #include "comm/factory.h"
 
 #include "comm/gloo_communicator.h"
-#include "comm/mpi_communicator.h"
 #include "core/error.h"
 #include "core/logging.h"
+#ifdef DTRAIN_WITH_MPI
+#include "comm/mpi_communicator.h"
+#endif
 #ifdef DTRAIN_WITH_NCCL
 #include "comm/nccl_communicator.h"
 #endif
@@ -17,7 +19,7 @@ Backend resolve_backend(Backend requested, c10::DeviceType device, const RankInf
   }
   if (requested != Backend::kAuto) return requested;
   if (device == c10::kCUDA) return Backend::kNccl;
-  if (info.mpi_launched) return Backend::kMpi;
+  if (info.mpi_launched && has_mpi_backend()) return Backend::kMpi;
   return Backend::kGloo;
 }
 
@@ -27,6 +29,14 @@ std::chrono::milliseconds resolve_timeout(const std::optional<std::chrono::milli
   double seconds = env_double(env, "DTRAIN_COMM_TIMEOUT_S", 300.0);
   DTRAIN_CHECK_AS(ConfigError, seconds > 0, "DTRAIN_COMM_TIMEOUT_S=", seconds, " must be positive");
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+bool has_mpi_backend() {
+#ifdef DTRAIN_WITH_MPI
+  return true;
+#else
+  return false;
+#endif
 }
 
 bool has_nccl_backend() {
@@ -44,11 +54,17 @@ std::shared_ptr<Communicator> create_world(const CommOptions& options, const Env
   std::shared_ptr<Communicator> comm;
   switch (backend) {
     case Backend::kMpi: {
+#ifndef DTRAIN_WITH_MPI
+      DTRAIN_FAIL(ConfigError,
+                  "backend mpi is not in this build (configured with DTRAIN_WITH_MPI=OFF): "
+                  "rebuild with MPI, or use backend gloo (nccl for CUDA tensors)");
+#else
       comm = make_mpi_world(timeout);
       DTRAIN_CHECK_AS(ConfigError, comm->size() == info.world_size || info.source != "torchrun",
                       "mpi backend sees ", comm->size(), " ranks but WORLD_SIZE=", info.world_size,
                       ": ranks started by dtrain-launch are separate MPI jobs; use --backend "
                       "gloo, or start the job with mpirun");
+#endif
       break;
     }
     case Backend::kGloo: {

@@ -1,7 +1,7 @@
 // Creating the world communicator for this process.
 //
 // Backend `auto` resolves to nccl when the job's tensors live on CUDA, else mpi when an MPI
-// launcher started the process, else gloo. DTRAIN_BACKEND (dtrain-launch --backend) replaces
+// launcher started the process (and this build has MPI), else gloo. DTRAIN_BACKEND (dtrain-launch --backend) replaces
 // `auto` only; an explicit choice in the config wins. The timeout of every collective comes
 // from the options, else DTRAIN_COMM_TIMEOUT_S, else 300 s.
 #pragma once
@@ -34,6 +34,8 @@ std::chrono::milliseconds resolve_timeout(const std::optional<std::chrono::milli
 
 // Whether this build has the NCCL backend (CMake DTRAIN_WITH_CUDA / Bazel --config=cuda).
 bool has_nccl_backend();
+// Whether this build has the MPI backend (always in Bazel; CMake DTRAIN_WITH_MPI).
+bool has_mpi_backend();
 
 std::shared_ptr<Communicator> create_world(const CommOptions& options = {},
                                            const EnvLookup& env = process_env());

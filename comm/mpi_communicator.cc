@@ -295,13 +295,6 @@ class MpiCommunicator : public Communicator {
 
 }  // namespace
 
-bool launched_by_mpi() {
-  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"}) {
-    if (std::getenv(v) != nullptr) return true;
-  }
-  return false;
-}
-
 std::shared_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout) {
   auto& runtime = MpiRuntime::get();
   MPI_Comm comm = MPI_COMM_NULL;

@@ -7,9 +7,13 @@
 // pairwise step). AVG is SUM followed by a division by the group size. CUDA tensors are
 // staged through host memory. A timed-out collective leaves the worker blocked in MPI; the
 // runtime then skips MPI_Finalize at exit (the launcher or mpirun ends the job).
+//
+// Optional in the CMake build (DTRAIN_WITH_MPI=OFF, e.g. on GPU machines without an MPI):
+// then has_mpi_backend() is false and backend mpi is a ConfigError.
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 
 #include "comm/communicator.h"
@@ -18,9 +22,6 @@ namespace dtrain::comm {
 
 // The world communicator over MPI_COMM_WORLD (duplicated). Initializes MPI on first use.
 std::shared_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout);
-
-// Whether this process was started by an MPI launcher (mpirun / srun with PMI).
-bool launched_by_mpi();
 
 // Runs `fn` on the MPI worker thread, after every collective issued before it (for raw-MPI
 // benchmarks that must be serialized with dtrain's own MPI calls).

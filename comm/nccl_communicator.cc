@@ -12,8 +12,11 @@
 #include <mutex>
 #include <thread>
 
-#include "comm/mpi_communicator.h"
 #include "core/error.h"
+
+#ifdef DTRAIN_WITH_MPI
+#include "comm/mpi_communicator.h"
+#endif
 
 #ifdef DTRAIN_TORCH_CUDA
 #include <c10/cuda/CUDAStream.h>
@@ -356,10 +359,17 @@ std::shared_ptr<Communicator> make_nccl_world(const RankInfo& info,
                              reinterpret_cast<uint8_t*>(&id) + sizeof(id));
   c10::intrusive_ptr<c10d::Store> store;
   if (info.world_size > 1) {
-    if (info.mpi_launched) {
+#ifdef DTRAIN_WITH_MPI
+    const bool through_mpi = info.mpi_launched;
+#else
+    const bool through_mpi = false;  // no MPI in this build: the TCPStore (MASTER_ADDR)
+#endif
+    if (through_mpi) {
+#ifdef DTRAIN_WITH_MPI
       auto mpi = make_mpi_world(timeout);
       at::Tensor t = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte);
       mpi->broadcast(t, 0).wait();
+#endif
     } else {
       store = make_tcp_store(info, timeout);
       const std::string key = "dtrain/nccl/unique_id";

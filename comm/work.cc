@@ -70,14 +70,21 @@ std::string late_message(const CollectiveInfo& info, std::chrono::milliseconds t
 }  // namespace
 
 void WorkState::wait(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!done_ && stream_wait) {
-    // NCCL: order the caller's stream after the op and return; the watchdog reports a late
-    // or failed op through this state and the communicator.
-    lock.unlock();
-    stream_wait();
-    return;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!done_ && stream_wait) {
+      // NCCL: order the caller's stream after the op and return; the watchdog reports a
+      // late or failed op through this state and the communicator.
+      lock.unlock();
+      stream_wait();
+      return;
+    }
   }
+  synchronize(timeout);
+}
+
+void WorkState::synchronize(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
   bool ok = cv_.wait_for(lock, timeout, [&] { return done_; });
   if (!ok) {
     bool first = !timed_out_;
@@ -121,6 +128,10 @@ void Work::wait() const {
 
 void Work::wait(std::chrono::milliseconds timeout) const {
   if (state_) state_->wait(timeout);
+}
+
+void Work::synchronize() const {
+  if (state_) state_->synchronize(state_->default_timeout());
 }
 
 bool Work::is_completed() const { return !state_ || state_->is_completed(); }

@@ -48,8 +48,12 @@ class WorkState {
   // backends that detect lateness themselves (NCCL's watchdog).
   void time_out(const std::string& message);
 
-  // Blocks until completion or timeout. On timeout calls on_break (once) and throws.
+  // Makes the result visible to the caller: blocks until completion or timeout (MPI, Gloo),
+  // or orders the caller's CUDA stream after the op (NCCL). On timeout calls on_break
+  // (once) and throws.
   void wait(std::chrono::milliseconds timeout);
+  // Blocks the host until the op completed on every backend (NCCL too), or times out.
+  void synchronize(std::chrono::milliseconds timeout);
   bool is_completed() const;
 
   const CollectiveInfo& info() const { return info_; }
@@ -88,8 +92,13 @@ class Work {
   explicit Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
 
   // Waits with the communicator's timeout. Throws the backend's error or TimeoutError.
+  // Under NCCL the host does not block: the caller's current CUDA stream waits instead, as
+  // with c10d's Work::wait. MPI and Gloo block the host.
   void wait() const;
   void wait(std::chrono::milliseconds timeout) const;
+  // Blocks the host until the op completed, on every backend (e.g. before reading its
+  // device-side duration).
+  void synchronize() const;
   bool is_completed() const;
   // Seconds the backend spent executing the collective (0 until completed / for no-ops).
   double busy_seconds() const;

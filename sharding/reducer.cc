@@ -355,6 +355,7 @@ void Reducer::finalize_backward() {
   callback_queued_ = false;
   c10::NoGradGuard no_grad;
   ReducerStats stats;
+  stats_works_.clear();
   auto t0 = Clock::now();
   for (auto& b : buckets_) {
     if (b.launched && !b.finished) b.work.wait();
@@ -396,7 +397,7 @@ void Reducer::finalize_backward() {
     if (options_.monitor() != nullptr) {
       options_.monitor()->record("ddp.bucket" + std::to_string(bi) + ".grad", b.contents);
     }
-    stats.comm_seconds += b.work.busy_seconds();
+    stats_works_.push_back(b.work);
     ++stats.buckets;
     b.finished = true;
   }
@@ -521,6 +522,15 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
                     "forward()");
     unused_ = find_unused(outputs);
   }
+}
+
+const ReducerStats& Reducer::last_stats() const {
+  for (const auto& w : stats_works_) {
+    w.synchronize();
+    stats_.comm_seconds += w.busy_seconds();
+  }
+  stats_works_.clear();
+  return stats_;
 }
 
 std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {

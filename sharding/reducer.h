@@ -71,8 +71,10 @@ struct DDPOptions {
 // Per-iteration timing of the gradient reduction (the last completed backward).
 struct ReducerStats {
   int64_t buckets = 0;
-  double comm_seconds = 0;     // sum of the collectives' execution times
-  double exposed_seconds = 0;  // time backward waited for them at its end
+  double comm_seconds = 0;     // sum of the collectives' execution times (device time on NCCL)
+  // Time backward waited for them at its end, on the host. NCCL's wait does not block the
+  // host (the stream waits), so there this is ~0 and the hidden share an upper bound.
+  double exposed_seconds = 0;
   // Share of communication hidden behind backward compute, in [0, 1].
   double hidden_fraction() const {
     return comm_seconds > 0 ? std::max(0.0, 1.0 - exposed_seconds / comm_seconds) : 1.0;
@@ -102,7 +104,9 @@ class Reducer {
   bool require_sync() const { return require_sync_; }
   void set_require_sync(bool on) { require_sync_ = on; }
 
-  const ReducerStats& last_stats() const { return stats_; }
+  // Reads the collectives' execution times, so it waits for the last backward's collectives
+  // to finish (NCCL: on the device); call it when reporting, not in the step.
+  const ReducerStats& last_stats() const;
   // Parameter indices of each bucket, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
   const comm::Communicator& communicator() const { return *comm_; }
@@ -165,7 +169,8 @@ class Reducer {
   std::vector<int64_t> ready_order_;  // first syncing iteration, for the rebuild
   bool rebuild_due_ = false;
   bool rebuilt_ = false;
-  ReducerStats stats_;
+  mutable ReducerStats stats_;
+  mutable std::vector<comm::Work> stats_works_;  // the last backward's, summed on demand
 };
 
 }  // namespace dtrain::sharding
