@@ -5,7 +5,6 @@
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <chrono>
@@ -88,14 +87,14 @@ Reducer::Reducer(NamedTensors params, NamedTensors buffers,
   ready_.assign(params_.size(), false);
   local_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
   build_buckets(order);
-  register_hooks();
+  std::vector<at::Tensor> tensors;
+  for (const auto& [name, p] : params_) tensors.push_back(p);
+  hooks_ = std::make_unique<GradReadyHooks>(tensors, [this](int64_t i) { autograd_hook(i); });
 }
 
 Reducer::~Reducer() {
   drain_in_flight();
-  for (size_t i = 0; i < accumulators_.size(); ++i) {
-    if (accumulators_[i]) accumulators_[i]->del_post_hook(hook_keys_[i]);
-  }
+  hooks_.reset();  // before the buckets the hooks write to
 }
 
 // Every rank must hold the same parameters, in the same order, with the same shapes.
@@ -270,26 +269,6 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
                  post_divide_, " after");
 }
 
-void Reducer::register_hooks() {
-  accumulators_.assign(params_.size(), nullptr);
-  hook_keys_.assign(params_.size(), 0);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& p = params_[i].second;
-    if (!p.requires_grad()) continue;
-    // The autograd graph keeps only a weak reference to the accumulator: hold it, or a new
-    // one (without our hook) would be created for the next graph.
-    auto acc = torch::autograd::impl::grad_accumulator(p);
-    const int64_t index = static_cast<int64_t>(i);
-    hook_keys_[i] = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-        [this, index](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list& /*inputs*/) {
-          autograd_hook(index);
-          return outputs;
-        }));
-    accumulators_[i] = std::move(acc);
-  }
-}
-
 void Reducer::autograd_hook(int64_t index) {
   std::lock_guard<std::mutex> lock(mu_);
   if (options_.find_unused_parameters()) local_used_.data_ptr<int>()[index] = 1;
@@ -457,7 +436,7 @@ std::vector<int64_t> Reducer::find_unused(const std::vector<at::Tensor>& outputs
   }
   std::vector<int64_t> unused;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (accumulators_[i] && seen.count(accumulators_[i].get()) == 0) {
+    if (hooks_->hooked(i) && seen.count(hooks_->node(i)) == 0) {
       unused.push_back(static_cast<int64_t>(i));
     }
   }
@@ -488,7 +467,7 @@ void Reducer::prepare_for_forward(bool will_sync) {
     std::ostringstream names;
     int64_t count = 0;
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (!accumulators_[i] || ready_[i]) continue;
+      if (!hooks_->hooked(i) || ready_[i]) continue;
       if (count < 10) names << (count ? ", " : "") << params_[i].first;
       ++count;
     }

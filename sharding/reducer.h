@@ -39,10 +39,7 @@
 #include <vector>
 
 #include "comm/communicator.h"
-
-namespace torch::autograd {
-class Node;
-}
+#include "sharding/grad_hooks.h"
 
 namespace dtrain::amp {
 class NumericsMonitor;
@@ -71,7 +68,7 @@ struct DDPOptions {
 // Per-iteration timing of the gradient reduction (the last completed backward).
 struct ReducerStats {
   int64_t buckets = 0;
-  double comm_seconds = 0;     // sum of the collectives' execution times (device time on NCCL)
+  double comm_seconds = 0;  // sum of the collectives' execution times (device time on NCCL)
   // Time backward waited for them at its end, on the host. NCCL's wait does not block the
   // host (the stream waits), so there this is ~0 and the hidden share an upper bound.
   double exposed_seconds = 0;
@@ -132,7 +129,6 @@ class Reducer {
   void sync_module_states();
   void broadcast_flat(const std::vector<at::Tensor>& tensors);
   void build_buckets(const std::vector<int64_t>& order);
-  void register_hooks();
   void autograd_hook(int64_t index);
   void mark_ready(int64_t index, bool from_hook);
   void launch_ready_buckets();
@@ -153,8 +149,7 @@ class Reducer {
 
   std::vector<Bucket> buckets_;
   std::vector<Location> where_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
+  std::unique_ptr<GradReadyHooks> hooks_;
 
   std::mutex mu_;
   bool require_sync_ = true;
