@@ -92,7 +92,8 @@ int main(int argc, char** argv) {
   app.add_option("--peak-fp32-tflops", peak_fp32_tflops, "fp32 peak for the fp32 row's MFU");
   CLI11_PARSE(app, argc, argv);
 
-  const c10::Device device(device_name);
+  c10::Device device(device_name);
+  if (device.is_cuda() && !device.has_index()) device = c10::Device(c10::kCUDA, 0);
   if (device.is_cuda() && !torch::cuda::is_available()) {
     std::fprintf(stderr, "amp_bench: --device %s, but no CUDA device is visible\n",
                  device_name.c_str());
