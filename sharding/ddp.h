@@ -36,22 +36,13 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "sharding/no_sync.h"
+#include "sharding/outputs.h"
 #include "sharding/reducer.h"
 
 namespace dtrain::sharding {
 
 namespace detail {
-
-inline void collect(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
-inline void collect(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
-  out.insert(out.end(), ts.begin(), ts.end());
-}
-template <typename... Ts>
-void collect(const std::tuple<Ts...>& t, std::vector<at::Tensor>& out) {
-  std::apply([&](const auto&... x) { (collect(x, out), ...); }, t);
-}
-template <typename T>
-void collect(const T& /*other*/, std::vector<at::Tensor>& /*out*/) {}
 
 inline Reducer::NamedTensors named(const torch::OrderedDict<std::string, at::Tensor>& d) {
   Reducer::NamedTensors out;
@@ -60,27 +51,6 @@ inline Reducer::NamedTensors named(const torch::OrderedDict<std::string, at::Ten
 }
 
 }  // namespace detail
-
-// Turns gradient synchronization off for its lifetime (gradient accumulation).
-class NoSyncGuard {
- public:
-  explicit NoSyncGuard(Reducer& r) : reducer_(&r), previous_(r.require_sync()) {
-    r.set_require_sync(false);
-  }
-  NoSyncGuard(NoSyncGuard&& other) noexcept : reducer_(other.reducer_), previous_(other.previous_) {
-    other.reducer_ = nullptr;
-  }
-  NoSyncGuard(const NoSyncGuard&) = delete;
-  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-  NoSyncGuard& operator=(NoSyncGuard&&) = delete;
-  ~NoSyncGuard() {
-    if (reducer_ != nullptr) reducer_->set_require_sync(previous_);
-  }
-
- private:
-  Reducer* reducer_;
-  bool previous_;
-};
 
 template <typename ModuleHolder>
 class DistributedDataParallel {

@@ -16,31 +16,12 @@
 #include "comm/types.h"
 #include "core/error.h"
 #include "core/logging.h"
+#include "sharding/flat.h"
 
 namespace dtrain::sharding {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-bool is_16bit(c10::ScalarType t) { return t == c10::kHalf || t == c10::kBFloat16; }
-
-// FSDP's gradient pre-divide factor: doubles while world % f == 0 and world / f > f.
-int64_t predivide_factor(int64_t world) {
-  int64_t f = 1;
-  while (world % f == 0 && world / f > f) f *= 2;
-  return f;
-}
-
-// A tensor shaped like `param` over flat[offset, offset + numel): it shares the bucket's
-// storage but is not an autograd view, because LibTorch's Optimizer::zero_grad() calls
-// detach_() on every gradient and autograd refuses detach_() on views.
-at::Tensor bucket_slot(const at::Tensor& flat, int64_t offset, const at::Tensor& param) {
-  at::Tensor t = at::empty({0}, flat.options());
-  t.set_(flat.storage(), flat.storage_offset() + offset, param.sizes(),
-         param.is_contiguous() ? at::IntArrayRef(c10::contiguous_strides(param.sizes()))
-                               : param.strides());
-  return t;
-}
 
 // Buckets and broadcasts never mix dtypes or devices.
 std::string group_key(const at::Tensor& t) {
@@ -238,7 +219,9 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
                         : at::empty({total}, first.options().dtype(reduce));
     for (size_t s = 0; s < b.params.size(); ++s) {
       at::Tensor& p = params_[b.params[s]].second;
-      at::Tensor view = bucket_slot(b.contents, b.offsets[s], p);
+      at::Tensor view =
+          p.is_contiguous() ? flat_slot(b.contents, b.offsets[s], p.sizes())
+                            : flat_slot(b.contents, b.offsets[s], p.sizes(), p.strides());
       b.views.push_back(view);
       where_[b.params[s]] = Location{static_cast<int64_t>(bi), static_cast<int64_t>(s)};
       // Keep accumulated gradients (a rebuild between accumulation steps).
@@ -255,8 +238,7 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
   // Averaging split (see reducer.h).
   c10::ScalarType reduce =
       options_.reduce_dtype().value_or(params_[order.front()].second.scalar_type());
-  pre_divide_ = is_16bit(reduce) ? predivide_factor(world) : world;
-  post_divide_ = static_cast<double>(world) / static_cast<double>(pre_divide_);
+  divide_ = divide_factors(world, reduce);
   std::ostringstream os;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     os << (bi ? ", " : "") << buckets_[bi].params.size() << " params/"
@@ -265,8 +247,8 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
        << " MB";
   }
   logging::debug("DDP: ", buckets_.size(), " buckets (", os.str(), "), reduce dtype ",
-                 comm::dtype_name(reduce), ", divide by ", pre_divide_, " before and ",
-                 post_divide_, " after");
+                 comm::dtype_name(reduce), ", divide by ", divide_.pre, " before and ",
+                 divide_.post, " after");
 }
 
 void Reducer::autograd_hook(int64_t index) {
@@ -301,16 +283,16 @@ void Reducer::mark_ready(int64_t index, bool from_hook) {
   // mul_out), so launching a bucket needs no extra pass over it.
   if (grad.defined()) {
     if (!grad.is_alias_of(view)) {
-      if (pre_divide_ != 1) {
+      if (divide_.pre != 1) {
         at::mul_out(view, grad,
-                    at::scalar_tensor(1.0 / static_cast<double>(pre_divide_),
+                    at::scalar_tensor(1.0 / divide_.pre,
                                       grad.options().device(c10::kCPU)));
       } else {
         view.copy_(grad);
       }
       if (options_.gradient_as_bucket_view()) grad = view;
-    } else if (pre_divide_ != 1) {
-      view.div_(pre_divide_);
+    } else if (divide_.pre != 1) {
+      view.div_(divide_.pre);
     }
   } else {
     view.zero_();  // unused here: contributes nothing to the average
@@ -357,7 +339,7 @@ void Reducer::finalize_backward() {
     }
     if (b.finished) continue;
     if (!b.comm_buffer.is_same(b.contents)) b.contents.copy_(b.comm_buffer);
-    if (post_divide_ != 1) b.contents.div_(post_divide_);
+    if (divide_.post != 1) b.contents.div_(divide_.post);
     for (size_t s = 0; s < b.params.size(); ++s) {
       at::Tensor& p = params_[b.params[s]].second;
       at::Tensor& grad = p.mutable_grad();

@@ -15,10 +15,11 @@
 // backward. An end-of-backward callback waits for the buckets and writes averaged gradients
 // back before backward() returns.
 //
-// Averaging: fp32/fp64 buckets are divided by the world size before the all-reduce, as
-// PyTorch's DDP does. Buckets reduced in a 16-bit reduce_dtype use FSDP's split instead:
-// divide by f before (f starts at 1 and doubles while world % f == 0 and world / f > f) and
-// by world / f after, so fp16 sums neither overflow nor underflow. The division happens in
+// Averaging (divide_factors in sharding/flat.h, shared with FSDP): fp32/fp64 buckets are
+// divided by the world size before the all-reduce, as PyTorch's DDP does. Buckets reduced in
+// a 16-bit reduce_dtype use FSDP's split instead: divide by f before (f starts at 1 and
+// doubles while world % f == 0 and world / f > f) and by world / f after, so fp16 sums
+// neither overflow nor underflow. The division happens in
 // the gradient's own dtype before the cast to reduce_dtype. inf/NaN survive the reduction, so
 // every rank's GradScaler reaches the same verdict.
 //
@@ -39,7 +40,9 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "sharding/flat.h"
 #include "sharding/grad_hooks.h"
+#include "sharding/no_sync.h"
 
 namespace dtrain::amp {
 class NumericsMonitor;
@@ -78,7 +81,7 @@ struct ReducerStats {
   }
 };
 
-class Reducer {
+class Reducer : public GradientSync {
  public:
   using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
@@ -86,7 +89,7 @@ class Reducer {
   // mismatch), broadcasts parameters and buffers from rank 0, builds buckets and hooks.
   Reducer(NamedTensors params, NamedTensors buffers, std::shared_ptr<comm::Communicator> comm,
           DDPOptions options);
-  ~Reducer();
+  ~Reducer() override;
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
@@ -98,8 +101,8 @@ class Reducer {
   // with find_unused_parameters, finds the parameters `outputs` do not depend on.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
-  bool require_sync() const { return require_sync_; }
-  void set_require_sync(bool on) { require_sync_ = on; }
+  bool require_sync() const override { return require_sync_; }
+  void set_require_sync(bool on) override { require_sync_ = on; }
 
   // Reads the collectives' execution times, so it waits for the last backward's collectives
   // to finish (NCCL: on the device); call it when reporting, not in the step.
@@ -144,8 +147,7 @@ class Reducer {
   NamedTensors buffers_;
   std::shared_ptr<comm::Communicator> comm_;
   DDPOptions options_;
-  int64_t pre_divide_ = 1;
-  double post_divide_ = 1;  // world / pre_divide_: not an integer for world 3, 5, 6, ...
+  DivideFactors divide_;  // sharding/flat.h: post is not an integer at world 3, 5, 6, ...
 
   std::vector<Bucket> buckets_;
   std::vector<Location> where_;

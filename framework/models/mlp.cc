@@ -8,7 +8,7 @@ MLPImpl::MLPImpl(const MLPOptions& o) {
   layers = register_module("layers", torch::nn::ModuleList());
   int64_t width = o.in_features();
   for (int64_t i = 0; i < o.depth(); ++i) {
-    layers->push_back(torch::nn::Linear(width, o.hidden()));
+    layers->push_back(LinearUnit(width, o.hidden()));
     width = o.hidden();
   }
   out = register_module("out", torch::nn::Linear(width, o.out_features()));
@@ -16,7 +16,9 @@ MLPImpl::MLPImpl(const MLPOptions& o) {
 
 at::Tensor MLPImpl::forward(const at::Tensor& x) {
   at::Tensor h = x;
-  for (const auto& layer : *layers) h = at::gelu(layer->as<torch::nn::Linear>()->forward(h));
+  for (const auto& layer : *layers) {
+    h = at::gelu(layer->as<sharding::UnitImpl<torch::nn::LinearImpl>>()->forward(h));
+  }
   return out->forward(h);
 }
 

@@ -1,10 +1,13 @@
 // MLP: Linear -> GELU, `depth` hidden layers, then a Linear to `out_features` (logits).
-// A small, fast model for tests and for DDP equivalence checks.
+// A small, fast model for tests and for DDP and FSDP equivalence checks. Each hidden layer
+// is an FSDP wrap point (LinearUnit); `out` belongs to the root.
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
+
+#include "sharding/fsdp.h"
 
 namespace dtrain::framework {
 
@@ -14,6 +17,8 @@ struct MLPOptions {
   TORCH_ARG(int64_t, depth) = 3;
   TORCH_ARG(int64_t, out_features) = 10;
 };
+
+using LinearUnit = sharding::Unit<torch::nn::LinearImpl>;
 
 class MLPImpl : public torch::nn::Module {
  public:

@@ -19,7 +19,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head
 
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_heads_, D = C / H;
-  auto parts = qkv->forward(x).split(C, /*dim=*/2);
+  auto parts = at::linear(x, qkv->weight, qkv->bias).split(C, /*dim=*/2);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
   at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
   at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
@@ -28,7 +28,7 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
   att = at::softmax(att.to(at::kFloat), -1).to(v.scalar_type());
   at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
-  return proj->forward(y);
+  return at::linear(y, proj->weight, proj->bias);
 }
 
 BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff) {
@@ -41,7 +41,8 @@ BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff) {
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
   at::Tensor h = x + attn->forward(ln1->forward(x));
-  return h + fc_proj->forward(at::gelu(fc->forward(ln2->forward(h)), "tanh"));
+  at::Tensor f = at::gelu(at::linear(ln2->forward(h), fc->weight, fc->bias), "tanh");
+  return h + at::linear(f, fc_proj->weight, fc_proj->bias);
 }
 
 TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o) {
@@ -49,7 +50,7 @@ TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o
   pos_emb = register_module("pos_emb", torch::nn::Embedding(o.seq_len(), o.d_model()));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layers(); ++i) {
-    blocks->push_back(Block(o.d_model(), o.n_heads(), o.d_ff()));
+    blocks->push_back(BlockUnit(o.d_model(), o.n_heads(), o.d_ff()));
   }
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model()})));
   if (!o.tie_weights()) {
@@ -81,9 +82,9 @@ at::Tensor TransformerLMImpl::forward(const at::Tensor& tokens) {
                   " tokens is longer than seq_len ", options_.seq_len());
   at::Tensor pos = at::arange(T, at::TensorOptions().dtype(at::kLong).device(tokens.device()));
   at::Tensor x = tok_emb->forward(tokens) + pos_emb->forward(pos);
-  for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
+  for (const auto& block : *blocks) x = block->as<sharding::UnitImpl<BlockImpl>>()->forward(x);
   x = ln_f->forward(x);
-  return options_.tie_weights() ? at::linear(x, tok_emb->weight) : head->forward(x);
+  return at::linear(x, options_.tie_weights() ? tok_emb->weight : head->weight);
 }
 
 int64_t transformer_lm_parameter_count(const TransformerLMOptions& o) {

@@ -7,7 +7,10 @@
 // Linear -> GELU(tanh) -> Linear. With tie_weights the head reuses the token embedding
 // (logits = x @ tok_emb^T): one parameter, registered once, so DDP and optimizers see it once.
 // No dropout: runs are deterministic for a seed. Initialization follows GPT-2: N(0, 0.02),
-// residual projections scaled by 1/sqrt(2 n_layers), zero biases.
+// residual projections scaled by 1/sqrt(2 n_layers), zero biases. Linear layers run through
+// at::linear, which fuses the bias into the matrix multiply as Python's F.linear does
+// (LibTorch's torch::nn::functional::linear adds it separately for 3-D inputs, which rounds
+// differently). Each block is an FSDP wrap point (BlockUnit).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -15,6 +18,8 @@
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
+
+#include "sharding/fsdp.h"
 
 namespace dtrain::framework {
 
@@ -50,6 +55,10 @@ class BlockImpl : public torch::nn::Module {
   torch::nn::Linear fc{nullptr}, fc_proj{nullptr};
 };
 TORCH_MODULE(Block);
+
+// The model's FSDP wrap point: a Block that runs FSDP's pre/post-forward work when a
+// FullyShardedDataParallel chose it as a unit (sharding/fsdp.h); a plain Block otherwise.
+using BlockUnit = sharding::Unit<BlockImpl>;
 
 class TransformerLMImpl : public torch::nn::Module {
  public:

@@ -1,0 +1,44 @@
+// Flat-buffer pieces that DDP's buckets and FSDP's units share.
+//
+//   flat_slot        a tensor shaped like a parameter over a range of a flat buffer; it
+//                    shares the buffer's storage but is not an autograd view, because
+//                    LibTorch's Optimizer::zero_grad() calls detach_() on every gradient and
+//                    autograd refuses detach_() on views
+//   divide_factors   how a gradient reduction averages: before and after the collective
+//   free_storage /   drop and re-create a buffer's memory while keeping its Storage object,
+//   alloc_storage    so every tensor that views it (parameters, tensors autograd saved in
+//                    forward) sees the data again once it is refilled (FSDP's reshard and
+//                    unshard)
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace dtrain::sharding {
+
+at::Tensor flat_slot(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape);
+// The same with explicit strides (a non-contiguous parameter's own layout).
+at::Tensor flat_slot(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape,
+                     at::IntArrayRef strides);
+
+// Gradients are averaged over `world` ranks as grad / pre, reduced (SUM), then / post, with
+// pre * post = world. fp32/fp64: pre = world, post = 1 (PyTorch's DDP). 16-bit reduce dtypes
+// split it as PyTorch's FSDP does, so the sum neither overflows nor underflows: pre starts at
+// 1 and doubles while world % pre == 0 and world / pre > pre; post = world / pre, which is not
+// an integer at world sizes like 3 (pre 2, post 1.5).
+struct DivideFactors {
+  double pre = 1;
+  double post = 1;
+};
+DivideFactors divide_factors(int64_t world, c10::ScalarType reduce_dtype);
+
+// Releases t's memory; t and its views keep their shapes, and must not be read until
+// alloc_storage. The Storage object stays the same.
+void free_storage(const at::Tensor& t);
+// Gives t's storage memory for t's elements again (uninitialized), on t's device.
+void alloc_storage(const at::Tensor& t);
+bool storage_allocated(const at::Tensor& t);
+
+}  // namespace dtrain::sharding

@@ -1,0 +1,378 @@
+#include "sharding/fsdp_state.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+
+#include "amp/numerics.h"
+#include "comm/types.h"
+#include "core/error.h"
+#include "core/logging.h"
+
+namespace dtrain::sharding {
+
+ShardingStrategy parse_sharding_strategy(const std::string& name) {
+  for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                 ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
+    if (name == to_string(s)) return s;
+  }
+  DTRAIN_FAIL(ConfigError, "unknown sharding strategy '", name,
+              "'; expected full_shard, shard_grad_op, no_shard or hybrid_shard");
+}
+
+const char* to_string(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::kFullShard:
+      return "full_shard";
+    case ShardingStrategy::kShardGradOp:
+      return "shard_grad_op";
+    case ShardingStrategy::kNoShard:
+      return "no_shard";
+    case ShardingStrategy::kHybridShard:
+      return "hybrid_shard";
+  }
+  return "?";
+}
+
+namespace {
+
+// The shard and replicate groups of a strategy (null where a group would be one rank).
+UnitGroups make_groups(const std::shared_ptr<comm::Communicator>& world,
+                       const FSDPOptions& options) {
+  UnitGroups g;
+  g.world = world;
+  const int size = world->size(), rank = world->rank();
+  switch (options.sharding_strategy()) {
+    case ShardingStrategy::kFullShard:
+    case ShardingStrategy::kShardGradOp:
+      if (size > 1) g.shard = world;
+      break;
+    case ShardingStrategy::kNoShard:
+      if (size > 1) g.replicate = world;
+      break;
+    case ShardingStrategy::kHybridShard: {
+      int64_t group = options.hybrid_group_size();
+      if (group == 0) {
+        const char* local = std::getenv("LOCAL_WORLD_SIZE");
+        if (local == nullptr) local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+        group = local != nullptr ? std::atoll(local) : size;
+      }
+      DTRAIN_CHECK_AS(ConfigError, group >= 1 && size % group == 0,
+                      "FSDP hybrid_shard: the shard group size ", group,
+                      " must divide the world size ", size,
+                      " (parallel.hybrid_group_size, default LOCAL_WORLD_SIZE: one node)");
+      auto shard = world->split(static_cast<int>(rank / group), rank);
+      auto replicate = world->split(static_cast<int>(rank % group), rank);
+      if (shard->size() > 1) g.shard = shard;
+      if (replicate->size() > 1) g.replicate = replicate;
+      break;
+    }
+  }
+  return g;
+}
+
+}  // namespace
+
+FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
+                     std::vector<std::pair<std::string, at::Tensor>> buffers,
+                     std::vector<std::string> param_order,
+                     std::shared_ptr<comm::Communicator> world, FSDPOptions options)
+    : options_(std::move(options)) {
+  DTRAIN_CHECK_AS(UsageError, world != nullptr, "FSDP needs a communicator");
+  options_.mixed_precision().validate();
+  DTRAIN_CHECK_AS(UsageError, options_.limit_all_gathers() >= 1,
+                  "FSDP: limit_all_gathers must be >= 1, got ", options_.limit_all_gathers());
+  groups_ = make_groups(world, options_);
+  const auto& mp = options_.mixed_precision();
+  // Buffers: rank 0's values, in buffer_dtype when set (FSDP's MixedPrecision.buffer_dtype).
+  {
+    c10::NoGradGuard no_grad;
+    for (auto& [name, b] : buffers) {
+      if (mp.buffer_dtype && c10::isFloatingType(b.scalar_type())) {
+        b.set_data(b.to(*mp.buffer_dtype));
+      }
+      if (options_.sync_module_states() && world->size() > 1) {
+        at::Tensor t = b.contiguous();
+        world->broadcast(t, 0).wait();
+        if (!t.is_same(b)) b.copy_(t);
+      }
+    }
+  }
+  if (!root.params.empty()) {
+    root.name = "<root>";
+    units.push_back(std::move(root));
+    root_ = static_cast<int64_t>(units.size()) - 1;
+  }
+  for (auto& spec : units) {
+    units_.push_back(std::make_unique<FlatUnit>(spec.name, std::move(spec.params), groups_, mp,
+                                                options_.sync_module_states()));
+  }
+  // Hooks after the units changed the parameters' dtype (which drops their accumulators).
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const int64_t unit = static_cast<int64_t>(u);
+    hooks_.push_back(
+        units_[u]->hook_gradients([this, unit](int64_t i) { on_grad_ready(unit, i); }));
+  }
+  std::map<std::string, std::pair<int64_t, int64_t>> where;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const auto& ps = units_[u]->params();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      where[ps[i].name] = {static_cast<int64_t>(u), static_cast<int64_t>(i)};
+    }
+  }
+  for (const auto& name : param_order) {
+    auto it = where.find(name);
+    if (it != where.end()) order_.push_back(it->second);
+  }
+  ready_.assign(units_.size(), false);
+  int64_t total = 0, shard = 0;
+  for (const auto& u : units_) {
+    total += u->numel();
+    shard += u->shard_numel();
+  }
+  logging::debug("FSDP: ", units_.size(), " units (", root_ >= 0 ? "root included" : "no root",
+                 "), ", total, " parameters, ", shard, " per rank, strategy ",
+                 to_string(options_.sharding_strategy()), ", shard group ",
+                 groups_.shard ? groups_.shard->size() : 1, ", replicas ",
+                 groups_.replicate ? groups_.replicate->size() : 1, ", policy ", mp.to_string());
+}
+
+FSDPState::~FSDPState() {
+  abandon_backward();
+  hooks_.clear();
+}
+
+bool FSDPState::reshards_after_forward(int64_t unit) const {
+  if (unit == root_) return false;  // the root stays gathered until its backward (FSDP2)
+  auto s = options_.sharding_strategy();
+  return s == ShardingStrategy::kFullShard || s == ShardingStrategy::kHybridShard;
+}
+
+bool FSDPState::reshards_after_backward(int64_t unit) const {
+  // A unit with frozen parameters may still need them after its last gradient: it
+  // reshards at the end of backward instead.
+  return !units_[unit]->has_frozen_params();
+}
+
+int64_t FSDPState::gathered_units() const {
+  int64_t n = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (static_cast<int64_t>(u) == root_ || units_[u]->shard_group_size() == 1) continue;
+    if (units_[u]->state() != FlatUnit::State::kSharded) ++n;
+  }
+  return n;
+}
+
+void FSDPState::prefetch(int64_t unit) {
+  if (unit < 0 || units_[unit]->state() != FlatUnit::State::kSharded) return;
+  if (gathered_units() >= options_.limit_all_gathers()) return;
+  units_[unit]->unshard();
+  note_gathered();
+}
+
+void FSDPState::gather(int64_t unit) {
+  units_[unit]->wait_unsharded(&exposed_s_);
+  note_gathered();
+}
+
+void FSDPState::note_gathered() { peak_gathered_ = std::max(peak_gathered_, gathered_units()); }
+
+void FSDPState::abandon_backward() {
+  // A backward that ended early (an exception) left reductions in flight: finish them so
+  // their results never land in buffers the next iteration uses.
+  for (auto& u : units_) {
+    if (u->reduce_launched()) {
+      try {
+        u->finish_reduce(nullptr);
+      } catch (const std::exception& e) {
+        logging::warn("FSDP: a gradient reduction left behind by an aborted backward failed: ",
+                      e.what());
+      }
+    }
+    u->reset_backward();
+  }
+  in_backward_ = false;
+  std::fill(ready_.begin(), ready_.end(), false);
+}
+
+void FSDPState::root_pre_forward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (in_backward_) abandon_backward();
+  grad_forward_ = c10::GradMode::is_enabled();
+  if (!forward_order_.empty()) previous_order_ = forward_order_;
+  forward_order_.clear();
+  exposed_s_ = 0;
+  if (root_ >= 0) gather(root_);
+}
+
+void FSDPState::root_post_forward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (options_.monitor() != nullptr) {
+    for (const auto& t : outputs) options_.monitor()->record("fsdp.<root>.out", t);
+  }
+  if (!grad_forward_) {
+    for (size_t u = 0; u < units_.size(); ++u) units_[u]->reshard();
+  }
+}
+
+void FSDPState::unit_pre_forward(int64_t unit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (grad_forward_) forward_order_.push_back(unit);
+  gather(unit);
+  if (options_.forward_prefetch()) {
+    auto it = std::find(previous_order_.begin(), previous_order_.end(), unit);
+    if (it != previous_order_.end() && it + 1 != previous_order_.end()) prefetch(*(it + 1));
+  }
+}
+
+void FSDPState::unit_post_forward(int64_t unit, const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (options_.monitor() != nullptr) {
+    for (const auto& t : outputs) {
+      options_.monitor()->record("fsdp." + units_[unit]->name() + ".out", t);
+    }
+  }
+  if (!grad_forward_ || reshards_after_forward(unit)) units_[unit]->reshard();
+}
+
+void FSDPState::ensure_backward_started() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  // Reductions run in reverse forward order, the root's last.
+  backward_order_.assign(forward_order_.rbegin(), forward_order_.rend());
+  if (root_ >= 0) backward_order_.push_back(root_);
+  next_launch_ = 0;
+  std::fill(ready_.begin(), ready_.end(), false);
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
+}
+
+void FSDPState::pre_backward(int64_t unit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ensure_backward_started();
+  if (unit < 0) return;
+  gather(unit);
+  if (options_.backward_prefetch()) {
+    auto it = std::find(backward_order_.begin(), backward_order_.end(), unit);
+    if (it != backward_order_.end() && it + 1 != backward_order_.end()) prefetch(*(it + 1));
+  }
+}
+
+void FSDPState::on_grad_ready(int64_t unit, int64_t param) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ensure_backward_started();
+  FlatUnit& u = *units_[unit];
+  const bool all = require_sync_ ? u.grad_ready(param) : u.count_ready(param);
+  if (!all) return;
+  ready_[unit] = true;
+  if (require_sync_) launch_ready();
+  if (reshards_after_backward(unit)) u.reshard();
+}
+
+void FSDPState::launch_ready() {
+  while (next_launch_ < backward_order_.size() && ready_[backward_order_[next_launch_]]) {
+    FlatUnit& u = *units_[backward_order_[next_launch_++]];
+    if (!u.reduce_launched()) u.launch_reduce();
+  }
+}
+
+void FSDPState::finalize_backward() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!in_backward_) return;
+  c10::NoGradGuard no_grad;
+  if (require_sync_) {
+    // Units whose hooks never all fired (unused parameters) reduce zeros for the rest, in
+    // order, so every rank issues the same collectives.
+    for (; next_launch_ < backward_order_.size(); ++next_launch_) {
+      FlatUnit& u = *units_[backward_order_[next_launch_]];
+      if (!u.reduce_launched()) u.launch_reduce();
+    }
+    for (int64_t unit : backward_order_) {
+      FlatUnit& u = *units_[unit];
+      u.finish_reduce(&exposed_s_);
+      if (options_.monitor() != nullptr && !u.params().empty()) {
+        for (const auto& p : u.params()) {
+          if (p.trainable && p.master.grad().defined()) {
+            options_.monitor()->record("fsdp." + u.name() + ".grad", p.master.grad());
+          }
+        }
+      }
+    }
+  }
+  for (auto& u : units_) {
+    u->reshard();
+    u->reset_backward();
+  }
+  ReducerStats stats;
+  stats.exposed_seconds = exposed_s_;
+  stats_works_.clear();
+  for (auto& u : units_) {
+    for (auto& w : u->take_works()) {
+      stats_works_.push_back(std::move(w));
+      ++stats.buckets;
+    }
+  }
+  stats_ = stats;
+  in_backward_ = false;
+}
+
+const ReducerStats& FSDPState::last_stats() const {
+  for (const auto& w : stats_works_) {
+    w.synchronize();
+    stats_.comm_seconds += w.busy_seconds();
+  }
+  stats_works_.clear();
+  return stats_;
+}
+
+at::Tensor FSDPState::cast_input(const at::Tensor& t, bool root) const {
+  const auto& mp = options_.mixed_precision();
+  const bool cast = root ? mp.is_low_precision() : mp.cast_forward_inputs;
+  if (!cast || !t.defined() || !c10::isFloatingType(t.scalar_type()) ||
+      t.scalar_type() == mp.param_dtype) {
+    return t;
+  }
+  return t.to(mp.param_dtype);
+}
+
+at::Tensor FSDPState::cast_output(const at::Tensor& t) const {
+  const auto& out = options_.mixed_precision().output_dtype;
+  if (!out || !t.defined() || !c10::isFloatingType(t.scalar_type()) || t.scalar_type() == *out) {
+    return t;
+  }
+  return t.to(*out);
+}
+
+std::vector<at::Tensor> FSDPState::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& [u, i] : order_) {
+    const auto& p = units_[u]->params()[i];
+    if (p.trainable) out.push_back(p.master);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FSDPState::full_parameters() const {
+  std::vector<at::Tensor> flats;
+  for (const auto& u : units_) flats.push_back(u->gather_masters());
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [u, i] : order_) {
+    const auto& p = units_[u]->params()[i];
+    out.emplace_back(p.name, flats[u].narrow(0, p.offset, p.numel).view(p.shape).clone());
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FSDPState::named_parameters() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& [u, i] : order_) {
+    const auto& p = units_[u]->params()[i];
+    if (p.trainable) out.emplace_back(p.name, p.master);
+  }
+  return out;
+}
+
+}  // namespace dtrain::sharding

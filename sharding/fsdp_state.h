@@ -1,0 +1,168 @@
+// FSDPState: the non-template core of FullyShardedDataParallel (sharding/fsdp.h): the units,
+// their groups, and the schedule that gathers, reshards and reduces them.
+//
+// Schedule (per iteration; every rank runs the same forward, so every rank issues the same
+// collectives in the same order):
+//   forward   root: gather (kept until the end of backward, as FSDP2's root). Each unit in
+//             turn: gather (or wait for its prefetch), run, then reshard under FULL_SHARD
+//             and HYBRID_SHARD; forward_prefetch starts the next unit's gather (in the
+//             previous iteration's order). The order units ran in is recorded.
+//   backward  a hook on each unit's outputs re-gathers it before its backward runs and, with
+//             backward_prefetch, starts gathering the unit that runs next (BACKWARD_PRE).
+//             Gradient-ready hooks (sharding/grad_hooks.h) count each unit down; at zero
+//             its gradients are in the reduce buffer and its parameters are resharded.
+//             Reductions launch strictly in reverse forward order, as soon as each is ready.
+//   end       an autograd callback queued by the first hook launches what never became
+//             ready (unused parameters contribute zeros), waits for every reduction, writes
+//             the gradient shards and reshards what is left.
+// At most limit_all_gathers units (the root not counted) are gathered or gathering at once;
+// a prefetch that would exceed it is skipped and the unit is gathered when it runs.
+//
+// Threads: hooks run on the thread that runs backward; a mutex orders them against the
+// forward path.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "amp/policy.h"
+#include "comm/communicator.h"
+#include "sharding/fsdp_unit.h"
+#include "sharding/grad_hooks.h"
+#include "sharding/no_sync.h"
+#include "sharding/reducer.h"
+
+namespace dtrain::sharding {
+
+// PyTorch FSDP1's strategies. FULL_SHARD: parameters, gradients and optimizer state sharded,
+// parameters re-gathered for backward. SHARD_GRAD_OP: parameters stay gathered from forward
+// to the end of backward (less communication, more memory). NO_SHARD: replicated, gradients
+// all-reduced (DDP through FSDP's machinery). HYBRID_SHARD: FULL_SHARD within groups of
+// hybrid_group_size ranks (one node), replicated across groups.
+enum class ShardingStrategy { kFullShard, kShardGradOp, kNoShard, kHybridShard };
+
+// "full_shard" | "shard_grad_op" | "no_shard" | "hybrid_shard"; ConfigError otherwise.
+ShardingStrategy parse_sharding_strategy(const std::string& name);
+const char* to_string(ShardingStrategy s);
+
+// Which wrap points (modules declared as Unit<...>) become FSDP units. A wrap point is
+// chosen when its class matches one of module_types (empty: any) and it holds at least
+// min_params parameters. Wrap points not chosen run as plain modules; their parameters
+// belong to the enclosing unit, or to the root.
+struct AutoWrapPolicy {
+  // Class names, with or without namespace and the LibTorch "Impl" suffix: "Block" matches
+  // dtrain::framework::BlockImpl.
+  TORCH_ARG(std::vector<std::string>, module_types) = {};
+  TORCH_ARG(int64_t, min_params) = 0;
+};
+
+struct FSDPOptions {
+  TORCH_ARG(ShardingStrategy, sharding_strategy) = ShardingStrategy::kFullShard;
+  TORCH_ARG(amp::MixedPrecisionPolicy, mixed_precision) = {};
+  TORCH_ARG(AutoWrapPolicy, auto_wrap) = {};
+  TORCH_ARG(bool, forward_prefetch) = false;
+  TORCH_ARG(bool, backward_prefetch) = true;
+  TORCH_ARG(int64_t, limit_all_gathers) = 2;
+  // HYBRID_SHARD: ranks per shard group; 0 takes LOCAL_WORLD_SIZE (one node per group).
+  TORCH_ARG(int64_t, hybrid_group_size) = 0;
+  // Every rank starts from rank 0's parameters and buffers (as DDP does).
+  TORCH_ARG(bool, sync_module_states) = true;
+  // When set and enabled: each unit's outputs ("fsdp.<unit>.out") and gradient shards.
+  TORCH_ARG(MonitorPtr, monitor) = nullptr;
+};
+
+class FSDPState : public GradientSync {
+ public:
+  struct UnitSpec {
+    std::string name;  // module path ("blocks.3"); "" for the root
+    std::vector<std::pair<std::string, at::Tensor>> params;
+  };
+
+  // `units` in module order; the root's parameters (what no unit claims) come last and may be
+  // empty. `param_order` lists every parameter name in the module's own order.
+  FSDPState(std::vector<UnitSpec> units, UnitSpec root,
+            std::vector<std::pair<std::string, at::Tensor>> buffers,
+            std::vector<std::string> param_order, std::shared_ptr<comm::Communicator> world,
+            FSDPOptions options);
+  ~FSDPState() override;
+  FSDPState(const FSDPState&) = delete;
+  FSDPState& operator=(const FSDPState&) = delete;
+
+  // --- called by the wrappers ---------------------------------------------------------------
+  void root_pre_forward();
+  void root_post_forward(const std::vector<at::Tensor>& outputs);
+  void unit_pre_forward(int64_t unit);
+  void unit_post_forward(int64_t unit, const std::vector<at::Tensor>& outputs);
+  // Registered on forward outputs (root: unit -1); runs when their gradient arrives.
+  void pre_backward(int64_t unit);
+  // Inputs: floating tensors cast to param_dtype (the root always when it is low precision,
+  // as FSDP's cast_root_forward_inputs; units when cast_forward_inputs).
+  at::Tensor cast_input(const at::Tensor& t, bool root) const;
+  // The model's outputs: floating tensors cast to output_dtype when set.
+  at::Tensor cast_output(const at::Tensor& t) const;
+  // Whether outputs get backward hooks (grad mode was on in this forward).
+  bool hooking() const { return grad_forward_; }
+
+  // --- for the user ---------------------------------------------------------------------------
+  // The fp32 master shards of the trainable parameters, in the module's order: give these
+  // to the optimizer. Each is the 1-D part of one parameter this rank owns (maybe empty).
+  std::vector<at::Tensor> parameters() const;
+  std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+  // Every parameter's full fp32 value, by name, in the module's order, on every rank
+  // (collective: gathers unit by unit).
+  std::vector<std::pair<std::string, at::Tensor>> full_parameters() const;
+  bool require_sync() const override { return require_sync_; }
+  void set_require_sync(bool on) override { require_sync_ = on; }
+  // The group whose shards together make the gradients (for norms): null when every rank
+  // holds them all.
+  comm::Communicator* shard_group() const { return groups_.shard.get(); }
+  const comm::Communicator& world() const { return *groups_.world; }
+  const FSDPOptions& options() const { return options_; }
+  // Waits for the last iteration's collectives to report their times.
+  const ReducerStats& last_stats() const;
+  const std::vector<std::unique_ptr<FlatUnit>>& units() const { return units_; }
+  int64_t root_unit() const { return root_; }
+  // Most units (the root not counted) gathered or gathering at once, since construction.
+  int64_t peak_gathered_units() const { return peak_gathered_; }
+
+ private:
+  void ensure_backward_started();
+  void on_grad_ready(int64_t unit, int64_t param);
+  void launch_ready();
+  void finalize_backward();
+  void abandon_backward();
+  void prefetch(int64_t unit);
+  void gather(int64_t unit);  // unshard and wait (the unit runs next)
+  void note_gathered();
+  int64_t gathered_units() const;
+  bool reshards_after_forward(int64_t unit) const;
+  bool reshards_after_backward(int64_t unit) const;
+
+  FSDPOptions options_;
+  UnitGroups groups_;
+  std::vector<std::unique_ptr<FlatUnit>> units_;  // wrapped units, then the root (if any)
+  int64_t root_ = -1;
+  std::vector<std::unique_ptr<GradReadyHooks>> hooks_;
+  std::vector<std::pair<int64_t, int64_t>> order_;  // (unit, param) in the module's order
+
+  std::mutex mu_;
+  bool require_sync_ = true;
+  bool grad_forward_ = false;
+  bool in_backward_ = false;
+  std::vector<int64_t> forward_order_, previous_order_;  // units, as they ran
+  std::vector<int64_t> backward_order_;                 // reduction order, root last
+  std::vector<bool> ready_;
+  size_t next_launch_ = 0;
+  double exposed_s_ = 0;
+  int64_t peak_gathered_ = 0;
+  mutable ReducerStats stats_;
+  mutable std::vector<comm::Work> stats_works_;
+};
+
+}  // namespace dtrain::sharding

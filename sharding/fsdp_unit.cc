@@ -1,0 +1,291 @@
+#include "sharding/fsdp_unit.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/error.h"
+#include "sharding/flat.h"
+
+namespace dtrain::sharding {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
+                   UnitGroups groups, const amp::MixedPrecisionPolicy& policy,
+                   bool sync_module_states)
+    : name_(std::move(name)),
+      groups_(std::move(groups)),
+      policy_(policy),
+      param_dtype_(policy.param_dtype),
+      reduce_dtype_(policy.effective_reduce_dtype()) {
+  DTRAIN_CHECK_AS(UsageError, !params.empty(), "FSDP unit '", name_, "' has no parameters");
+  if (groups_.shard) {
+    n_ = groups_.shard->size();
+    rank_ = groups_.shard->rank();
+  }
+  world_ = n_ * (groups_.replicate ? groups_.replicate->size() : 1);
+  const DivideFactors f = divide_factors(world_, reduce_dtype_);
+  pre_ = f.pre;
+  post_ = f.post;
+
+  const c10::Device device = params.front().second.device();
+  for (auto& [pname, t] : params) {
+    DTRAIN_CHECK_AS(UsageError, t.device() == device, "FSDP unit '", name_, "': parameter '", pname,
+                    "' is on ", t.device(), " but '", params.front().first, "' is on ", device,
+                    "; move the module to one device before wrapping it");
+    DTRAIN_CHECK_AS(UsageError, c10::isFloatingType(t.scalar_type()), "FSDP unit '", name_,
+                    "': parameter '", pname, "' has dtype ", t.scalar_type(),
+                    "; FSDP shards floating-point parameters only");
+    Param p;
+    p.name = pname;
+    p.module_param = t;
+    p.shape = t.sizes().vec();
+    p.offset = total_;
+    p.numel = t.numel();
+    p.trainable = t.requires_grad();
+    frozen_ = frozen_ || !p.trainable;
+    trainable_ += p.trainable ? 1 : 0;
+    total_ += p.numel;
+    params_.push_back(std::move(p));
+  }
+  shard_size_ = std::max<int64_t>(1, (total_ + n_ - 1) / n_);
+  padded_ = shard_size_ * n_;
+
+  c10::NoGradGuard no_grad;
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  // Every rank starts from rank 0's values (as DDP does), then keeps its slice.
+  at::Tensor flat = at::zeros({padded_}, fp32);
+  for (const auto& p : params_) {
+    flat.narrow(0, p.offset, p.numel).copy_(p.module_param.detach().reshape({-1}));
+  }
+  if (sync_module_states && groups_.world && groups_.world->size() > 1) {
+    groups_.world->broadcast(flat, 0).wait();
+  }
+  shard_ = flat.narrow(0, rank_ * shard_size_, shard_size_).clone();
+  flat = at::Tensor();
+  const int64_t lo = rank_ * shard_size_, hi = lo + shard_size_;
+  for (auto& p : params_) {
+    const int64_t begin = std::max(p.offset, lo), end = std::min(p.offset + p.numel, hi);
+    const int64_t count = std::max<int64_t>(0, end - begin);
+    p.master = flat_slot(shard_, count > 0 ? begin - lo : 0, {count});
+    p.master.requires_grad_(p.trainable);
+    p.master_begin = count > 0 ? begin - p.offset : 0;
+  }
+
+  const auto compute = at::TensorOptions().dtype(param_dtype_).device(device);
+  empty_ = at::empty({0}, compute);
+  if (n_ == 1 && param_dtype_ == at::kFloat) {
+    full_ = shard_;  // NO_SHARD in fp32: the module's tensors view the masters themselves
+  } else {
+    full_ = at::empty({padded_}, compute);
+    if (n_ > 1) free_storage(full_);
+  }
+  if (n_ > 1 && param_dtype_ != at::kFloat) low_shard_ = at::empty({shard_size_}, compute);
+  // From here on the module's tensors have param_dtype and are sharded. This is their one
+  // dtype change: it drops their autograd accumulators, so hooks are registered after it.
+  for (auto& p : params_) {
+    p.module_param.mutable_grad().reset();
+    p.module_param.set_data(empty_);
+  }
+  reported_.assign(params_.size(), false);
+  filled_.assign(params_.size(), false);
+  pending_ = trainable_;
+}
+
+std::unique_ptr<GradReadyHooks> FlatUnit::hook_gradients(GradReadyHooks::Callback on_ready) {
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> tensors;
+  for (auto& p : params_) {
+    // A full-shape placeholder over one element (stride 0): shape, dtype and device are
+    // what the accumulator records.
+    p.module_param.set_data(at::empty({1}, empty_.options()).expand(p.shape));
+    tensors.push_back(p.module_param);
+  }
+  auto hooks = std::make_unique<GradReadyHooks>(tensors, std::move(on_ready));
+  if (state_ == State::kUnsharded) {
+    point_module_params_at_full();
+  } else {
+    for (auto& p : params_) p.module_param.set_data(empty_);
+  }
+  return hooks;
+}
+
+void FlatUnit::point_module_params_at_full() {
+  c10::NoGradGuard no_grad;
+  for (auto& p : params_) p.module_param.set_data(flat_slot(full_, p.offset, p.shape));
+}
+
+void FlatUnit::unshard() {
+  c10::NoGradGuard no_grad;
+  if (n_ == 1) {
+    if (state_ == State::kUnsharded && !stale_) return;
+    if (!full_.is_same(shard_)) full_.copy_(shard_);  // cast to param_dtype
+    stale_ = false;
+    state_ = State::kUnsharded;
+    point_module_params_at_full();
+    return;
+  }
+  if (state_ != State::kSharded) return;
+  alloc_storage(full_);
+  at::Tensor input = shard_;
+  if (low_shard_.defined()) {
+    low_shard_.copy_(shard_);
+    input = low_shard_;
+  }
+  gather_ = groups_.shard->all_gather(input, full_);
+  works_.push_back(gather_);
+  state_ = State::kGathering;
+}
+
+void FlatUnit::wait_unsharded(double* waited_s) {
+  if (state_ == State::kSharded || (n_ == 1 && stale_)) unshard();
+  if (state_ != State::kGathering) return;
+  auto t0 = Clock::now();
+  gather_.wait();
+  if (waited_s != nullptr) *waited_s += since(t0);
+  gather_ = comm::Work();
+  state_ = State::kUnsharded;
+  point_module_params_at_full();
+}
+
+void FlatUnit::reshard() {
+  if (n_ == 1) {
+    stale_ = true;  // the optimizer may step the masters before the next forward
+    return;
+  }
+  if (state_ == State::kSharded) return;
+  if (state_ == State::kGathering) gather_.wait();  // never free what a collective writes
+  gather_ = comm::Work();
+  c10::NoGradGuard no_grad;
+  for (auto& p : params_) p.module_param.set_data(empty_);
+  free_storage(full_);
+  state_ = State::kSharded;
+}
+
+void FlatUnit::alloc_reduce_full() {
+  const auto opts =
+      at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
+  reduce_full_ = at::empty({padded_}, opts);
+  if (padded_ > total_) reduce_full_.narrow(0, total_, padded_ - total_).zero_();
+}
+
+bool FlatUnit::count_ready(int64_t i) {
+  DTRAIN_CHECK_AS(UsageError, !reported_[i], "FSDP: parameter '", params_[i].name,
+                  "' received its gradient twice in one backward. Run backward once per "
+                  "forward (accumulate with no_sync()), and do not share a parameter between "
+                  "reentrant checkpointed regions.");
+  reported_[i] = true;
+  return --pending_ == 0;
+}
+
+bool FlatUnit::grad_ready(int64_t i) {
+  const bool all = count_ready(i);
+  Param& p = params_[i];
+  at::Tensor& g = p.module_param.mutable_grad();
+  if (g.defined()) {
+    c10::NoGradGuard no_grad;
+    if (!reduce_full_.defined()) alloc_reduce_full();
+    at::Tensor slot = reduce_full_.narrow(0, p.offset, p.numel);
+    at::Tensor src = g.reshape({-1});
+    // Averaging, fused with the copy when no cast is needed (FSDP divides in the reduce
+    // dtype, after the cast).
+    if (src.scalar_type() == reduce_dtype_ && pre_ != 1) {
+      at::div_out(slot, src, at::scalar_tensor(pre_, src.options().device(at::kCPU)));
+    } else {
+      slot.copy_(src);
+      if (pre_ != 1) slot.div_(pre_);
+    }
+    g.reset();  // the unsharded gradient is no longer needed
+    filled_[i] = true;
+  }
+  return all;
+}
+
+void FlatUnit::launch_reduce() {
+  c10::NoGradGuard no_grad;
+  if (!reduce_full_.defined()) alloc_reduce_full();
+  // Parameters without a gradient this backward (unused here, frozen) contribute zeros.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!filled_[i]) reduce_full_.narrow(0, params_[i].offset, params_[i].numel).zero_();
+  }
+  if (n_ > 1) {
+    reduce_shard_ = at::empty({shard_size_}, reduce_full_.options());
+    reduce_ = groups_.shard->reduce_scatter(reduce_full_, reduce_shard_);
+    works_.push_back(reduce_);
+    reduce_full_ = at::Tensor();  // the collective holds what it reads until it is done
+  } else {
+    reduce_shard_ = reduce_full_;
+    reduce_full_ = at::Tensor();
+    if (groups_.replicate) {
+      reduce_ = groups_.replicate->all_reduce(reduce_shard_);
+      works_.push_back(reduce_);
+    }
+  }
+  reduce_launched_ = true;
+}
+
+void FlatUnit::finish_reduce(double* waited_s) {
+  if (!reduce_launched_) return;
+  auto t0 = Clock::now();
+  reduce_.wait();
+  if (n_ > 1 && groups_.replicate) {
+    // HYBRID_SHARD: the replicas of this shard average it next.
+    comm::Work w = groups_.replicate->all_reduce(reduce_shard_);
+    works_.push_back(w);
+    w.wait();
+  }
+  if (waited_s != nullptr) *waited_s += since(t0);
+  reduce_ = comm::Work();
+  c10::NoGradGuard no_grad;
+  if (post_ != 1) reduce_shard_.div_(post_);
+  const c10::ScalarType target = policy_.keep_low_precision_grads ? reduce_dtype_ : at::kFloat;
+  bool fresh = !grad_shard_.defined();
+  for (const auto& p : params_) fresh = fresh || (p.trainable && !p.master.grad().defined());
+  if (fresh) {
+    grad_shard_ = reduce_shard_.scalar_type() == target ? reduce_shard_ : reduce_shard_.to(target);
+    const int64_t lo = rank_ * shard_size_;
+    for (auto& p : params_) {
+      if (!p.trainable) continue;
+      const int64_t count = p.master.numel();
+      p.master.mutable_grad() =
+          flat_slot(grad_shard_, count > 0 ? p.offset + p.master_begin - lo : 0, {count});
+    }
+  } else {
+    grad_shard_.add_(reduce_shard_);  // a second backward before the optimizer step
+  }
+  reduce_shard_ = at::Tensor();
+  reduce_launched_ = false;
+}
+
+void FlatUnit::reset_backward() {
+  std::fill(reported_.begin(), reported_.end(), false);
+  std::fill(filled_.begin(), filled_.end(), false);
+  pending_ = trainable_;
+  if (!reduce_launched_) reduce_full_ = at::Tensor();
+}
+
+at::Tensor FlatUnit::gather_masters() const {
+  c10::NoGradGuard no_grad;
+  if (n_ == 1) return shard_.narrow(0, 0, total_).clone();
+  at::Tensor full = at::empty({padded_}, shard_.options());
+  groups_.shard->all_gather(shard_, full).wait();
+  return full.narrow(0, 0, total_);
+}
+
+std::vector<comm::Work> FlatUnit::take_works() {
+  std::vector<comm::Work> out;
+  out.swap(works_);
+  return out;
+}
+
+}  // namespace dtrain::sharding

@@ -1,0 +1,156 @@
+// FlatUnit: one FSDP unit's parameters as one flat buffer, sharded over a group of ranks.
+//
+// Layout (FSDP1's FlatParameter, chosen over FSDP2's per-parameter dim-0 shards because the
+// gathered buffer *is* the parameters, so neither the all-gather nor the reduce-scatter
+// needs a copy to or from a rank-major layout): the unit's parameters, flattened in
+// registration order, concatenated and zero-padded to a multiple of the shard group size N.
+// Rank r owns the contiguous slice [r*S, (r+1)*S), S = padded / N.
+//
+// Buffers and who owns them (all on the parameters' device):
+//   shard_        fp32 [S]     the master shard. The optimizer steps `masters`: per
+//                              parameter, the 1-D part of it this rank owns (maybe empty),
+//                              leaf tensors over shard_'s storage.
+//   grad_shard_   fp32 [S]     the masters' .grad (reduce dtype with keep_low_precision_grads)
+//   low_shard_    param [S]    the all-gather input when param_dtype is not fp32
+//   full_         param [N*S]  the gathered parameters. Its Storage object lives as long as
+//                              the unit; resharding frees its memory and unsharding refills
+//                              it, so tensors autograd saved from the parameters in forward
+//                              (weight.t() views) read the re-gathered data in backward.
+//   reduce_full_  reduce [N*S] gradients, pre-divided, for the reduce-scatter (per backward)
+//   reduce_shard_ reduce [S]   its result
+// The module's own parameter tensors keep their identity (names, autograd accumulators) and
+// always have param_dtype: they view full_ while unsharded and hold 0-element tensors while
+// sharded (a use outside forward/backward fails on the shape instead of reading freed
+// memory). Their dtype and device never change after construction, so their gradient
+// accumulators, and the hooks on them, survive.
+//
+// Group sizes: the shard group (N ranks) all-gathers and reduce-scatters; the replicate
+// group (HYBRID_SHARD, NO_SHARD) all-reduces the reduced shard. N = 1 (NO_SHARD) skips the
+// gather: full_ is shard_ itself in fp32, or its cast.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "amp/policy.h"
+#include "comm/communicator.h"
+#include "sharding/grad_hooks.h"
+
+namespace dtrain::sharding {
+
+struct UnitGroups {
+  std::shared_ptr<comm::Communicator> world;      // construction-time broadcast
+  std::shared_ptr<comm::Communicator> shard;      // null: this rank holds the whole unit
+  std::shared_ptr<comm::Communicator> replicate;  // null: no replicas of a shard
+};
+
+class FlatUnit {
+ public:
+  struct Param {
+    std::string name;         // as in the unwrapped module (state-dict key)
+    at::Tensor module_param;  // the module's own tensor, re-pointed (param_dtype)
+    std::vector<int64_t> shape;
+    int64_t offset = 0;  // first element in the unpadded flat layout
+    int64_t numel = 0;
+    bool trainable = true;
+    at::Tensor master;  // this rank's part: 1-D fp32 slot of shard_, possibly empty
+    int64_t master_begin = 0;  // index of master[0] within the flattened parameter
+  };
+  enum class State { kSharded, kGathering, kUnsharded };
+
+  // Takes the module's parameters (all on one device), makes every rank hold rank 0's values
+  // (broadcast over groups.world when sync_module_states), keeps this rank's shard and
+  // leaves the module's tensors sharded.
+  FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
+           UnitGroups groups, const amp::MixedPrecisionPolicy& policy, bool sync_module_states);
+  FlatUnit(const FlatUnit&) = delete;
+  FlatUnit& operator=(const FlatUnit&) = delete;
+
+  const std::string& name() const { return name_; }
+  std::vector<Param>& params() { return params_; }
+  const std::vector<Param>& params() const { return params_; }
+  int64_t numel() const { return total_; }
+  int64_t shard_numel() const { return shard_size_; }
+  int64_t shard_group_size() const { return n_; }
+  int64_t shard_rank() const { return rank_; }
+  bool has_frozen_params() const { return frozen_; }
+  State state() const { return state_; }
+  const UnitGroups& groups() const { return groups_; }
+
+  // --- parameters -------------------------------------------------------------------------
+  // Starts gathering (no-op when unsharded or in flight). Every rank of the shard group must
+  // call it in the same order.
+  void unshard();
+  // Finishes the gather and points the module's tensors at full_. Adds host time spent
+  // waiting to *waited_s.
+  void wait_unsharded(double* waited_s);
+  // Frees full_'s memory; the module's tensors become 0-element. No-op for N = 1, which
+  // keeps its memory and refreshes it from the masters at the next unshard().
+  void reshard();
+
+  // --- gradients (between a syncing forward and the end of its backward) -----------------
+  // Hooks the module tensors' gradient accumulators (on_ready(i) for params()[i]). Autograd
+  // records a tensor's shape in its accumulator when creating it and checks every gradient
+  // against it; the tensors get their full shapes (no data) while the accumulators are made.
+  std::unique_ptr<GradReadyHooks> hook_gradients(GradReadyHooks::Callback on_ready);
+  // The module tensor of params()[i] has its gradient: copies it (pre-divided, in the reduce
+  // dtype) into the reduce buffer and releases it. Returns true when every trainable
+  // parameter has reported this backward.
+  bool grad_ready(int64_t i);
+  // The same count without copying (no_sync: gradients stay on the module's tensors).
+  bool count_ready(int64_t i);
+  bool reduce_launched() const { return reduce_launched_; }
+  // Zero-fills what did not report, then issues the reduce-scatter (N > 1) or the
+  // all-reduce (N = 1 with replicas). Every rank of the groups must call it in the same order.
+  void launch_reduce();
+  // Waits for the reduction (and the replicas' all-reduce), post-divides and writes the
+  // masters' gradients: assigned fresh when they were unset, else accumulated.
+  void finish_reduce(double* waited_s);
+  // Forgets this backward's counts (the next backward starts over).
+  void reset_backward();
+
+  // The unit's fp32 master values, gathered over the shard group (collective): a flat
+  // tensor of numel() elements in the layout above. For state dicts and tests.
+  at::Tensor gather_masters() const;
+  // This rank's fp32 master shard [S] (padding included).
+  const at::Tensor& master_shard() const { return shard_; }
+
+  // Collectives issued since the last take_works() (for the comm statistics).
+  std::vector<comm::Work> take_works();
+
+ private:
+  void point_module_params_at_full();
+  void alloc_reduce_full();
+
+  std::string name_;
+  std::vector<Param> params_;
+  UnitGroups groups_;
+  amp::MixedPrecisionPolicy policy_;
+  c10::ScalarType param_dtype_;
+  c10::ScalarType reduce_dtype_;
+  int64_t n_ = 1;     // shard group size
+  int64_t rank_ = 0;  // in the shard group
+  int64_t world_ = 1;
+  double pre_ = 1, post_ = 1;
+  int64_t total_ = 0, padded_ = 0, shard_size_ = 0;
+  bool frozen_ = false;
+  int64_t trainable_ = 0;
+
+  at::Tensor shard_, grad_shard_, low_shard_, full_, empty_;
+  at::Tensor reduce_full_, reduce_shard_;
+  State state_ = State::kSharded;
+  bool stale_ = true;  // N = 1: full_ must be refreshed from the masters
+  comm::Work gather_;
+  comm::Work reduce_;
+  std::vector<bool> reported_;  // this backward: the gradient hook fired
+  std::vector<bool> filled_;    // ... and its gradient is in reduce_full_
+  int64_t pending_ = 0;
+  bool reduce_launched_ = false;
+  std::vector<comm::Work> works_;
+};
+
+}  // namespace dtrain::sharding
