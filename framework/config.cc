@@ -85,6 +85,23 @@ class Section {
     }
   }
 
+  // A list of strings: a YAML sequence of scalars, or one scalar.
+  void read_list(const std::string& key, std::vector<std::string>& out) {
+    known_.push_back(key);
+    if (!has(key)) return;
+    YAML::Node v = node_[key];
+    out.clear();
+    if (v.IsScalar()) {
+      out.push_back(v.Scalar());
+      return;
+    }
+    if (!v.IsSequence()) fail_at(key_path(key), v.Mark(), "expected a list of strings");
+    for (const auto& item : v) {
+      if (!item.IsScalar()) fail_at(key_path(key), item.Mark(), "expected a list of strings");
+      out.push_back(item.Scalar());
+    }
+  }
+
   void read_choice(const std::string& key, std::string& out,
                    const std::vector<std::string>& choices, bool required = false) {
     read(key, out, required);
@@ -256,10 +273,16 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.read("forward_prefetch", p.forward_prefetch);
   s.read("backward_prefetch", p.backward_prefetch);
   s.read("limit_all_gathers", p.limit_all_gathers);
+  s.read_list("wrap_modules", p.wrap_modules);
+  s.read("wrap_min_params", p.wrap_min_params);
+  s.read("hybrid_group_size", p.hybrid_group_size);
   s.read("timeout_s", p.timeout_s);
   s.check(p.bucket_cap_mb > 0, "bucket_cap_mb",
           "must be > 0, got " + std::to_string(p.bucket_cap_mb));
   s.check(p.limit_all_gathers >= 1, "limit_all_gathers", "must be >= 1");
+  s.check(p.wrap_min_params >= 0, "wrap_min_params", "must be >= 0");
+  s.check(p.hybrid_group_size >= 0, "hybrid_group_size",
+          "must be >= 0 (0: LOCAL_WORLD_SIZE, one node per shard group)");
   s.check(p.timeout_s > 0, "timeout_s", "must be > 0");
   s.finish();
 }
@@ -347,6 +370,19 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
   read_precision(top.section("precision"), cfg.precision, cfg.warnings);
   read_checkpoint(top.section("checkpoint"), cfg.checkpoint);
   read_logging(top.section("logging"), cfg.logging);
+  if (cfg.parallel.strategy != "fsdp") {
+    // PyTorch's DDP mixed precision has param, reduce and buffer dtypes only; dtrain's DDP
+    // computes under autocast in param_dtype. The FSDP-only fields are refused, not ignored.
+    Section prec = top.section("precision");
+    const auto& mp = cfg.precision.mixed;
+    const std::string why = " is an FSDP setting that strategy " + cfg.parallel.strategy +
+                            " cannot honour; use parallel.strategy: fsdp, or remove it";
+    if (mp.output_dtype) prec.fail("output_dtype", "output_dtype" + why);
+    if (mp.cast_forward_inputs) prec.fail("cast_forward_inputs", "cast_forward_inputs" + why);
+    if (mp.keep_low_precision_grads) {
+      prec.fail("keep_low_precision_grads", "keep_low_precision_grads" + why);
+    }
+  }
   if (cfg.parallel.backend == "nccl" && cfg.device != "cuda") {
     Section p = top.section("parallel");
     p.fail("backend",

@@ -64,6 +64,11 @@ struct ParallelConfig {
   bool forward_prefetch = false;
   bool backward_prefetch = true;
   int64_t limit_all_gathers = 2;
+  // FSDP auto-wrap: which of the model's wrap points become units (class names; empty: all),
+  // and the fewest parameters a unit must hold.
+  std::vector<std::string> wrap_modules;
+  int64_t wrap_min_params = 0;
+  int64_t hybrid_group_size = 0;  // hybrid_shard: ranks per shard group; 0: LOCAL_WORLD_SIZE
   double timeout_s = 300.0;
 };
 

@@ -131,6 +131,31 @@ TEST(ConfigError, ImpossibleCombinationsNamePathAndLine) {
                     {"run.yaml:12:", "parallel.backend", "needs device: cuda"});
   expect_yaml_error(replace(kGood, "batch_size: 8", "batch_size: 8\n  micro_batches: 3"),
                     {"run.yaml:9:", "train.micro_batches", "divisible"});
+  // FSDP-only precision fields under DDP are refused, not ignored.
+  expect_yaml_error(replace(kGood, "policy: bf16", "policy: bf16\n  output_dtype: fp32"),
+                    {"run.yaml:14:", "precision.output_dtype", "FSDP setting"});
+  expect_yaml_error(
+      replace(kGood, "policy: bf16", "policy: bf16\n  cast_forward_inputs: true"),
+      {"run.yaml:14:", "precision.cast_forward_inputs", "use parallel.strategy: fsdp"});
+  expect_yaml_error(
+      replace(kGood, "policy: bf16", "policy: bf16\n  keep_low_precision_grads: true"),
+      {"run.yaml:14:", "precision.keep_low_precision_grads", "FSDP setting"});
+}
+
+TEST(Config, FsdpTakesItsPrecisionFieldsAndWrapPolicy) {
+  RunConfig c = parse_config(
+      replace(replace(kGood, "strategy: ddp",
+                      "strategy: fsdp\n  wrap_modules: [Block]\n  wrap_min_params: 10\n"
+                      "  hybrid_group_size: 2"),
+              "policy: bf16", "policy: bf16\n  output_dtype: fp32\n  cast_forward_inputs: true"),
+      "run.yaml");
+  EXPECT_EQ(c.parallel.wrap_modules, std::vector<std::string>{"Block"});
+  EXPECT_EQ(c.parallel.wrap_min_params, 10);
+  EXPECT_EQ(c.parallel.hybrid_group_size, 2);
+  EXPECT_EQ(c.precision.mixed.output_dtype, at::kFloat);
+  EXPECT_TRUE(c.precision.mixed.cast_forward_inputs);
+  expect_yaml_error(replace(kGood, "strategy: ddp", "strategy: fsdp\n  wrap_modules: {a: 1}"),
+                    {"run.yaml:12:", "parallel.wrap_modules", "expected a list of strings"});
 }
 
 TEST(Config, Bf16WithAnEnabledScalerWarns) {

@@ -1,6 +1,5 @@
 // End to end: every tiny config in configs/tiny trains through dtrain-launch (2 ranks, Gloo)
-// and its loss falls; the same under mpirun; fsdp configs fail with a clear message until
-// the FSDP capability lands.
+// and its loss falls; DDP and FSDP also under mpirun.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <yaml-cpp/yaml.h>
@@ -82,13 +81,31 @@ TEST(EndToEnd, DdpConfigTrainsUnderMpirun) {
                     "OMPI_MCA_mpi_yield_when_idle=1 mpirun -np 2 --oversubscribe --bind-to none");
 }
 
-TEST(EndToEnd, FsdpConfigsFailClearlyUntilFsdpLands) {
-  for (const char* p : {"fp32", "bf16", "fp16"}) {
-    Result r = run(launch(2) + " " + g_trainer + " --config configs/tiny/fsdp_" + p + ".yaml");
-    EXPECT_EQ(r.code, 2) << r.output;
-    EXPECT_NE(r.output.find("parallel.strategy: fsdp is not available"), std::string::npos)
-        << r.output;
-  }
+TEST(EndToEnd, FsdpFp32ConfigTrainsThroughTheLauncher) {
+  expect_loss_falls("configs/tiny/fsdp_fp32.yaml", launch(2));
+}
+
+TEST(EndToEnd, FsdpBf16ConfigTrainsThroughTheLauncher) {
+  expect_loss_falls("configs/tiny/fsdp_bf16.yaml", launch(2));
+}
+
+TEST(EndToEnd, FsdpFp16ConfigTrainsThroughTheLauncher) {
+  expect_loss_falls("configs/tiny/fsdp_fp16.yaml", launch(2));
+}
+
+TEST(EndToEnd, FsdpConfigTrainsUnderMpirun) {
+  expect_loss_falls("configs/tiny/fsdp_bf16.yaml",
+                    "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "
+                    "OMPI_MCA_mpi_yield_when_idle=1 mpirun -np 2 --oversubscribe --bind-to none");
+}
+
+TEST(EndToEnd, FsdpOnlyPrecisionFieldsAreRefusedUnderDdp) {
+  Result r =
+      run(g_trainer + " --config configs/tiny/ddp_bf16.yaml --set precision.output_dtype=fp32");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("precision.output_dtype: output_dtype is an FSDP setting"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST(EndToEnd, BadConfigExitsTwoNamingTheKey) {

@@ -16,6 +16,7 @@
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
 #include "amp/numerics.h"
+#include "amp/sharded_grad_scaler.h"
 #include "core/error.h"
 #include "core/logging.h"
 #include "framework/data.h"
@@ -23,6 +24,7 @@
 #include "framework/models/transformer_lm.h"
 #include "sharding/clip_grad.h"
 #include "sharding/ddp.h"
+#include "sharding/fsdp.h"
 
 namespace dtrain::framework {
 namespace {
@@ -50,18 +52,29 @@ std::string progress_bar(int64_t done, int64_t total, int width = 30) {
          std::to_string(done) + "/" + std::to_string(total);
 }
 
-// The model behind a uniform forward and loss, with or without DDP.
+// The model behind a uniform forward and loss: plain, DDP or FSDP.
 class Model {
  public:
   virtual ~Model() = default;
   virtual at::Tensor loss(const Batch& b) = 0;
+  // What the optimizer steps: the module's parameters, or FSDP's fp32 master shards.
   virtual std::vector<at::Tensor> parameters() = 0;
   virtual std::optional<sharding::NoSyncGuard> no_sync() = 0;
   virtual const sharding::ReducerStats* stats() const = 0;
+  // Clips to max_norm (> 0) or only measures; the norm of the whole model's gradients.
+  virtual double clip_grad_norm(double max_norm) = 0;
+  // DDP and plain modules compute in param_dtype under autocast; FSDP's parameters already
+  // have it.
+  virtual bool uses_autocast() const = 0;
 };
 
-at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
+// Losses in fp32 whatever the logits' dtype (autocast's fp32 list does the same).
+at::Tensor loss_of(const at::Tensor& out, const at::Tensor& targets) {
+  at::Tensor logits = out.to(at::kFloat);
+  if (logits.dim() == 3) {
+    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
+  }
+  return at::cross_entropy_loss(logits, targets);
 }
 
 template <typename M>
@@ -70,38 +83,61 @@ class Wrapped : public Model {
   Wrapped(M module, std::shared_ptr<comm::Communicator> comm, const RunConfig& c,
           amp::NumericsMonitor* monitor)
       : monitor_(monitor) {
-    if (comm && c.parallel.strategy == "ddp") {
+    const auto& p = c.parallel;
+    if (comm && p.strategy == "ddp") {
       sharding::DDPOptions o;
-      o.bucket_cap_mb(c.parallel.bucket_cap_mb)
-          .find_unused_parameters(c.parallel.find_unused_parameters)
-          .broadcast_buffers(c.parallel.broadcast_buffers)
+      o.bucket_cap_mb(p.bucket_cap_mb)
+          .find_unused_parameters(p.find_unused_parameters)
+          .broadcast_buffers(p.broadcast_buffers)
           .reduce_dtype(c.precision.mixed.effective_reduce_dtype())
           .monitor(monitor);
       ddp_.emplace(std::move(module), std::move(comm), o);
+    } else if (comm && p.strategy == "fsdp") {
+      sharding::FSDPOptions o;
+      o.sharding_strategy(sharding::parse_sharding_strategy(p.sharding_strategy))
+          .mixed_precision(c.precision.mixed)
+          .auto_wrap(
+              sharding::AutoWrapPolicy().module_types(p.wrap_modules).min_params(p.wrap_min_params))
+          .forward_prefetch(p.forward_prefetch)
+          .backward_prefetch(p.backward_prefetch)
+          .limit_all_gathers(p.limit_all_gathers)
+          .hybrid_group_size(p.hybrid_group_size)
+          .monitor(monitor);
+      fsdp_.emplace(std::move(module), std::move(comm), o);
     } else {
       plain_ = std::move(module);
     }
   }
 
   at::Tensor loss(const Batch& b) override {
-    at::Tensor out = ddp_ ? ddp_->forward(b.inputs) : plain_->forward(b.inputs);
+    at::Tensor out = ddp_    ? ddp_->forward(b.inputs)
+                     : fsdp_ ? fsdp_->forward(b.inputs)
+                             : plain_->forward(b.inputs);
     if (monitor_ != nullptr) monitor_->record("model.output", out);
-    return out.dim() == 3 ? lm_loss(out, b.targets) : at::cross_entropy_loss(out, b.targets);
+    return loss_of(out, b.targets);
   }
   std::vector<at::Tensor> parameters() override {
-    return ddp_ ? ddp_->parameters() : plain_->parameters();
+    return ddp_ ? ddp_->parameters() : fsdp_ ? fsdp_->parameters() : plain_->parameters();
   }
   std::optional<sharding::NoSyncGuard> no_sync() override {
-    if (!ddp_) return std::nullopt;
-    return ddp_->no_sync();
+    if (ddp_) return ddp_->no_sync();
+    if (fsdp_) return fsdp_->no_sync();
+    return std::nullopt;
   }
   const sharding::ReducerStats* stats() const override {
-    return ddp_ ? &ddp_->last_stats() : nullptr;
+    return ddp_ ? &ddp_->last_stats() : fsdp_ ? &fsdp_->last_stats() : nullptr;
   }
+  double clip_grad_norm(double max_norm) override {
+    comm::Communicator* shards = fsdp_ ? fsdp_->state().shard_group() : nullptr;
+    if (max_norm > 0) return sharding::clip_grad_norm_(parameters(), max_norm, 2.0, shards);
+    return sharding::grad_norm(parameters(), 2.0, shards).template item<double>();
+  }
+  bool uses_autocast() const override { return !fsdp_; }
 
  private:
   amp::NumericsMonitor* monitor_;
   std::optional<sharding::DistributedDataParallel<M>> ddp_;
+  std::optional<sharding::FullyShardedDataParallel<M>> fsdp_;
   M plain_{nullptr};
 };
 
@@ -113,9 +149,6 @@ double mean_over_ranks(comm::Communicator* comm, double v) {
 }
 
 void check_supported(const RunConfig& c, const comm::Communicator* comm) {
-  DTRAIN_CHECK_AS(ConfigError, c.parallel.strategy != "fsdp", c.source,
-                  ": parallel.strategy: fsdp is not available in this version of dtrain yet "
-                  "(the FSDP capability is still open); use ddp or none");
   DTRAIN_CHECK_AS(ConfigError, c.checkpoint.dir.empty(), c.source,
                   ": checkpoint.dir: checkpointing is not available in this version of dtrain "
                   "yet; leave checkpoint.dir unset");
@@ -189,13 +222,19 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                                                   .weight_decay(c.train.weight_decay));
   }
   const auto& sc = c.precision.scaler;
-  amp::GradScaler scaler(amp::GradScalerOptions()
-                             .init_scale(sc.init_scale)
-                             .growth_factor(sc.growth_factor)
-                             .backoff_factor(sc.backoff_factor)
-                             .growth_interval(sc.growth_interval)
-                             .enabled(sc.enabled));
-  const bool autocast = c.precision.mixed.is_low_precision();
+  const auto scaler_options = amp::GradScalerOptions()
+                                  .init_scale(sc.init_scale)
+                                  .growth_factor(sc.growth_factor)
+                                  .backoff_factor(sc.backoff_factor)
+                                  .growth_interval(sc.growth_interval)
+                                  .enabled(sc.enabled);
+  // FSDP's gradients are shards (and may be fp16): the inf verdict must be agreed.
+  std::unique_ptr<amp::GradScaler> scaler_ptr =
+      comm && c.parallel.strategy == "fsdp"
+          ? std::make_unique<amp::ShardedGradScaler>(comm, scaler_options)
+          : std::make_unique<amp::GradScaler>(scaler_options);
+  amp::GradScaler& scaler = *scaler_ptr;
+  const bool autocast = c.precision.mixed.is_low_precision() && model->uses_autocast();
   const c10::ScalarType compute = c.precision.mixed.param_dtype;
   logging::info("run: ", c.source, ", ", world, " rank(s), strategy ", c.parallel.strategy,
                 comm ? ", backend " + comm->backend() : std::string(), ", precision ",
@@ -239,10 +278,7 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
       loss_sum += loss.item<double>();
     }
     scaler.unscale_(*opt);
-    std::vector<at::Tensor> params = model->parameters();
-    double grad_norm = c.train.clip_grad_norm > 0
-                           ? sharding::clip_grad_norm_(params, c.train.clip_grad_norm)
-                           : sharding::grad_norm(params).item<double>();
+    double grad_norm = model->clip_grad_norm(c.train.clip_grad_norm);
     const double scale_used = scaler.get_scale();
     bool stepped = scaler.step(*opt);
     scaler.update();

@@ -10,8 +10,11 @@
 // skipped steps, tokens/s, step time and peak memory, writes the same as a JSON line to
 // logging.metrics_file (rank 0), and redraws a progress bar on rank 0's terminal.
 //
-// Not yet here, and refused with a clear ConfigError rather than ignored: parallel.strategy
-// fsdp (FSDP is a later capability) and checkpoint.dir (checkpoints come with resume).
+// Strategies: none (one process), ddp (autocast in param_dtype, reduce in reduce_dtype), fsdp
+// (sharded parameters in param_dtype, the ShardedGradScaler for fp16, clipping over shards).
+//
+// Not yet here, and refused with a clear ConfigError rather than ignored: checkpoint.dir
+// (checkpoints come with resume).
 #pragma once
 
 #include <memory>

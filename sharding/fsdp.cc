@@ -81,8 +81,8 @@ std::unique_ptr<FSDPState> build_fsdp(torch::nn::Module& module,
     auto it = seen.find(impl);
     if (it != seen.end()) {
       if (owner[it->second] != owner_of(item.key())) owner[it->second] = -1;
-      logging::debug("FSDP: '", item.key(), "' is the same tensor as '",
-                     unique[it->second].first, "' (tied); it is kept once");
+      logging::debug("FSDP: '", item.key(), "' is the same tensor as '", unique[it->second].first,
+                     "' (tied); it is kept once");
       continue;
     }
     seen.emplace(impl, unique.size());

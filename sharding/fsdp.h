@@ -102,7 +102,8 @@ Out finish_forward(FSDPState& s, int64_t unit, bool root, Out out) {
     FSDPState* state = &s;
     for (const auto& t : tensors) {
       if (t.defined() && t.requires_grad()) {
-        t.register_hook([state, unit](const at::TensorBase& /*grad*/) { state->pre_backward(unit); });
+        t.register_hook(
+            [state, unit](const at::TensorBase& /*grad*/) { state->pre_backward(unit); });
       }
     }
   }

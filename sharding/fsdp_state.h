@@ -156,7 +156,7 @@ class FSDPState : public GradientSync {
   bool grad_forward_ = false;
   bool in_backward_ = false;
   std::vector<int64_t> forward_order_, previous_order_;  // units, as they ran
-  std::vector<int64_t> backward_order_;                 // reduction order, root last
+  std::vector<int64_t> backward_order_;                  // reduction order, root last
   std::vector<bool> ready_;
   size_t next_launch_ = 0;
   double exposed_s_ = 0;

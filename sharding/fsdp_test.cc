@@ -156,15 +156,19 @@ void check_against_ddp(Kind kind, M (*make)(), ShardingStrategy strategy, int st
 
 TEST_F(Test, EveryStrategyHoldsDdpParametersAfterAdamWSteps) {
   for (auto s : strategies()) {
-    check_against_ddp<TransformerLM>(Kind::kLm, [] { return make_lm(); }, s, 3);
-    check_against_ddp<MLP>(Kind::kMlp, [] { return make_mlp(Kind::kMlp); }, s, 3);
-    check_against_ddp<MLP>(Kind::kOdd, [] { return make_mlp(Kind::kOdd); }, s, 3);
+    check_against_ddp<TransformerLM>(
+        Kind::kLm, [] { return make_lm(); }, s, 3);
+    check_against_ddp<MLP>(
+        Kind::kMlp, [] { return make_mlp(Kind::kMlp); }, s, 3);
+    check_against_ddp<MLP>(
+        Kind::kOdd, [] { return make_mlp(Kind::kOdd); }, s, 3);
   }
 }
 
 TEST_F(Test, ClipGradNormOverShardsEqualsTheFullGradientNorm) {
   for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kNoShard}) {
-    check_against_ddp<TransformerLM>(Kind::kLm, [] { return make_lm(); }, s, 2, /*clip=*/0.05);
+    check_against_ddp<TransformerLM>(
+        Kind::kLm, [] { return make_lm(); }, s, 2, /*clip=*/0.05);
   }
 }
 
@@ -240,7 +244,8 @@ TEST_F(Test, NoSyncAccumulationMatchesDdp) {
   fsdp_opt.step();
   std::map<std::string, at::Tensor> want;
   for (const auto& item : ddp.module()->named_parameters()) want[item.key()] = item.value();
-  for (const auto& [name, t] : fsdp.state().full_parameters()) expect_close(t, want[name], 1e-5, name);
+  for (const auto& [name, t] : fsdp.state().full_parameters())
+    expect_close(t, want[name], 1e-5, name);
 }
 
 // `extra` is used only on rank 0; `dead` never.
@@ -299,7 +304,8 @@ TEST_F(Test, UnusedParametersReduceZerosWithoutDesynchronizingTheRanks) {
   }
   std::map<std::string, at::Tensor> want;
   for (const auto& item : ddp.module()->named_parameters()) want[item.key()] = item.value();
-  for (const auto& [name, t] : fsdp.state().full_parameters()) expect_close(t, want[name], 1e-5, name);
+  for (const auto& [name, t] : fsdp.state().full_parameters())
+    expect_close(t, want[name], 1e-5, name);
 }
 
 // A wrap point that records what its forward saw.
@@ -379,14 +385,15 @@ TEST_F(Test, EveryMixedPrecisionFieldTakesEffect) {
 }
 
 TEST_F(Test, Fp16InfOnOneRanksShardMakesEveryRankSkipWithEqualScales) {
-  FullyShardedDataParallel<MLP> fsdp(make_mlp(Kind::kMlp), world_ptr(),
-                                     FSDPOptions().mixed_precision(amp::MixedPrecisionPolicy::fp16()));
+  FullyShardedDataParallel<MLP> fsdp(
+      make_mlp(Kind::kMlp), world_ptr(),
+      FSDPOptions().mixed_precision(amp::MixedPrecisionPolicy::fp16()));
   torch::optim::SGD opt(fsdp.parameters(), torch::optim::SGDOptions(0.1));
   amp::ShardedGradScaler scaler(world_ptr(),
                                 amp::GradScalerOptions().init_scale(1024.0).growth_interval(2));
   for (int step = 0; step < 5; ++step) {
-    Batch mine =
-        batch_for(Kind::kMlp, world().size() * kPerRank, 600 + step).slice(world().rank(), kPerRank);
+    Batch mine = batch_for(Kind::kMlp, world().size() * kPerRank, 600 + step)
+                     .slice(world().rank(), kPerRank);
     opt.zero_grad();
     scaler.scale(loss_of(fsdp(mine.input), mine.target)).backward();
     if (step == 2 && world().rank() == world().size() - 1) {
@@ -400,10 +407,12 @@ TEST_F(Test, Fp16InfOnOneRanksShardMakesEveryRankSkipWithEqualScales) {
     }
     EXPECT_EQ(scaler.step(opt), step != 2) << "step " << step;
     scaler.update();
-    at::Tensor s = at::full({1}, scaler.get_scale(), at::TensorOptions(at::kDouble).device(world().device()));
+    at::Tensor s =
+        at::full({1}, scaler.get_scale(), at::TensorOptions(at::kDouble).device(world().device()));
     at::Tensor s0 = s.clone();
     world().broadcast(s0, 0).wait();
-    EXPECT_EQ(s.item<double>(), s0.item<double>()) << "scale differs from rank 0's at step " << step;
+    EXPECT_EQ(s.item<double>(), s0.item<double>())
+        << "scale differs from rank 0's at step " << step;
   }
 }
 

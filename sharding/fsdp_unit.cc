@@ -173,8 +173,7 @@ void FlatUnit::reshard() {
 }
 
 void FlatUnit::alloc_reduce_full() {
-  const auto opts =
-      at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
+  const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
   reduce_full_ = at::empty({padded_}, opts);
   if (padded_ > total_) reduce_full_.narrow(0, total_, padded_ - total_).zero_();
 }

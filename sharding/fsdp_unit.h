@@ -57,7 +57,7 @@ class FlatUnit {
     int64_t offset = 0;  // first element in the unpadded flat layout
     int64_t numel = 0;
     bool trainable = true;
-    at::Tensor master;  // this rank's part: 1-D fp32 slot of shard_, possibly empty
+    at::Tensor master;         // this rank's part: 1-D fp32 slot of shard_, possibly empty
     int64_t master_begin = 0;  // index of master[0] within the flattened parameter
   };
   enum class State { kSharded, kGathering, kUnsharded };

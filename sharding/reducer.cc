@@ -219,8 +219,8 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
                         : at::empty({total}, first.options().dtype(reduce));
     for (size_t s = 0; s < b.params.size(); ++s) {
       at::Tensor& p = params_[b.params[s]].second;
-      at::Tensor view =
-          p.is_contiguous() ? flat_slot(b.contents, b.offsets[s], p.sizes())
+      at::Tensor view = p.is_contiguous()
+                            ? flat_slot(b.contents, b.offsets[s], p.sizes())
                             : flat_slot(b.contents, b.offsets[s], p.sizes(), p.strides());
       b.views.push_back(view);
       where_[b.params[s]] = Location{static_cast<int64_t>(bi), static_cast<int64_t>(s)};
@@ -285,8 +285,7 @@ void Reducer::mark_ready(int64_t index, bool from_hook) {
     if (!grad.is_alias_of(view)) {
       if (divide_.pre != 1) {
         at::mul_out(view, grad,
-                    at::scalar_tensor(1.0 / divide_.pre,
-                                      grad.options().device(c10::kCPU)));
+                    at::scalar_tensor(1.0 / divide_.pre, grad.options().device(c10::kCPU)));
       } else {
         view.copy_(grad);
       }
