@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""PyTorch's own FSDP2 (fully_shard over Gloo) on the TransformerLM of bench/reference/model.py.
+
+Two uses, one process per rank under dtrain-launch (or torchrun):
+
+  parity: train from dtrain's initial weights on the same data and write the loss and scale
+          trajectory, for sharding/fsdp_parity_test.sh to compare with dtrain's
+      dtrain-launch --nproc-per-node 2 -- .venv/bin/python bench/reference/fsdp_reference.py \\
+          parity --precision bf16 --init DIR/init.pt --out DIR/pytorch.json
+
+  bench:  median step time and peak memory per rank, one JSON line on rank 0
+      dtrain-launch --nproc-per-node 2 -- .venv/bin/python bench/reference/fsdp_reference.py \\
+          bench --precision bf16 --d-model 512 --layers 6 ...
+
+Every block is fully_shard'ed, then the root (FSDP2's recommended layout, what dtrain's
+FULL_SHARD does). Mixed precision: MixedPrecisionPolicy(param_dtype, reduce_dtype) of the
+preset; fp16 adds the ShardedGradScaler.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model import TransformerLM  # noqa: E402
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build(args, vocab, seq, d_model, layers, heads, d_ff):
+    model = TransformerLM(vocab, seq, d_model, layers, heads, d_ff)
+    dtype = DTYPES[args.precision]
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def parity(args):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab, seq, d_model, layers, heads, batch = 64, 16, 32, 2, 4, 4
+    # Same weights as dtrain's start: load before sharding.
+    model = TransformerLM(vocab, seq, d_model, layers, heads, 2 * d_model)
+    init = torch.load(args.init, weights_only=False)
+    missing = model.load_state_dict(init, strict=True)
+    assert not missing.missing_keys and not missing.unexpected_keys, missing
+    dtype = DTYPES[args.precision]
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = ShardedGradScaler(device="cpu", init_scale=args.init_scale,
+                               growth_interval=args.growth_interval,
+                               enabled=args.precision == "fp16")
+    losses, scales, skipped = [], [], 0
+    for s in range(args.steps):
+        gen = torch.Generator().manual_seed(1000 + s * world + rank)
+        x = torch.randint(0, vocab, (batch, seq), generator=gen)
+        y = torch.randint(0, vocab, (batch, seq), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        logits = model(x).float()
+        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+        scaler.scale(loss).backward()
+        before = scaler.get_scale() if scaler.is_enabled() else 1.0
+        scaler.step(opt)
+        scaler.update()
+        if scaler.is_enabled() and scaler.get_scale() < before:
+            skipped += 1
+        mean = loss.detach().double().reshape(1)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        scales.append(scaler.get_scale() if scaler.is_enabled() else 1.0)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"impl": "pytorch", "torch": torch.__version__, "precision": args.precision,
+                       "loss": losses, "scale": scales, "skipped": skipped}, f)
+
+
+def bench(args):
+    rank = dist.get_rank()
+    vocab = 256
+    torch.manual_seed(0)
+    model = build(args, vocab, args.seq, args.d_model, args.layers, args.heads, args.d_ff)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused)
+    scaler = ShardedGradScaler(device="cpu", enabled=args.precision == "fp16")
+    gen = torch.Generator().manual_seed(1234 + rank)
+    steps = []
+    for s in range(args.warmup + args.steps):
+        x = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
+        y = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x).float().reshape(-1, vocab), y.reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        t1 = time.perf_counter()
+        if s >= args.warmup:
+            steps.append(t1 - t0)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(json.dumps({"impl": "pytorch-fsdp2", "precision": args.precision,
+                          "world": dist.get_world_size(), "torch": torch.__version__,
+                          "fused": args.fused, "median_step_s": statistics.median(steps),
+                          "peak_rss_mb": peak.item()}), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("parity")
+    p.add_argument("--precision", choices=DTYPES, default="fp32")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--init", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--init-scale", type=float, default=16777216.0)
+    p.add_argument("--growth-interval", type=int, default=4)
+    b = sub.add_parser("bench")
+    b.add_argument("--precision", choices=DTYPES, default="fp32")
+    for name, default in [("steps", 8), ("warmup", 2), ("d-model", 512), ("layers", 6),
+                          ("heads", 8), ("d-ff", 2048), ("seq", 64), ("batch", 4)]:
+        b.add_argument("--" + name, type=int, default=default)
+    b.add_argument("--fused", action="store_true", help="AdamW(fused=True)")
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    try:
+        parity(args) if args.mode == "parity" else bench(args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+#!/bin/bash
+# dtrain's FSDP against PyTorch's fully_shard, both over Gloo at 2 ranks on this machine,
+# from the same initial weights on the same data (see sharding/fsdp_parity.cc):
+#   fp32  loss within 1e-5 relative at every one of 20 steps
+#   bf16  within 1e-3: half of bf16's unit roundoff (2^-9). Both sides run the same ops in
+#         bf16; what differs is the order of a few reductions, which moves the loss by a few
+#         roundoffs of partial sums, far below 1e-3. A wrong cast or a missing divide moves
+#         it by 1e-2 or more.
+#   fp16  within 1e-3 likewise, and the loss-scale trajectory identical (the scale starts at
+#         2^24 and grows every 4 steps, so it overflows and backs off several times)
+# Usage: fsdp_parity_test.sh LAUNCHER FSDP_PARITY PYTHON REFERENCE COMPARE
+set -euo pipefail
+launcher=$1 parity=$2 python=$3 reference=$4 compare=$5
+dir=${TEST_TMPDIR:-$(mktemp -d)}
+export OMP_NUM_THREADS=1
+unset TEST_PREMATURE_EXIT_FILE XML_OUTPUT_FILE GTEST_OUTPUT
+status=0
+for precision in fp32 bf16 fp16; do
+  echo "== $precision"
+  "$launcher" --nproc-per-node 2 --master-port 0 --backend gloo -- \
+    "$parity" --precision "$precision" --out "$dir" >"$dir/dtrain_$precision.log" 2>&1 ||
+    { cat "$dir/dtrain_$precision.log"; exit 1; }
+  "$launcher" --nproc-per-node 2 --master-port 0 -- "$python" -W ignore "$reference" parity \
+    --precision "$precision" --init "$dir/init.pt" --out "$dir/pytorch_$precision.json" \
+    >"$dir/pytorch_$precision.log" 2>&1 || { cat "$dir/pytorch_$precision.log"; exit 1; }
+  rtol=1e-5 extra=()
+  [ "$precision" = fp32 ] || rtol=1e-3
+  [ "$precision" = fp16 ] && extra=(--same-scales)
+  "$python" "$compare" "$dir/dtrain.json" "$dir/pytorch_$precision.json" --rtol "$rtol" \
+    "${extra[@]}" || status=1
+done
+exit $status
