@@ -11,9 +11,9 @@
 // fp32 row by --peak-fp32-tflops, 67, since LibTorch leaves TF32 off by default).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <CLI/CLI.hpp>
 #include <torch/cuda.h>
 #include <torch/optim/adamw.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -109,13 +109,14 @@ int main(int argc, char** argv) {
   const int64_t params = dtrain::framework::transformer_lm_parameter_count(options);
   const int64_t embedding = (vocab + seq) * d_model;
   const double tokens = static_cast<double>(batch * seq);
-  const double flops = tokens * (6.0 * static_cast<double>(params - embedding) +
-                                 12.0 * layers * d_model * seq);
-  std::printf("amp_bench: TransformerLM %.1fM parameters (d_model %lld, %lld layers, seq %lld), "
-              "batch %lld, %s; %.2f TFLOP per step\n",
-              params / 1e6, static_cast<long long>(d_model), static_cast<long long>(layers),
-              static_cast<long long>(seq), static_cast<long long>(batch), device_name.c_str(),
-              flops / 1e12);
+  const double flops =
+      tokens * (6.0 * static_cast<double>(params - embedding) + 12.0 * layers * d_model * seq);
+  std::printf(
+      "amp_bench: TransformerLM %.1fM parameters (d_model %lld, %lld layers, seq %lld), "
+      "batch %lld, %s; %.2f TFLOP per step\n",
+      params / 1e6, static_cast<long long>(d_model), static_cast<long long>(layers),
+      static_cast<long long>(seq), static_cast<long long>(batch), device_name.c_str(),
+      flops / 1e12);
 
   auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
   at::Tensor tokens_in = at::randint(0, vocab, {batch, seq}, gen).to(device);
@@ -128,8 +129,7 @@ int main(int argc, char** argv) {
     TransformerLM model(options);
     model->to(device);
     torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
-    dtrain::amp::GradScaler scaler(
-        dtrain::amp::GradScalerOptions().enabled(precision == "fp16"));
+    dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions().enabled(precision == "fp16"));
     Row row;
     row.precision = precision;
     std::vector<double> times;
@@ -159,18 +159,19 @@ int main(int argc, char** argv) {
   }
 
   const double fp32_time = rows.front().precision == "fp32" ? rows.front().step_s : 0;
-  std::printf("\n| precision | step (ms) | speedup vs fp32 | tokens/s | TFLOP/s | MFU | peak "
-              "memory (GB) | loss first -> last |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "\n| precision | step (ms) | speedup vs fp32 | tokens/s | TFLOP/s | MFU | peak "
+      "memory (GB) | loss first -> last |\n|---|---|---|---|---|---|---|---|\n");
   for (const auto& r : rows) {
     const double tflops = flops / r.step_s / 1e12;
     const double peak = r.precision == "fp32" ? peak_fp32_tflops : peak_tflops;
-    std::printf("| %s | %.1f | %s | %.0f | %.1f | %.1f%% | %s | %.3f -> %.3f |\n",
-                r.precision.c_str(), r.step_s * 1e3,
-                fp32_time > 0 ? (std::to_string(fp32_time / r.step_s).substr(0, 4) + "x").c_str()
-                              : "-",
-                tokens / r.step_s, tflops, 100.0 * tflops / peak,
-                r.peak_gb >= 0 ? std::to_string(r.peak_gb).substr(0, 5).c_str() : "-",
-                r.first_loss, r.last_loss);
+    std::printf(
+        "| %s | %.1f | %s | %.0f | %.1f | %.1f%% | %s | %.3f -> %.3f |\n", r.precision.c_str(),
+        r.step_s * 1e3,
+        fp32_time > 0 ? (std::to_string(fp32_time / r.step_s).substr(0, 4) + "x").c_str() : "-",
+        tokens / r.step_s, tflops, 100.0 * tflops / peak,
+        r.peak_gb >= 0 ? std::to_string(r.peak_gb).substr(0, 5).c_str() : "-", r.first_loss,
+        r.last_loss);
   }
   std::printf("\nMFU: against %.0f TFLOP/s (dense bf16/fp16) and %.0f TFLOP/s for fp32.\n",
               peak_tflops, peak_fp32_tflops);

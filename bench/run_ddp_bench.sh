@@ -3,14 +3,14 @@
 # TransformerLM (~19M parameters), batch, sequence length and threads per rank, 2 ranks.
 # The three run in alternation for ROUNDS rounds (noisy machines); the table shows medians
 # over rounds of each run's median step time, and the ratios dtrain / PyTorch.
-#   bench/run_ddp_bench.sh [ROUNDS] [extra ddp_bench/ddp_reference args...]
+#   bench/run_ddp_bench.sh [ROUNDS] [extra step_bench/ddp_reference args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 shift || true
 args=("--steps" "8" "--warmup" "2" "$@")
 scripts/bootstrap >/dev/null
-bazel build //bench:ddp_bench //launcher:dtrain-launch >/dev/null 2>&1
+bazel build //bench:step_bench //launcher:dtrain-launch >/dev/null 2>&1
 launch=bazel-bin/launcher/dtrain-launch
 export OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_mpi_yield_when_idle=1
@@ -18,10 +18,11 @@ out=$(mktemp)
 for r in $(seq "$rounds"); do
   PYTHONPATH=bench/reference $launch --nproc-per-node 2 --master-port 0 -- \
     .venv/bin/python bench/reference/ddp_reference.py "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
-  $launch --nproc-per-node 2 --master-port 0 --backend gloo -- bazel-bin/bench/ddp_bench "${args[@]}" \
+  $launch --nproc-per-node 2 --master-port 0 --backend gloo -- bazel-bin/bench/step_bench \
+    --strategy ddp "${args[@]}" \
     | sed 's/^\[rank 0\] //' >>"$out"
-  mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi bazel-bin/bench/ddp_bench \
-    "${args[@]}" >>"$out"
+  mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi bazel-bin/bench/step_bench \
+    --strategy ddp "${args[@]}" >>"$out"
 done
 .venv/bin/python - "$out" <<'PY'
 import json, statistics, sys

@@ -1,9 +1,11 @@
 #include "comm/gloo_communicator.h"
 
+#include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <cstdlib>
+#include <vector>
 
 #include "comm/staging.h"
 #include "comm/worker.h"
@@ -47,6 +49,50 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_pg(const c10::intrusive_ptr<c10d
   }
 }
 
+// dtrain's rounding for 16-bit floats: add in fp32, round once per pairwise step.
+void combine_into(at::Tensor& acc, const at::Tensor& incoming, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kMax:
+      at::maximum_out(acc, acc, incoming);
+      break;
+    case ReduceOp::kMin:
+      at::minimum_out(acc, acc, incoming);
+      break;
+    default:
+      if (acc.scalar_type() == at::kHalf || acc.scalar_type() == at::kBFloat16) {
+        acc.copy_(acc.to(at::kFloat).add_(incoming.to(at::kFloat)));
+      } else {
+        acc.add_(incoming);
+      }
+  }
+}
+
+// Reduce-scatter as a ring of point-to-point steps. c10d's Gloo builds reduce_scatter from a
+// full all-reduce plus a slice, which moves twice the bytes; the ring moves (N-1)/N of the
+// input, as NCCL's does. At step k rank r sends its partial sum of chunk r-1-k to r+1 and
+// adds what r-1 sends of chunk r-2-k; after N-1 steps chunk r is complete on rank r.
+void ring_reduce_scatter(c10d::ProcessGroupGloo& pg, int size, int rank, const at::Tensor& in,
+                         at::Tensor& out, ReduceOp op, int64_t seq) {
+  const int64_t n = out.numel();
+  at::Tensor acc = in.clone();
+  at::Tensor incoming = at::empty({n}, in.options());
+  auto chunk = [&](int64_t i) { return acc.narrow(0, ((i % size + size) % size) * n, n); };
+  const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+  for (int k = 0; k + 1 < size; ++k) {
+    // Tags only need to tell this op's steps apart: ops run one at a time on the worker.
+    const int tag = static_cast<int>((seq % (1 << 20)) * 64 + k);
+    std::vector<at::Tensor> send{chunk(rank - 1 - k)};
+    std::vector<at::Tensor> recv{incoming};
+    auto sent = pg.send(send, next, tag);
+    auto got = pg.recv(recv, prev, tag);
+    got->wait();
+    sent->wait();
+    at::Tensor target = chunk(rank - 2 - k);
+    combine_into(target, incoming, op);
+  }
+  out.copy_(chunk(rank));
+}
+
 class GlooCommunicator : public Communicator {
  public:
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> root_store, std::string prefix, int rank,
@@ -69,13 +115,13 @@ class GlooCommunicator : public Communicator {
 
  protected:
   void enqueue(Collective c) override {
-    worker_.post([pg = pg_, size = size(), c = std::move(c)] {
+    worker_.post([pg = pg_, size = size(), rank = rank(), c = std::move(c)] {
       // Failed already: the communicator broke while this waited in the queue. Issuing it
       // now would pair it with a different collective on the ranks still in step.
       if (c.state->is_completed()) return;
       c.state->mark_started();
       try {
-        run(*pg, size, c);
+        run(*pg, size, rank, c);
         c.state->finish();
       } catch (const dtrain::Error&) {
         c.state->fail(std::current_exception());
@@ -97,7 +143,7 @@ class GlooCommunicator : public Communicator {
   }
 
  private:
-  static void run(c10d::ProcessGroupGloo& pg, int size, const Collective& c) {
+  static void run(c10d::ProcessGroupGloo& pg, int size, int rank, const Collective& c) {
     switch (c.kind) {
       case OpKind::kAllReduce: {
         std::vector<at::Tensor> v{to_host_flat(c.input)};
@@ -119,9 +165,7 @@ class GlooCommunicator : public Communicator {
       case OpKind::kReduceScatter: {
         at::Tensor in = to_host_flat(c.input);
         at::Tensor out = host_flat_like(c.output);
-        c10d::ReduceScatterOptions o;
-        o.reduceOp = to_c10d(c.op);
-        pg._reduce_scatter_base(out, in, o)->wait();
+        ring_reduce_scatter(pg, size, rank, in, out, c.op, c.state->info().seq);
         if (c.op == ReduceOp::kAvg) out.div_(size);
         copy_back(c.output, out);
         break;

@@ -10,9 +10,9 @@
 // CPU generator seeded 1000 + s * world + r: the same draws in C++ and Python.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <CLI/CLI.hpp>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
+#include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <fstream>
@@ -69,11 +69,10 @@ int main(int argc, char** argv) {
   }
 
   torch::optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-3));
-  dtrain::amp::ShardedGradScaler scaler(
-      world, dtrain::amp::GradScalerOptions()
-                 .init_scale(init_scale)
-                 .growth_interval(growth_interval)
-                 .enabled(precision == "fp16"));
+  dtrain::amp::ShardedGradScaler scaler(world, dtrain::amp::GradScalerOptions()
+                                                   .init_scale(init_scale)
+                                                   .growth_interval(growth_interval)
+                                                   .enabled(precision == "fp16"));
   std::vector<double> losses, scales;
   int64_t skipped = 0;
   for (int64_t s = 0; s < steps; ++s) {

@@ -247,6 +247,7 @@ void FSDPState::ensure_backward_started() {
   if (root_ >= 0) backward_order_.push_back(root_);
   next_launch_ = 0;
   std::fill(ready_.begin(), ready_.end(), false);
+  for (auto& u : units_) u->begin_backward();
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
 }
 

@@ -266,6 +266,15 @@ void FlatUnit::finish_reduce(double* waited_s) {
   reduce_launched_ = false;
 }
 
+void FlatUnit::begin_backward() {
+  for (const auto& p : params_) {
+    if (p.trainable && !p.master.grad().defined()) {
+      grad_shard_ = at::Tensor();
+      return;
+    }
+  }
+}
+
 void FlatUnit::reset_backward() {
   std::fill(reported_.begin(), reported_.end(), false);
   std::fill(filled_.begin(), filled_.end(), false);

@@ -110,6 +110,9 @@ class FlatUnit {
   // Waits for the reduction (and the replicas' all-reduce), post-divides and writes the
   // masters' gradients: assigned fresh when they were unset, else accumulated.
   void finish_reduce(double* waited_s);
+  // A backward starts: when the optimizer dropped the masters' gradients (zero_grad with
+  // set_to_none), the gradient shard is released too, not held until it is rewritten.
+  void begin_backward();
   // Forgets this backward's counts (the next backward starts over).
   void reset_backward();
 

@@ -87,35 +87,61 @@ def parity(args):
                        "loss": losses, "scale": scales, "skipped": skipped}, f)
 
 
+def tracker(path):
+    """dtrain's counting CPU allocator (framework/memory.h), installed in this process."""
+    if not path:
+        return None
+    import ctypes
+    lib = ctypes.CDLL(path)
+    lib.dtrain_tracked_current_bytes.restype = ctypes.c_longlong
+    lib.dtrain_tracked_peak_bytes.restype = ctypes.c_longlong
+    lib.dtrain_tracked_install()
+    return lib
+
+
 def bench(args):
     rank = dist.get_rank()
     vocab = 256
+    mem = tracker(args.tracker)
     torch.manual_seed(0)
     model = build(args, vocab, args.seq, args.d_model, args.layers, args.heads, args.d_ff)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused)
     scaler = ShardedGradScaler(device="cpu", enabled=args.precision == "fp16")
     gen = torch.Generator().manual_seed(1234 + rank)
-    steps = []
+    steps, opt_s, peak_tracked, steady = [], [], 0.0, 0.0
     for s in range(args.warmup + args.steps):
         x = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
         y = torch.randint(0, vocab, (args.batch, args.seq), generator=gen)
         dist.barrier()
+        if mem:
+            now = mem.dtrain_tracked_current_bytes() / 1e6
+            mem.dtrain_tracked_reset_peak()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x).float().reshape(-1, vocab), y.reshape(-1))
         scaler.scale(loss).backward()
+        tb = time.perf_counter()
         scaler.step(opt)
         scaler.update()
         t1 = time.perf_counter()
         if s >= args.warmup:
             steps.append(t1 - t0)
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+            opt_s.append(t1 - tb)
+            if mem:
+                steady = max(steady, now)
+                peak_tracked = max(peak_tracked, mem.dtrain_tracked_peak_bytes() / 1e6)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+                         peak_tracked, steady], dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(json.dumps({"impl": "pytorch-fsdp2", "precision": args.precision,
-                          "world": dist.get_world_size(), "torch": torch.__version__,
-                          "fused": args.fused, "median_step_s": statistics.median(steps),
-                          "peak_rss_mb": peak.item()}), flush=True)
+        print(json.dumps({"impl": "pytorch", "strategy": "fsdp2", "precision": args.precision,
+                          "backend": "gloo", "world": dist.get_world_size(),
+                          "torch": torch.__version__, "fused": args.fused,
+                          "median_step_s": statistics.median(steps),
+                          "median_optimizer_s": statistics.median(opt_s),
+                          "peak_rss_mb": peak[0].item(),
+                          "peak_tracked_mb": peak[1].item() if mem else None,
+                          "steady_tracked_mb": peak[2].item() if mem else None}), flush=True)
 
 
 def main():
@@ -134,6 +160,7 @@ def main():
                           ("heads", 8), ("d-ff", 2048), ("seq", 64), ("batch", 4)]:
         b.add_argument("--" + name, type=int, default=default)
     b.add_argument("--fused", action="store_true", help="AdamW(fused=True)")
+    b.add_argument("--tracker", default="", help="libdtrain_memory.so: count tensor bytes")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")

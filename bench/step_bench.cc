@@ -1,0 +1,187 @@
+// step_bench: median training-step time and peak memory of a TransformerLM under dtrain's
+// DDP or FSDP, or one process with no communication at all (the local step: what the same
+// model and per-rank batch cost without data parallelism). Paired with PyTorch's DDP and
+// fully_shard on the same model (bench/reference/*.py) by bench/run_ddp_bench.sh and
+// bench/run_fsdp_bench.sh, which print the tables.
+//
+//   dtrain-launch --nproc-per-node 2 -- step_bench --strategy fsdp --precision bf16
+//
+// Step = zero_grad -> forward -> cross-entropy (fp32) -> backward (gradients reduced) ->
+// AdamW step; DDP and local steps compute under autocast in bf16, FSDP in bf16 parameters.
+// Memory: the process's RSS high-water mark, and the bytes CPU tensors held at the peak
+// (framework/memory.h), each the largest over ranks. The steady state (parameters,
+// gradients, optimizer state between steps) is reported too, so a table can set the peak
+// against (params + grads + optimizer state) / N + activations + gathered units.
+// Prints one JSON line on rank 0.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <sys/resource.h>
+#include <torch/optim/adamw.h>
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "amp/autocast.h"
+#include "comm/factory.h"
+#include "framework/memory.h"
+#include "framework/models/transformer_lm.h"
+#include "sharding/ddp.h"
+#include "sharding/fsdp.h"
+
+using Clock = std::chrono::steady_clock;
+using dtrain::framework::TrackedCpuMemory;
+using dtrain::framework::TransformerLM;
+using dtrain::framework::TransformerLMOptions;
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// The largest value over ranks (or this one's, without a communicator).
+double max_over_ranks(dtrain::comm::Communicator* comm, double v) {
+  if (comm == nullptr) return v;
+  at::Tensor t = at::full({1}, v, at::kDouble);
+  comm->all_reduce(t, dtrain::comm::ReduceOp::kMax).wait();
+  return t.item<double>();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  TrackedCpuMemory::install();  // before any tensor
+  CLI::App app{"step_bench: TransformerLM step time and memory under dtrain's DDP or FSDP"};
+  std::string strategy = "ddp", sharding = "full_shard", precision = "fp32";
+  int64_t steps = 8, warmup = 2, d_model = 512, layers = 6, heads = 8, d_ff = 2048, seq = 64,
+          batch = 4, vocab = 256, limit = 2;
+  double bucket_cap_mb = 25;
+  bool forward_prefetch = false;
+  app.add_option("--strategy", strategy, "ddp, fsdp, or local (one process, no communication)")
+      ->check(CLI::IsMember({"ddp", "fsdp", "local"}));
+  app.add_option("--sharding", sharding, "FSDP: full_shard, shard_grad_op, no_shard")
+      ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}));
+  app.add_option("--precision", precision, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--steps", steps, "timed steps");
+  app.add_option("--warmup", warmup, "untimed steps first");
+  app.add_option("--d-model", d_model);
+  app.add_option("--layers", layers);
+  app.add_option("--heads", heads);
+  app.add_option("--d-ff", d_ff);
+  app.add_option("--seq", seq);
+  app.add_option("--batch", batch, "sequences per rank");
+  app.add_option("--bucket-cap-mb", bucket_cap_mb, "DDP");
+  app.add_option("--limit-all-gathers", limit, "FSDP");
+  app.add_flag("--forward-prefetch", forward_prefetch, "FSDP");
+  CLI11_PARSE(app, argc, argv);
+
+  const char* threads = std::getenv("OMP_NUM_THREADS");
+  at::set_num_threads(std::max(1, std::atoi(threads ? threads : "1")));
+  std::shared_ptr<dtrain::comm::Communicator> comm;
+  if (strategy != "local") comm = dtrain::comm::create_world();
+  const int rank = comm ? comm->rank() : 0;
+  at::manual_seed(0);
+  auto opts = TransformerLMOptions()
+                  .vocab_size(vocab)
+                  .seq_len(seq)
+                  .d_model(d_model)
+                  .n_layers(layers)
+                  .n_heads(heads)
+                  .d_ff(d_ff);
+  const bool bf16 = precision == "bf16";
+  std::unique_ptr<dtrain::sharding::DistributedDataParallel<TransformerLM>> ddp;
+  std::unique_ptr<dtrain::sharding::FullyShardedDataParallel<TransformerLM>> fsdp;
+  TransformerLM local{nullptr};
+  std::vector<at::Tensor> params;
+  if (strategy == "ddp") {
+    ddp = std::make_unique<dtrain::sharding::DistributedDataParallel<TransformerLM>>(
+        TransformerLM(opts), comm,
+        dtrain::sharding::DDPOptions()
+            .bucket_cap_mb(bucket_cap_mb)
+            .reduce_dtype(bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt));
+    params = ddp->parameters();
+  } else if (strategy == "fsdp") {
+    fsdp = std::make_unique<dtrain::sharding::FullyShardedDataParallel<TransformerLM>>(
+        TransformerLM(opts), comm,
+        dtrain::sharding::FSDPOptions()
+            .sharding_strategy(dtrain::sharding::parse_sharding_strategy(sharding))
+            .mixed_precision(dtrain::amp::MixedPrecisionPolicy::preset(precision))
+            .limit_all_gathers(limit)
+            .forward_prefetch(forward_prefetch));
+    params = fsdp->parameters();
+  } else {
+    local = TransformerLM(opts);
+    params = local->parameters();
+  }
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-4));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
+  std::vector<double> step_s, backward_s, comm_s, exposed_s, opt_s;
+  double steady_mb = 0, peak_tracked_mb = 0;
+  for (int64_t s = 0; s < warmup + steps; ++s) {
+    at::Tensor x = at::randint(0, vocab, {batch, seq}, gen);
+    at::Tensor y = at::randint(0, vocab, {batch, seq}, gen);
+    if (comm) comm->barrier().wait();
+    const double steady = TrackedCpuMemory::current_bytes() / 1e6;
+    TrackedCpuMemory::reset_peak();
+    auto t0 = Clock::now();
+    // The local run keeps its gradients allocated, so its peak above the steady state is the
+    // activations alone (the theory FSDP's memory is set against).
+    opt.zero_grad(/*set_to_none=*/strategy != "local");
+    at::Tensor loss;
+    {
+      // DDP and local steps compute under autocast; FSDP's parameters are bf16 already.
+      dtrain::amp::AutocastGuard autocast(at::kCPU, at::kBFloat16, bf16 && !fsdp);
+      at::Tensor logits = ddp ? (*ddp)(x) : fsdp ? (*fsdp)(x) : local->forward(x);
+      loss = at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), y.reshape(-1));
+    }
+    auto tb = Clock::now();
+    loss.backward();
+    auto te = Clock::now();
+    opt.step();
+    auto t1 = Clock::now();
+    if (s < warmup) continue;
+    step_s.push_back(seconds(t0, t1));
+    backward_s.push_back(seconds(tb, te));
+    opt_s.push_back(seconds(te, t1));
+    if (ddp || fsdp) {
+      const auto& st = ddp ? ddp->last_stats() : fsdp->last_stats();
+      comm_s.push_back(st.comm_seconds);
+      exposed_s.push_back(st.exposed_seconds);
+    }
+    steady_mb = std::max(steady_mb, steady);
+    peak_tracked_mb = std::max(peak_tracked_mb, TrackedCpuMemory::peak_bytes() / 1e6);
+  }
+  rusage r{};
+  getrusage(RUSAGE_SELF, &r);
+  const double peak_rss_mb = max_over_ranks(comm.get(), r.ru_maxrss / 1024.0);
+  peak_tracked_mb = max_over_ranks(comm.get(), peak_tracked_mb);
+  steady_mb = max_over_ranks(comm.get(), steady_mb);
+  if (rank == 0) {
+    const double c = median(comm_s), e = median(exposed_s);
+    std::printf(
+        "{\"impl\":\"dtrain\",\"strategy\":\"%s\",\"sharding\":\"%s\",\"precision\":\"%s\","
+        "\"backend\":\"%s\",\"world\":%d,\"params\":%lld,\"median_step_s\":%.4f,"
+        "\"median_backward_s\":%.4f,\"median_optimizer_s\":%.4f,\"comm_s\":%.4f,"
+        "\"exposed_s\":%.4f,\"hidden\":%.3f,\"peak_rss_mb\":%.1f,\"peak_tracked_mb\":%.1f,"
+        "\"steady_tracked_mb\":%.1f}\n",
+        strategy.c_str(), strategy == "fsdp" ? sharding.c_str() : "", precision.c_str(),
+        comm ? comm->backend().c_str() : "none", comm ? comm->size() : 1,
+        static_cast<long long>(dtrain::framework::transformer_lm_parameter_count(opts)),
+        median(step_s), median(backward_s), median(opt_s), c, e,
+        c > 0 ? std::max(0.0, 1 - e / c) : 1.0, peak_rss_mb, peak_tracked_mb, steady_mb);
+  }
+  if (comm) comm->barrier().wait();
+  return 0;
+}
