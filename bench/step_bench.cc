@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
   int64_t steps = 8, warmup = 2, d_model = 512, layers = 6, heads = 8, d_ff = 2048, seq = 64,
           batch = 4, vocab = 256, limit = 2;
   double bucket_cap_mb = 25;
-  bool forward_prefetch = false;
+  bool forward_prefetch = false, one_queue = false;
   app.add_option("--strategy", strategy, "ddp, fsdp, or local (one process, no communication)")
       ->check(CLI::IsMember({"ddp", "fsdp", "local"}));
   app.add_option("--sharding", sharding, "FSDP: full_shard, shard_grad_op, no_shard")
@@ -85,6 +85,7 @@ int main(int argc, char** argv) {
   app.add_option("--bucket-cap-mb", bucket_cap_mb, "DDP");
   app.add_option("--limit-all-gathers", limit, "FSDP");
   app.add_flag("--forward-prefetch", forward_prefetch, "FSDP");
+  app.add_flag("--one-queue", one_queue, "FSDP: reduce-scatters on the gathers' communicator");
   CLI11_PARSE(app, argc, argv);
 
   const char* threads = std::getenv("OMP_NUM_THREADS");
@@ -119,7 +120,8 @@ int main(int argc, char** argv) {
             .sharding_strategy(dtrain::sharding::parse_sharding_strategy(sharding))
             .mixed_precision(dtrain::amp::MixedPrecisionPolicy::preset(precision))
             .limit_all_gathers(limit)
-            .forward_prefetch(forward_prefetch));
+            .forward_prefetch(forward_prefetch)
+            .separate_reduce_group(!one_queue));
     params = fsdp->parameters();
   } else {
     local = TransformerLM(opts);
@@ -127,7 +129,7 @@ int main(int argc, char** argv) {
   }
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-4));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
-  std::vector<double> step_s, backward_s, comm_s, exposed_s, opt_s;
+  std::vector<double> step_s, forward_s, backward_s, comm_s, exposed_s, opt_s;
   double steady_mb = 0, peak_tracked_mb = 0;
   for (int64_t s = 0; s < warmup + steps; ++s) {
     at::Tensor x = at::randint(0, vocab, {batch, seq}, gen);
@@ -153,6 +155,7 @@ int main(int argc, char** argv) {
     auto t1 = Clock::now();
     if (s < warmup) continue;
     step_s.push_back(seconds(t0, t1));
+    forward_s.push_back(seconds(t0, tb));
     backward_s.push_back(seconds(tb, te));
     opt_s.push_back(seconds(te, t1));
     if (ddp || fsdp) {
@@ -173,13 +176,14 @@ int main(int argc, char** argv) {
     std::printf(
         "{\"impl\":\"dtrain\",\"strategy\":\"%s\",\"sharding\":\"%s\",\"precision\":\"%s\","
         "\"backend\":\"%s\",\"world\":%d,\"params\":%lld,\"median_step_s\":%.4f,"
-        "\"median_backward_s\":%.4f,\"median_optimizer_s\":%.4f,\"comm_s\":%.4f,"
+        "\"median_forward_s\":%.4f,\"median_backward_s\":%.4f,\"median_optimizer_s\":%.4f,\"comm_"
+        "s\":%.4f,"
         "\"exposed_s\":%.4f,\"hidden\":%.3f,\"peak_rss_mb\":%.1f,\"peak_tracked_mb\":%.1f,"
         "\"steady_tracked_mb\":%.1f}\n",
         strategy.c_str(), strategy == "fsdp" ? sharding.c_str() : "", precision.c_str(),
         comm ? comm->backend().c_str() : "none", comm ? comm->size() : 1,
         static_cast<long long>(dtrain::framework::transformer_lm_parameter_count(opts)),
-        median(step_s), median(backward_s), median(opt_s), c, e,
+        median(step_s), median(forward_s), median(backward_s), median(opt_s), c, e,
         c > 0 ? std::max(0.0, 1 - e / c) : 1.0, peak_rss_mb, peak_tracked_mb, steady_mb);
   }
   if (comm) comm->barrier().wait();

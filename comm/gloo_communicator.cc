@@ -49,48 +49,74 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_pg(const c10::intrusive_ptr<c10d
   }
 }
 
-// dtrain's rounding for 16-bit floats: add in fp32, round once per pairwise step.
-void combine_into(at::Tensor& acc, const at::Tensor& incoming, ReduceOp op) {
+// out = op(a, b) with dtrain's rounding for 16-bit floats: add in fp32, round once per
+// pairwise step.
+void combine(const at::Tensor& a, const at::Tensor& b, ReduceOp op, at::Tensor& out) {
   switch (op) {
     case ReduceOp::kMax:
-      at::maximum_out(acc, acc, incoming);
+      at::maximum_out(out, a, b);
       break;
     case ReduceOp::kMin:
-      at::minimum_out(acc, acc, incoming);
+      at::minimum_out(out, a, b);
       break;
     default:
-      if (acc.scalar_type() == at::kHalf || acc.scalar_type() == at::kBFloat16) {
-        acc.copy_(acc.to(at::kFloat).add_(incoming.to(at::kFloat)));
+      if (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16) {
+        out.copy_(a.to(at::kFloat).add_(b.to(at::kFloat)));
       } else {
-        acc.add_(incoming);
+        at::add_out(out, a, b);
       }
   }
 }
 
 // Reduce-scatter as a ring of point-to-point steps. c10d's Gloo builds reduce_scatter from a
 // full all-reduce plus a slice, which moves twice the bytes; the ring moves (N-1)/N of the
-// input, as NCCL's does. At step k rank r sends its partial sum of chunk r-1-k to r+1 and
-// adds what r-1 sends of chunk r-2-k; after N-1 steps chunk r is complete on rank r.
+// input, as NCCL's does, and copies nothing but chunks. At step k rank r sends its partial
+// sum of chunk r-1-k to r+1 and receives r-1's partial sum of chunk r-2-k, to which it adds
+// its own; after N-1 steps chunk r is complete on rank r. The input is left as it was.
 void ring_reduce_scatter(c10d::ProcessGroupGloo& pg, int size, int rank, const at::Tensor& in,
                          at::Tensor& out, ReduceOp op, int64_t seq) {
   const int64_t n = out.numel();
-  at::Tensor acc = in.clone();
-  at::Tensor incoming = at::empty({n}, in.options());
-  auto chunk = [&](int64_t i) { return acc.narrow(0, ((i % size + size) % size) * n, n); };
+  if (size == 1) {
+    out.copy_(in);
+    return;
+  }
+  auto chunk = [&](int64_t i) { return in.narrow(0, ((i % size + size) % size) * n, n); };
   const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+  at::Tensor incoming = at::empty({n}, in.options());
+  at::Tensor sending = chunk(rank - 1);  // step 0: this rank's own values
+  at::Tensor partial[2] = {at::empty({n}, in.options()), at::empty({n}, in.options())};
   for (int k = 0; k + 1 < size; ++k) {
     // Tags only need to tell this op's steps apart: ops run one at a time on the worker.
     const int tag = static_cast<int>((seq % (1 << 20)) * 64 + k);
-    std::vector<at::Tensor> send{chunk(rank - 1 - k)};
+    std::vector<at::Tensor> send{sending};
     std::vector<at::Tensor> recv{incoming};
     auto sent = pg.send(send, next, tag);
     auto got = pg.recv(recv, prev, tag);
     got->wait();
     sent->wait();
-    at::Tensor target = chunk(rank - 2 - k);
-    combine_into(target, incoming, op);
+    at::Tensor& sum = k + 2 == size ? out : partial[k % 2];
+    combine(chunk(rank - 2 - k), incoming, op, sum);
+    sending = sum;
   }
-  out.copy_(chunk(rank));
+}
+
+// All-gather as a ring of point-to-point steps, received straight into the output: at step k
+// rank r forwards chunk r-k to r+1 and receives chunk r-1-k from r-1.
+void ring_all_gather(c10d::ProcessGroupGloo& pg, int size, int rank, const at::Tensor& in,
+                     at::Tensor& out, int64_t seq) {
+  const int64_t n = in.numel();
+  auto chunk = [&](int64_t i) { return out.narrow(0, ((i % size + size) % size) * n, n); };
+  chunk(rank).copy_(in);
+  const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+  for (int k = 0; k + 1 < size; ++k) {
+    const int tag = static_cast<int>((seq % (1 << 20)) * 64 + k);
+    std::vector<at::Tensor> send{chunk(rank - k)};
+    std::vector<at::Tensor> recv{chunk(rank - 1 - k)};
+    auto sent = pg.send(send, next, tag);
+    auto got = pg.recv(recv, prev, tag);
+    got->wait();
+    sent->wait();
+  }
 }
 
 class GlooCommunicator : public Communicator {
@@ -173,7 +199,7 @@ class GlooCommunicator : public Communicator {
       case OpKind::kAllGather: {
         at::Tensor in = to_host_flat(c.input);
         at::Tensor out = host_flat_like(c.output);
-        pg._allgather_base(out, in)->wait();
+        ring_all_gather(pg, size, rank, in, out, c.state->info().seq);
         copy_back(c.output, out);
         break;
       }

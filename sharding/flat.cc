@@ -1,8 +1,13 @@
 #include "sharding/flat.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/Storage.h>
 #include <c10/util/strides.h>
+
+#include <map>
+#include <mutex>
+#include <vector>
 
 namespace dtrain::sharding {
 
@@ -37,12 +42,90 @@ void free_storage(const at::Tensor& t) {
   s->set_nbytes(0);
 }
 
-void alloc_storage(const at::Tensor& t) {
+void alloc_storage(const at::Tensor& t, BufferPool* pool) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(t.storage_offset() + t.numel()) * t.element_size();
   if (s->nbytes() >= bytes) return;
-  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_data_ptr_noswap(pool != nullptr && t.is_cpu() ? pool->take(bytes)
+                                                       : s->allocator()->allocate(bytes));
   s->set_nbytes(bytes);
+}
+
+struct BufferPool::Shared {
+  std::mutex mu;
+  int64_t per_size;
+  bool closed = false;
+  std::map<size_t, std::vector<at::DataPtr>> free;  // by byte size
+  int64_t pooled = 0;
+};
+
+namespace {
+
+// The context of a pooled DataPtr: the real allocation, and where to return it.
+struct Lease {
+  at::DataPtr inner;
+  size_t bytes;
+  std::shared_ptr<BufferPool::Shared> pool;
+};
+
+}  // namespace
+
+BufferPool::BufferPool(int64_t per_size) : shared_(std::make_shared<Shared>()) {
+  shared_->per_size = per_size;
+}
+
+BufferPool::~BufferPool() {
+  std::map<size_t, std::vector<at::DataPtr>> drop;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    shared_->closed = true;  // buffers still out are freed when their users let go
+    drop.swap(shared_->free);
+    shared_->pooled = 0;
+  }
+}
+
+at::DataPtr BufferPool::take(size_t bytes) {
+  at::DataPtr inner;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    auto it = shared_->free.find(bytes);
+    if (it != shared_->free.end() && !it->second.empty()) {
+      inner = std::move(it->second.back());
+      it->second.pop_back();
+      shared_->pooled -= static_cast<int64_t>(bytes);
+    }
+  }
+  if (!inner) inner = c10::GetCPUAllocator()->allocate(bytes);
+  void* data = inner.get();
+  auto* lease = new Lease{std::move(inner), bytes, shared_};
+  return at::DataPtr(
+      data, lease,
+      [](void* ctx) {
+        std::unique_ptr<Lease> l(static_cast<Lease*>(ctx));
+        std::lock_guard<std::mutex> lock(l->pool->mu);
+        auto& list = l->pool->free[l->bytes];
+        if (!l->pool->closed && static_cast<int64_t>(list.size()) < l->pool->per_size) {
+          list.push_back(std::move(l->inner));
+          l->pool->pooled += static_cast<int64_t>(l->bytes);
+        }
+      },
+      c10::Device(c10::kCPU));
+}
+
+at::Tensor BufferPool::empty(int64_t numel, at::TensorOptions options) {
+  if (!options.device().is_cpu()) return at::empty({numel}, options);
+  const size_t bytes =
+      static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, take(bytes), /*allocator=*/nullptr,
+                       /*resizable=*/false);
+  at::Tensor t = at::empty({0}, options);
+  t.set_(storage, 0, {numel}, {1});
+  return t;
+}
+
+int64_t BufferPool::pooled_bytes() const {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  return shared_->pooled;
 }
 
 bool storage_allocated(const at::Tensor& t) { return t.storage().nbytes() > 0; }

@@ -15,6 +15,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <memory>
 
 namespace dtrain::sharding {
 
@@ -34,11 +35,40 @@ struct DivideFactors {
 };
 DivideFactors divide_factors(int64_t world, c10::ScalarType reduce_dtype);
 
+class BufferPool;
+
 // Releases t's memory; t and its views keep their shapes, and must not be read until
 // alloc_storage. The Storage object stays the same.
 void free_storage(const at::Tensor& t);
-// Gives t's storage memory for t's elements again (uninitialized), on t's device.
-void alloc_storage(const at::Tensor& t);
+// Gives t's storage memory for t's elements again (uninitialized), on t's device; from
+// `pool` when given and t is on the CPU.
+void alloc_storage(const at::Tensor& t, BufferPool* pool = nullptr);
 bool storage_allocated(const at::Tensor& t);
+
+// Keeps freed CPU buffers of the sizes a training step allocates again and again (FSDP's
+// gathered units and gradient buffers) for the next step, instead of returning them to
+// malloc, which hands large blocks back to the kernel and faults fresh pages in on the next
+// allocation. CUDA's caching allocator does this already; CPU tensors have no cache. A
+// buffer handed out returns to the pool when its last user lets go (a collective on a worker
+// thread too). At most `per_size` buffers of each size are kept; pooled bytes stay
+// allocated (and count as tracked memory).
+class BufferPool {
+ public:
+  explicit BufferPool(int64_t per_size);
+  ~BufferPool();
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+
+  // An uninitialized 1-D CPU tensor of `numel` elements whose memory comes from the pool.
+  at::Tensor empty(int64_t numel, at::TensorOptions options);
+  // Memory for `bytes`, pooled or fresh.
+  at::DataPtr take(size_t bytes);
+  int64_t pooled_bytes() const;
+
+  struct Shared;  // shared with the buffers handed out, which may outlive the pool
+
+ private:
+  std::shared_ptr<Shared> shared_;
+};
 
 }  // namespace dtrain::sharding

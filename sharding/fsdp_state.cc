@@ -72,6 +72,7 @@ UnitGroups make_groups(const std::shared_ptr<comm::Communicator>& world,
       break;
     }
   }
+  if (g.shard && options.separate_reduce_group()) g.reduce = g.shard->split(0, g.shard->rank());
   return g;
 }
 
@@ -107,9 +108,12 @@ FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
     units.push_back(std::move(root));
     root_ = static_cast<int64_t>(units.size()) - 1;
   }
+  // Up to limit_all_gathers units are gathered at once, and about as many gradient buffers
+  // are in flight: keep that many of each size for the next step.
+  pool_ = std::make_unique<BufferPool>(options_.limit_all_gathers() + 2);
   for (auto& spec : units) {
     units_.push_back(std::make_unique<FlatUnit>(spec.name, std::move(spec.params), groups_, mp,
-                                                options_.sync_module_states()));
+                                                options_.sync_module_states(), pool_.get()));
   }
   // Hooks after the units changed the parameters' dtype (which drops their accumulators).
   for (size_t u = 0; u < units_.size(); ++u) {

@@ -69,6 +69,9 @@ struct FSDPOptions {
   TORCH_ARG(bool, forward_prefetch) = false;
   TORCH_ARG(bool, backward_prefetch) = true;
   TORCH_ARG(int64_t, limit_all_gathers) = 2;
+  // Reduce-scatters on a communicator of their own (see UnitGroups::reduce), as FSDP2 uses a
+  // separate CUDA stream for them.
+  TORCH_ARG(bool, separate_reduce_group) = true;
   // HYBRID_SHARD: ranks per shard group; 0 takes LOCAL_WORLD_SIZE (one node per group).
   TORCH_ARG(int64_t, hybrid_group_size) = 0;
   // Every rank starts from rank 0's parameters and buffers (as DDP does).
@@ -146,6 +149,7 @@ class FSDPState : public GradientSync {
 
   FSDPOptions options_;
   UnitGroups groups_;
+  std::unique_ptr<BufferPool> pool_;              // before units_: it outlives them
   std::vector<std::unique_ptr<FlatUnit>> units_;  // wrapped units, then the root (if any)
   int64_t root_ = -1;
   std::vector<std::unique_ptr<GradReadyHooks>> hooks_;

@@ -22,8 +22,9 @@ double since(Clock::time_point t0) {
 
 FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
                    UnitGroups groups, const amp::MixedPrecisionPolicy& policy,
-                   bool sync_module_states)
+                   bool sync_module_states, BufferPool* pool)
     : name_(std::move(name)),
+      pool_(pool),
       groups_(std::move(groups)),
       policy_(policy),
       param_dtype_(policy.param_dtype),
@@ -90,7 +91,6 @@ FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tens
     full_ = at::empty({padded_}, compute);
     if (n_ > 1) free_storage(full_);
   }
-  if (n_ > 1 && param_dtype_ != at::kFloat) low_shard_ = at::empty({shard_size_}, compute);
   // From here on the module's tensors have param_dtype and are sharded. This is their one
   // dtype change: it drops their autograd accumulators, so hooks are registered after it.
   for (auto& p : params_) {
@@ -136,12 +136,10 @@ void FlatUnit::unshard() {
     return;
   }
   if (state_ != State::kSharded) return;
-  alloc_storage(full_);
-  at::Tensor input = shard_;
-  if (low_shard_.defined()) {
-    low_shard_.copy_(shard_);
-    input = low_shard_;
-  }
+  alloc_storage(full_, pool_);
+  // The all-gather input in param_dtype exists only while the gather runs (the collective
+  // keeps it alive): a persistent copy would add param_dtype bytes / N to the steady state.
+  at::Tensor input = param_dtype_ == at::kFloat ? shard_ : shard_.to(param_dtype_);
   gather_ = groups_.shard->all_gather(input, full_);
   works_.push_back(gather_);
   state_ = State::kGathering;
@@ -174,7 +172,7 @@ void FlatUnit::reshard() {
 
 void FlatUnit::alloc_reduce_full() {
   const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
-  reduce_full_ = at::empty({padded_}, opts);
+  reduce_full_ = pool_ != nullptr ? pool_->empty(padded_, opts) : at::empty({padded_}, opts);
   if (padded_ > total_) reduce_full_.narrow(0, total_, padded_ - total_).zero_();
 }
 
@@ -219,7 +217,8 @@ void FlatUnit::launch_reduce() {
   }
   if (n_ > 1) {
     reduce_shard_ = at::empty({shard_size_}, reduce_full_.options());
-    reduce_ = groups_.shard->reduce_scatter(reduce_full_, reduce_shard_);
+    reduce_ = (groups_.reduce ? groups_.reduce : groups_.shard)
+                  ->reduce_scatter(reduce_full_, reduce_shard_);
     works_.push_back(reduce_);
     reduce_full_ = at::Tensor();  // the collective holds what it reads until it is done
   } else {

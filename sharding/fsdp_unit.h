@@ -11,7 +11,8 @@
 //                              parameter, the 1-D part of it this rank owns (maybe empty),
 //                              leaf tensors over shard_'s storage.
 //   grad_shard_   fp32 [S]     the masters' .grad (reduce dtype with keep_low_precision_grads)
-//   low_shard_    param [S]    the all-gather input when param_dtype is not fp32
+//   (a cast)      param [S]    the all-gather input when param_dtype is not fp32, alive
+//                              only while the gather runs
 //   full_         param [N*S]  the gathered parameters. Its Storage object lives as long as
 //                              the unit; resharding frees its memory and unsharding refills
 //                              it, so tensors autograd saved from the parameters in forward
@@ -38,6 +39,7 @@
 
 #include "amp/policy.h"
 #include "comm/communicator.h"
+#include "sharding/flat.h"
 #include "sharding/grad_hooks.h"
 
 namespace dtrain::sharding {
@@ -46,6 +48,10 @@ struct UnitGroups {
   std::shared_ptr<comm::Communicator> world;      // construction-time broadcast
   std::shared_ptr<comm::Communicator> shard;      // null: this rank holds the whole unit
   std::shared_ptr<comm::Communicator> replicate;  // null: no replicas of a shard
+  // The shard group's ranks again, for reduce-scatters: a second queue (Gloo: worker; NCCL:
+  // stream), so a gather the next unit's compute waits for never queues behind a reduction.
+  // Null: reduce over `shard`.
+  std::shared_ptr<comm::Communicator> reduce;
 };
 
 class FlatUnit {
@@ -65,8 +71,10 @@ class FlatUnit {
   // Takes the module's parameters (all on one device), makes every rank hold rank 0's values
   // (broadcast over groups.world when sync_module_states), keeps this rank's shard and
   // leaves the module's tensors sharded.
+  // `pool` (may be null; must outlive the unit) recycles the gathered and gradient buffers.
   FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
-           UnitGroups groups, const amp::MixedPrecisionPolicy& policy, bool sync_module_states);
+           UnitGroups groups, const amp::MixedPrecisionPolicy& policy, bool sync_module_states,
+           BufferPool* pool = nullptr);
   FlatUnit(const FlatUnit&) = delete;
   FlatUnit& operator=(const FlatUnit&) = delete;
 
@@ -130,6 +138,7 @@ class FlatUnit {
   void alloc_reduce_full();
 
   std::string name_;
+  BufferPool* pool_ = nullptr;
   std::vector<Param> params_;
   UnitGroups groups_;
   amp::MixedPrecisionPolicy policy_;
@@ -143,7 +152,7 @@ class FlatUnit {
   bool frozen_ = false;
   int64_t trainable_ = 0;
 
-  at::Tensor shard_, grad_shard_, low_shard_, full_, empty_;
+  at::Tensor shard_, grad_shard_, full_, empty_;
   at::Tensor reduce_full_, reduce_shard_;
   State state_ = State::kSharded;
   bool stale_ = true;  // N = 1: full_ must be refreshed from the masters

@@ -1,0 +1,141 @@
+#include "framework/memory_estimate.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "core/error.h"
+#include "framework/models/transformer_lm.h"
+
+namespace dtrain::framework {
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+double bytes_of(c10::ScalarType t) { return t == c10::kFloat ? 4 : t == c10::kDouble ? 8 : 2; }
+
+std::string gib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.2f", bytes / kGiB);
+  return buf;
+}
+
+}  // namespace
+
+double MemoryEstimate::peak() const {
+  return std::max(steady() + compute + activations, construction);
+}
+
+std::string MemoryEstimate::describe() const {
+  std::ostringstream os;
+  os << gib(peak()) << " GiB (parameters " << gib(parameters) << ", gradients " << gib(gradients)
+     << ", optimizer state " << gib(optimizer) << ", gathered/low-precision copies " << gib(compute)
+     << ", activations " << gib(activations) << "; " << parameter_count / 1e6 << "M parameters)";
+  return os.str();
+}
+
+MemoryEstimate estimate_memory(const RunConfig& c, int world) {
+  MemoryEstimate e;
+  const auto& m = c.model;
+  const auto& mp = c.precision.mixed;
+  const double cb = bytes_of(mp.param_dtype);  // compute dtype
+  const double tokens = static_cast<double>(c.train.batch_size / c.train.micro_batches);
+  double largest_unit = 0, root = 0;
+  if (m.type == "transformer") {
+    auto o = TransformerLMOptions()
+                 .vocab_size(m.vocab_size)
+                 .seq_len(m.seq_len)
+                 .d_model(m.d_model)
+                 .n_layers(m.n_layers)
+                 .n_heads(m.n_heads)
+                 .d_ff(m.d_ff)
+                 .tie_weights(m.tie_weights);
+    e.parameter_count = transformer_lm_parameter_count(o);
+    const double d = static_cast<double>(m.d_model), t = static_cast<double>(m.seq_len);
+    largest_unit = 4 * d + 4 * d * d + 4 * d + 2 * d * static_cast<double>(m.d_ff) +
+                   static_cast<double>(m.d_ff) + d;
+    root = static_cast<double>(e.parameter_count) - largest_unit * static_cast<double>(m.n_layers);
+    const double per_token = static_cast<double>(m.n_layers) *
+                                 (17 * d * cb + static_cast<double>(m.n_heads) * t * (8 + cb)) +
+                             static_cast<double>(m.vocab_size) * (cb + 8);
+    e.activations = tokens * t * per_token;
+  } else {
+    int64_t n = 0, width = m.in_features;
+    for (int64_t i = 0; i < m.depth; ++i) {
+      n += width * m.hidden + m.hidden;
+      largest_unit = std::max(largest_unit, static_cast<double>(width * m.hidden + m.hidden));
+      width = m.hidden;
+    }
+    root = static_cast<double>(width * m.out_features + m.out_features);
+    e.parameter_count = n + static_cast<int64_t>(root);
+    e.activations = tokens * static_cast<double>(2 * m.hidden * m.depth + m.out_features) * 4;
+  }
+  const double p = static_cast<double>(e.parameter_count);
+  const double opt_per_param = c.train.optimizer == "adamw" ? 8 : (c.train.momentum > 0 ? 4 : 0);
+  e.construction = 4 * p;
+  if (c.parallel.strategy == "fsdp") {
+    const std::string& s = c.parallel.sharding_strategy;
+    double n = world;
+    if (s == "no_shard") n = 1;
+    if (s == "hybrid_shard" && c.parallel.hybrid_group_size > 0) n = c.parallel.hybrid_group_size;
+    e.parameters = 4 * p / n;
+    e.gradients = (mp.keep_low_precision_grads ? bytes_of(mp.effective_reduce_dtype()) : 4) * p / n;
+    e.optimizer = opt_per_param * p / n;
+    const double gathered =
+        s == "shard_grad_op" || s == "no_shard"
+            ? (n > 1 || cb != 4 ? p * cb : 0)
+            : (static_cast<double>(c.parallel.limit_all_gathers) * largest_unit + root) * cb;
+    e.compute = gathered + largest_unit * bytes_of(mp.effective_reduce_dtype());
+    // Building the model: the full fp32 model, plus one unit's flat copy while it is sharded.
+    e.construction = 4 * p + 4 * largest_unit;
+  } else {
+    e.parameters = 4 * p;
+    e.gradients = 4 * p;
+    if (c.parallel.strategy == "ddp" && mp.effective_reduce_dtype() != c10::kFloat) {
+      e.gradients += bytes_of(mp.effective_reduce_dtype()) * p;
+    }
+    e.optimizer = opt_per_param * p;
+    e.compute = mp.is_low_precision() ? cb * p : 0;  // autocast's weight cache
+  }
+  return e;
+}
+
+int64_t available_memory_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t value = 0;
+  std::string unit;
+  while (f >> key >> value >> unit) {
+    if (key == "MemAvailable:") return value * 1024;
+  }
+  return -1;
+}
+
+void check_memory_fits(const RunConfig& c, int world, int ranks_here, int64_t available) {
+  if (available < 0) return;
+  const MemoryEstimate e = estimate_memory(c, world);
+  const double need = e.peak() * ranks_here;
+  if (need <= 0.9 * static_cast<double>(available)) return;
+  std::ostringstream hint;
+  if (c.parallel.strategy != "fsdp" && world > 1) {
+    RunConfig f = c;
+    f.parallel.strategy = "fsdp";
+    f.parallel.sharding_strategy = "full_shard";
+    hint << "parallel.strategy: fsdp (full_shard shards parameters, gradients and optimizer "
+            "state over the "
+         << world << " ranks: about " << gib(estimate_memory(f, world).peak()) << " GiB per rank)";
+  } else {
+    hint << "more ranks on more nodes (FSDP shards further)";
+  }
+  hint << ", a smaller train.batch_size, or precision.policy: bf16";
+  DTRAIN_FAIL(ConfigError, c.source, ": this run needs about ", e.describe(), " per rank, x ",
+              ranks_here, " rank(s) on this node = ", gib(need), " GiB, but only ",
+              gib(static_cast<double>(available)),
+              " GiB of memory are available. It would end in the kernel's out-of-memory "
+              "killer, so it does not start. To fit: ",
+              hint.str(), ".");
+}
+
+}  // namespace dtrain::framework

@@ -1,0 +1,52 @@
+// What a run will need per rank, estimated from its config before anything is allocated, and
+// the guard that refuses a run that cannot fit.
+//
+// On Linux a real out-of-memory is the kernel's OOM killer, which may take other processes
+// down with it: dtrain never provokes it. Before the model is built, the trainer sets the
+// estimate times the ranks on this node against the memory the system has available and
+// stops with an error that gives the estimate and what to change (fsdp, a smaller batch,
+// bf16).
+//
+// The estimate (host memory, CPU runs; a CUDA run's device memory is not checked here):
+//   parameters   fp32 masters (DDP: the module's own; FSDP: 1/N shards)
+//   gradients    fp32 (FSDP: 1/N, or the reduce dtype with keep_low_precision_grads); DDP's
+//                16-bit reduce adds a comm copy
+//   optimizer    AdamW 2 fp32 tensors per parameter, SGD with momentum 1 (FSDP: 1/N)
+//   compute      low-precision copies: autocast's weight cache (DDP), gathered units in
+//                param_dtype (FSDP: limit_all_gathers blocks plus the root under FULL_SHARD,
+//                every unit under SHARD_GRAD_OP) and the gradient buffer of one unit
+//   activations  per token: layers x (17 d_model values + heads x seq_len attention
+//                scores in fp32 and in the compute dtype) + the logits (measured within 5% of
+//                step_bench on the 19M model)
+//   construction every rank builds the full fp32 model before FSDP shards it
+// It is an estimate: the allocator's slack, libraries and threads come on top.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "framework/config.h"
+
+namespace dtrain::framework {
+
+struct MemoryEstimate {
+  double parameters = 0, gradients = 0, optimizer = 0, compute = 0, activations = 0;
+  double construction = 0;  // transient peak while the model is built and sharded
+  int64_t parameter_count = 0;
+  double steady() const { return parameters + gradients + optimizer; }
+  // The larger of the training peak and the construction peak, in bytes.
+  double peak() const;
+  std::string describe() const;  // "3.2 GiB (parameters 1.0, gradients 1.0, ...)"
+};
+
+// Per rank, for `world` ranks with the config's strategy.
+MemoryEstimate estimate_memory(const RunConfig& c, int world);
+
+// Bytes the system can give new allocations now (MemAvailable), or -1 when unknown.
+int64_t available_memory_bytes();
+
+// Throws ConfigError when `ranks_here` ranks of this estimate exceed 90% of `available`
+// bytes (< 0: unknown, no check), naming the estimate and the choices that would fit.
+void check_memory_fits(const RunConfig& c, int world, int ranks_here, int64_t available);
+
+}  // namespace dtrain::framework

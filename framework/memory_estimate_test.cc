@@ -1,0 +1,80 @@
+#include "framework/memory_estimate.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+
+#include "core/error.h"
+#include "framework/memory.h"
+#include "framework/models/transformer_lm.h"
+
+namespace dtrain::framework {
+namespace {
+
+RunConfig lm_config(const std::string& strategy, int64_t d_model, int64_t layers) {
+  std::string yaml = "model:\n  type: transformer\n  d_model: " + std::to_string(d_model) +
+                     "\n  n_layers: " + std::to_string(layers) +
+                     "\n  n_heads: 8\n  d_ff: " + std::to_string(4 * d_model) +
+                     "\n  seq_len: 64\ntrain:\n  steps: 1\n  batch_size: 4\n  lr: 1.0e-3\n"
+                     "parallel:\n  strategy: " +
+                     strategy + "\n";
+  return parse_config(yaml, "run.yaml");
+}
+
+TEST(MemoryEstimate, FsdpShardsParametersGradientsAndOptimizerStateOverTheRanks) {
+  const RunConfig ddp = lm_config("ddp", 512, 6), fsdp = lm_config("fsdp", 512, 6);
+  const MemoryEstimate a = estimate_memory(ddp, 4), b = estimate_memory(fsdp, 4);
+  const double p = static_cast<double>(a.parameter_count);
+  EXPECT_DOUBLE_EQ(a.steady(), 16 * p);      // fp32 params + grads + AdamW's two moments
+  EXPECT_DOUBLE_EQ(b.steady(), 16 * p / 4);  // ... over four ranks
+  EXPECT_LT(b.peak(), a.peak());
+  EXPECT_EQ(a.parameter_count,
+            transformer_lm_parameter_count(
+                TransformerLMOptions().d_model(512).n_layers(6).d_ff(2048).n_heads(8).seq_len(64)));
+}
+
+// The activation term, set against what one process's step really holds (tracked tensor
+// bytes above the steady state, gradients kept allocated).
+TEST(MemoryEstimate, ActivationsAreWithinAQuarterOfAMeasuredStep) {
+  TrackedCpuMemory::install();
+  const RunConfig c = lm_config("none", 128, 2);
+  at::manual_seed(0);
+  TransformerLM m(TransformerLMOptions().d_model(128).n_layers(2).n_heads(8).d_ff(512).seq_len(64));
+  torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
+  double measured = 0;
+  for (int step = 0; step < 2; ++step) {
+    at::Tensor x = at::randint(0, 256, {4, 64}, gen), y = at::randint(0, 256, {4, 64}, gen);
+    opt.zero_grad(/*set_to_none=*/false);
+    const int64_t steady = TrackedCpuMemory::current_bytes();
+    TrackedCpuMemory::reset_peak();
+    at::cross_entropy_loss(m->forward(x).reshape({-1, 256}), y.reshape(-1)).backward();
+    opt.step();
+    measured = static_cast<double>(TrackedCpuMemory::peak_bytes() - steady);
+  }
+  const double estimated = estimate_memory(c, 1).activations;
+  EXPECT_NEAR(estimated / measured, 1.0, 0.25)
+      << "estimated " << estimated << " B, measured " << measured << " B";
+}
+
+TEST(MemoryEstimate, GuardRefusesARunThatCannotFitNamingTheEstimateAndFsdp) {
+  // ~0.6B parameters: DDP needs ~10 GiB per rank, two ranks on a 12 GiB machine do not fit.
+  const RunConfig ddp = lm_config("ddp", 2048, 12);
+  const int64_t available = int64_t{12} << 30;
+  try {
+    check_memory_fits(ddp, 2, 2, available);
+    FAIL() << "no ConfigError";
+  } catch (const ConfigError& e) {
+    std::string what = e.what();
+    EXPECT_NE(what.find("GiB per rank"), std::string::npos) << what;
+    EXPECT_NE(what.find("parallel.strategy: fsdp"), std::string::npos) << what;
+    EXPECT_NE(what.find("out-of-memory"), std::string::npos) << what;
+  }
+  // Sharded over the same two ranks it fits.
+  EXPECT_NO_THROW(check_memory_fits(lm_config("fsdp", 2048, 12), 2, 2, available));
+  EXPECT_NO_THROW(check_memory_fits(ddp, 2, 2, -1)) << "unknown memory: no check";
+}
+
+}  // namespace
+}  // namespace dtrain::framework
