@@ -16,13 +16,17 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 double bytes_of(c10::ScalarType t) { return t == c10::kFloat ? 4 : t == c10::kDouble ? 8 : 2; }
 
-std::string gib(double bytes) {
+}  // namespace
+
+std::string format_bytes(double bytes) {
   char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.2f", bytes / kGiB);
+  if (bytes >= kGiB) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", bytes / kGiB);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", bytes / (1024.0 * 1024.0));
+  }
   return buf;
 }
-
-}  // namespace
 
 double MemoryEstimate::peak() const {
   return std::max(steady() + compute + activations, construction);
@@ -30,9 +34,10 @@ double MemoryEstimate::peak() const {
 
 std::string MemoryEstimate::describe() const {
   std::ostringstream os;
-  os << gib(peak()) << " GiB (parameters " << gib(parameters) << ", gradients " << gib(gradients)
-     << ", optimizer state " << gib(optimizer) << ", gathered/low-precision copies " << gib(compute)
-     << ", activations " << gib(activations) << "; " << parameter_count / 1e6 << "M parameters)";
+  os << format_bytes(peak()) << " (parameters " << format_bytes(parameters) << ", gradients "
+     << format_bytes(gradients) << ", optimizer state " << format_bytes(optimizer)
+     << ", gathered/low-precision copies " << format_bytes(compute) << ", activations "
+     << format_bytes(activations) << "; " << parameter_count / 1e6 << "M parameters)";
   return os.str();
 }
 
@@ -57,8 +62,11 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
     largest_unit = 4 * d + 4 * d * d + 4 * d + 2 * d * static_cast<double>(m.d_ff) +
                    static_cast<double>(m.d_ff) + d;
     root = static_cast<double>(e.parameter_count) - largest_unit * static_cast<double>(m.n_layers);
-    const double per_token = static_cast<double>(m.n_layers) *
-                                 (17 * d * cb + static_cast<double>(m.n_heads) * t * (8 + cb)) +
+    // Saved for backward per token: ~18 d_model-wide values per block in the compute dtype,
+    // the softmax's attention probabilities in fp32 (and their cast when computing in 16
+    // bits), and the logits with their fp32 loss copies.
+    const double scores = static_cast<double>(m.n_heads) * t * (4 + (cb != 4 ? cb : 0));
+    const double per_token = static_cast<double>(m.n_layers) * (18 * d * cb + scores) +
                              static_cast<double>(m.vocab_size) * (cb + 8);
     e.activations = tokens * t * per_token;
   } else {
@@ -125,15 +133,16 @@ void check_memory_fits(const RunConfig& c, int world, int ranks_here, int64_t av
     f.parallel.sharding_strategy = "full_shard";
     hint << "parallel.strategy: fsdp (full_shard shards parameters, gradients and optimizer "
             "state over the "
-         << world << " ranks: about " << gib(estimate_memory(f, world).peak()) << " GiB per rank)";
+         << world << " ranks: about " << format_bytes(estimate_memory(f, world).peak())
+         << " per rank)";
   } else {
     hint << "more ranks on more nodes (FSDP shards further)";
   }
   hint << ", a smaller train.batch_size, or precision.policy: bf16";
   DTRAIN_FAIL(ConfigError, c.source, ": this run needs about ", e.describe(), " per rank, x ",
-              ranks_here, " rank(s) on this node = ", gib(need), " GiB, but only ",
-              gib(static_cast<double>(available)),
-              " GiB of memory are available. It would end in the kernel's out-of-memory "
+              ranks_here, " rank(s) on this node = ", format_bytes(need), ", but only ",
+              format_bytes(static_cast<double>(available)),
+              " of memory are available. It would end in the kernel's out-of-memory "
               "killer, so it does not start. To fit: ",
               hint.str(), ".");
 }

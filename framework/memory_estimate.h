@@ -15,9 +15,10 @@
 //   compute      low-precision copies: autocast's weight cache (DDP), gathered units in
 //                param_dtype (FSDP: limit_all_gathers blocks plus the root under FULL_SHARD,
 //                every unit under SHARD_GRAD_OP) and the gradient buffer of one unit
-//   activations  per token: layers x (17 d_model values + heads x seq_len attention
-//                scores in fp32 and in the compute dtype) + the logits (measured within 5% of
-//                step_bench on the 19M model)
+//   activations  per token: layers x (18 d_model-wide values in the compute dtype + heads x
+//                seq_len attention probabilities in fp32, and in the compute dtype when it
+//                is 16-bit) + the logits; within 1% of the tracked bytes of a measured fp32
+//                step at d_model 128 and 512 (memory_estimate_test, step_bench)
 //   construction every rank builds the full fp32 model before FSDP shards it
 // It is an estimate: the allocator's slack, libraries and threads come on top.
 #pragma once
@@ -36,8 +37,11 @@ struct MemoryEstimate {
   double steady() const { return parameters + gradients + optimizer; }
   // The larger of the training peak and the construction peak, in bytes.
   double peak() const;
-  std::string describe() const;  // "3.2 GiB (parameters 1.0, gradients 1.0, ...)"
+  std::string describe() const;  // "3.20 GiB (parameters 1.00 GiB, gradients ...)"
 };
+
+// "812.3 MiB", "3.20 GiB".
+std::string format_bytes(double bytes);
 
 // Per rank, for `world` ranks with the config's strategy.
 MemoryEstimate estimate_memory(const RunConfig& c, int world);

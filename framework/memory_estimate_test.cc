@@ -36,7 +36,7 @@ TEST(MemoryEstimate, FsdpShardsParametersGradientsAndOptimizerStateOverTheRanks)
 
 // The activation term, set against what one process's step really holds (tracked tensor
 // bytes above the steady state, gradients kept allocated).
-TEST(MemoryEstimate, ActivationsAreWithinAQuarterOfAMeasuredStep) {
+TEST(MemoryEstimate, ActivationsAreWithinATenthOfAMeasuredStep) {
   TrackedCpuMemory::install();
   const RunConfig c = lm_config("none", 128, 2);
   at::manual_seed(0);
@@ -59,9 +59,10 @@ TEST(MemoryEstimate, ActivationsAreWithinAQuarterOfAMeasuredStep) {
 }
 
 TEST(MemoryEstimate, GuardRefusesARunThatCannotFitNamingTheEstimateAndFsdp) {
-  // ~0.6B parameters: DDP needs ~10 GiB per rank, two ranks on a 12 GiB machine do not fit.
+  // ~0.6B parameters: DDP needs ~10 GiB per rank, two ranks on a 16 GiB machine do not fit;
+  // FSDP needs ~6 GiB per rank.
   const RunConfig ddp = lm_config("ddp", 2048, 12);
-  const int64_t available = int64_t{12} << 30;
+  const int64_t available = int64_t{16} << 30;
   try {
     check_memory_fits(ddp, 2, 2, available);
     FAIL() << "no ConfigError";

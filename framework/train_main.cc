@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/logging.h"
 #include "framework/config.h"
+#include "framework/memory.h"
 #include "framework/trainer.h"
 
 namespace {
@@ -37,6 +38,8 @@ const char* kUsage =
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Count tensor bytes from the start, for the peak-memory report (framework/memory.h).
+  dtrain::framework::TrackedCpuMemory::install();
   std::string config_path;
   std::vector<std::string> overrides;
   for (int i = 1; i < argc; ++i) {

@@ -12,14 +12,18 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <sstream>
 
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
 #include "amp/numerics.h"
 #include "amp/sharded_grad_scaler.h"
+#include "comm/rendezvous.h"
 #include "core/error.h"
 #include "core/logging.h"
 #include "framework/data.h"
+#include "framework/memory.h"
+#include "framework/memory_estimate.h"
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
 #include "sharding/clip_grad.h"
@@ -169,6 +173,13 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
   const c10::DeviceType device = c.device == "cuda" ? c10::kCUDA : c10::kCPU;
   for (const auto& w : c.warnings) logging::warn(c.source, ": ", w);
 
+  // Before anything is allocated: refuse a run that cannot fit (a real OOM is the kernel's
+  // killer). Host memory only; a CUDA run's device memory is not estimated here.
+  if (device == c10::kCPU) {
+    check_memory_fits(c, world, comm::detect_rank_info().local_world_size,
+                      available_memory_bytes());
+    logging::info("memory: about ", estimate_memory(c, world).describe(), " per rank");
+  }
   at::manual_seed(static_cast<uint64_t>(c.train.seed));  // identical init; DDP broadcasts anyway
   amp::NumericsMonitor monitor(c.logging.numerics);
   std::unique_ptr<Model> model;
@@ -332,6 +343,28 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
   if (tty) std::fprintf(stderr, "\n");
   result.steps = c.train.steps;
   result.final_scale = scaler.get_scale();
+  // Each rank's peak beside the estimate it started with (rank 0 prints the table).
+  {
+    at::Tensor mine = at::tensor(
+        {peak_rss_mb() * 1024 * 1024, TrackedCpuMemory::installed()
+                                          ? static_cast<double>(TrackedCpuMemory::peak_bytes())
+                                          : -1.0},
+        at::kDouble);
+    at::Tensor all = mine;
+    if (comm && world > 1) {
+      all = at::empty({2 * world}, at::TensorOptions(at::kDouble).device(comm->device()));
+      comm->all_gather(mine.to(comm->device()), all).wait();
+      all = all.cpu();
+    }
+    std::ostringstream os;
+    for (int r = 0; r < world; ++r) {
+      os << (r ? "; " : "") << "rank " << r << " RSS " << format_bytes(all[2 * r].item<double>());
+      const double tensors = all[2 * r + 1].item<double>();
+      if (tensors >= 0) os << " (tensors " << format_bytes(tensors) << ")";
+    }
+    logging::info("peak memory per rank: ", os.str(), "; estimated ",
+                  format_bytes(estimate_memory(c, world).peak()));
+  }
   logging::info("done: ", result.steps, " steps, loss ", logging::fixed(result.first_loss, 4),
                 " -> ", logging::fixed(result.last_loss, 4), ", ", result.skipped_steps,
                 " skipped");
