@@ -5,6 +5,8 @@
 //   CommError     a collective failed or a communicator is unusable
 //   TimeoutError  a collective did not finish in time (a CommError; names op, seq, ranks)
 //   UsageError    an API was called out of order (e.g. GradScaler::unscale_ twice)
+//   CheckpointError  a checkpoint cannot be written, or is missing, corrupt or does not match
+//                 the model (message names the file or tensor)
 // The macros append the source location, so a report from the field points at the check.
 #pragma once
 
@@ -36,6 +38,11 @@ class TimeoutError : public CommError {
 };
 
 class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
+class CheckpointError : public Error {
  public:
   using Error::Error;
 };

@@ -108,9 +108,9 @@ FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
     units.push_back(std::move(root));
     root_ = static_cast<int64_t>(units.size()) - 1;
   }
-  // Up to limit_all_gathers units are gathered at once, and about as many gradient buffers
-  // are in flight: keep that many of each size for the next step.
-  pool_ = std::make_unique<BufferPool>(options_.limit_all_gathers() + 2);
+  // Up to limit_all_gathers units are gathered at once: keep that many buffers of each size
+  // for the next step (more raised the peak, 241 -> 260 MB on the 19M model, for no speed).
+  pool_ = std::make_unique<BufferPool>(options_.limit_all_gathers());
   for (auto& spec : units) {
     units_.push_back(std::make_unique<FlatUnit>(spec.name, std::move(spec.params), groups_, mp,
                                                 options_.sync_module_states(), pool_.get()));
@@ -361,14 +361,107 @@ std::vector<at::Tensor> FSDPState::parameters() const {
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FSDPState::full_parameters() const {
-  std::vector<at::Tensor> flats;
-  for (const auto& u : units_) flats.push_back(u->gather_masters());
+  auto masters = all_parameters();
+  std::vector<at::Tensor> parts;
+  for (const auto& m : masters) parts.push_back(m.second);
+  std::vector<at::Tensor> full = gather_full(parts);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (size_t k = 0; k < masters.size(); ++k) out.emplace_back(masters[k].first, full[k]);
+  return out;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FSDPState::all_parameters() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& [u, i] : order_) {
     const auto& p = units_[u]->params()[i];
-    out.emplace_back(p.name, flats[u].narrow(0, p.offset, p.numel).view(p.shape).clone());
+    out.emplace_back(p.name, p.master);
   }
   return out;
+}
+
+std::vector<at::Tensor> FSDPState::gather_full(const std::vector<at::Tensor>& parts) const {
+  DTRAIN_CHECK_AS(UsageError, parts.size() == order_.size(), "FSDP gather_full: ", parts.size(),
+                  " parts for ", order_.size(), " parameters");
+  std::vector<at::Tensor> out(order_.size());
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const FlatUnit& unit = *units_[u];
+    std::vector<at::Tensor> mine(unit.params().size());
+    for (size_t k = 0; k < order_.size(); ++k) {
+      if (order_[k].first == static_cast<int64_t>(u)) mine[order_[k].second] = parts[k];
+    }
+    at::Tensor full = unit.gather(unit.flat_of(mine));
+    for (size_t k = 0; k < order_.size(); ++k) {
+      if (order_[k].first != static_cast<int64_t>(u)) continue;
+      const auto& p = unit.params()[order_[k].second];
+      out[k] = full.narrow(0, p.offset, p.numel).view(p.shape).clone();
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> FSDPState::local_parts(const std::vector<at::Tensor>& full) const {
+  std::vector<at::Tensor> out;
+  for (size_t k = 0; k < order_.size(); ++k) {
+    const auto& p = units_[order_[k].first]->params()[order_[k].second];
+    out.push_back(full[k].reshape({-1}).narrow(0, p.master_begin, p.master.numel()).clone());
+  }
+  return out;
+}
+
+std::vector<FSDPState::UnitLayout> FSDPState::layouts() const {
+  std::vector<UnitLayout> out;
+  for (const auto& u : units_) {
+    UnitLayout l;
+    l.name = u->name();
+    l.numel = u->numel();
+    l.shard_size = u->shard_numel();
+    l.shard_group_size = u->shard_group_size();
+    l.shard_rank = u->shard_rank();
+    for (const auto& p : u->params()) l.params.push_back({p.name, p.shape, p.offset, p.numel});
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> FSDPState::flat_shards(const std::vector<at::Tensor>& parts) const {
+  std::vector<std::vector<at::Tensor>> by_unit(units_.size());
+  for (size_t u = 0; u < units_.size(); ++u) by_unit[u].resize(units_[u]->params().size());
+  for (size_t k = 0; k < order_.size(); ++k) by_unit[order_[k].first][order_[k].second] = parts[k];
+  std::vector<at::Tensor> out;
+  for (size_t u = 0; u < units_.size(); ++u) out.push_back(units_[u]->flat_of(by_unit[u]));
+  return out;
+}
+
+std::vector<at::Tensor> FSDPState::parts_from(const FlatReader& read) const {
+  std::vector<std::vector<at::Tensor>> by_unit;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const FlatUnit& unit = *units_[u];
+    const int64_t lo = unit.shard_rank() * unit.shard_numel();
+    const int64_t count =
+        std::max<int64_t>(0, std::min(unit.numel(), lo + unit.shard_numel()) - lo);
+    at::Tensor flat = at::zeros({unit.shard_numel()}, unit.master_shard().options());
+    if (count > 0) {
+      flat.narrow(0, 0, count).copy_(read(static_cast<int64_t>(u), lo, count));
+    }
+    by_unit.push_back(unit.parts_of(flat));
+  }
+  std::vector<at::Tensor> out;
+  for (const auto& [u, i] : order_) out.push_back(by_unit[u][i]);
+  return out;
+}
+
+void FSDPState::set_parameters(const std::vector<at::Tensor>& parts) {
+  c10::NoGradGuard no_grad;
+  auto masters = all_parameters();
+  DTRAIN_CHECK_AS(UsageError, parts.size() == masters.size(), "FSDP set_parameters: ", parts.size(),
+                  " parts for ", masters.size(), " parameters");
+  for (size_t k = 0; k < parts.size(); ++k) {
+    DTRAIN_CHECK_AS(UsageError, parts[k].numel() == masters[k].second.numel(), "FSDP: part of '",
+                    masters[k].first, "' has ", parts[k].numel(), " elements, this rank holds ",
+                    masters[k].second.numel());
+    masters[k].second.copy_(parts[k].reshape({-1}));
+  }
+  for (auto& u : units_) u->reshard();  // gathered copies (N = 1: refreshed at next forward)
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FSDPState::named_parameters() const {

@@ -25,6 +25,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -120,6 +121,36 @@ class FSDPState : public GradientSync {
   // Every parameter's full fp32 value, by name, in the module's order, on every rank
   // (collective: gathers unit by unit).
   std::vector<std::pair<std::string, at::Tensor>> full_parameters() const;
+
+  // --- state dicts --------------------------------------------------------------------------
+  // A per-parameter quantity held like the masters: one tensor per parameter in
+  // all_parameters() order (frozen ones too), each this rank's 1-D part; undefined = zeros.
+  // all_parameters: the masters themselves, by name, in the module's order.
+  std::vector<std::pair<std::string, at::Tensor>> all_parameters() const;
+  // Module-shaped full tensors of such a quantity (collective over the shard group, one unit
+  // gathered at a time beyond what the result holds).
+  std::vector<at::Tensor> gather_full(const std::vector<at::Tensor>& parts) const;
+  // This rank's parts of module-shaped full tensors (every rank holds them).
+  std::vector<at::Tensor> local_parts(const std::vector<at::Tensor>& full) const;
+  // Sharded checkpoints: each unit's flat layout, this rank's flat [S] of a quantity per unit,
+  // and the reverse from a reader of any unit's global flat range (resharding to another
+  // world size reads what the old ranks' files hold of this rank's new range).
+  struct UnitLayout {
+    std::string name;
+    int64_t numel = 0, shard_size = 0, shard_group_size = 1, shard_rank = 0;
+    struct Entry {
+      std::string name;
+      std::vector<int64_t> shape;
+      int64_t offset = 0, numel = 0;
+    };
+    std::vector<Entry> params;
+  };
+  std::vector<UnitLayout> layouts() const;
+  std::vector<at::Tensor> flat_shards(const std::vector<at::Tensor>& parts) const;
+  using FlatReader = std::function<at::Tensor(int64_t unit, int64_t begin, int64_t count)>;
+  std::vector<at::Tensor> parts_from(const FlatReader& read) const;
+  // Replaces the masters' values (every rank's part; optimizers keep their state).
+  void set_parameters(const std::vector<at::Tensor>& parts);
   bool require_sync() const override { return require_sync_; }
   void set_require_sync(bool on) override { require_sync_ = on; }
   // The group whose shards together make the gradients (for norms): null when every rank

@@ -281,12 +281,34 @@ void FlatUnit::reset_backward() {
   if (!reduce_launched_) reduce_full_ = at::Tensor();
 }
 
-at::Tensor FlatUnit::gather_masters() const {
+at::Tensor FlatUnit::gather(const at::Tensor& flat) const {
   c10::NoGradGuard no_grad;
-  if (n_ == 1) return shard_.narrow(0, 0, total_).clone();
-  at::Tensor full = at::empty({padded_}, shard_.options());
-  groups_.shard->all_gather(shard_, full).wait();
+  if (n_ == 1) return flat.narrow(0, 0, total_).clone();
+  at::Tensor full = at::empty({padded_}, flat.options());
+  groups_.shard->all_gather(flat.contiguous(), full).wait();
   return full.narrow(0, 0, total_);
+}
+
+at::Tensor FlatUnit::flat_of(const std::vector<at::Tensor>& parts) const {
+  c10::NoGradGuard no_grad;
+  at::Tensor flat = at::zeros({shard_size_}, shard_.options());
+  const int64_t lo = rank_ * shard_size_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    if (!parts[i].defined() || p.master.numel() == 0) continue;
+    flat.narrow(0, p.offset + p.master_begin - lo, p.master.numel()).copy_(parts[i].reshape({-1}));
+  }
+  return flat;
+}
+
+std::vector<at::Tensor> FlatUnit::parts_of(const at::Tensor& flat) const {
+  std::vector<at::Tensor> out;
+  const int64_t lo = rank_ * shard_size_;
+  for (const auto& p : params_) {
+    const int64_t count = p.master.numel();
+    out.push_back(flat.narrow(0, count > 0 ? p.offset + p.master_begin - lo : 0, count).clone());
+  }
+  return out;
 }
 
 std::vector<comm::Work> FlatUnit::take_works() {

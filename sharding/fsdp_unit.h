@@ -124,9 +124,15 @@ class FlatUnit {
   // Forgets this backward's counts (the next backward starts over).
   void reset_backward();
 
-  // The unit's fp32 master values, gathered over the shard group (collective): a flat
-  // tensor of numel() elements in the layout above. For state dicts and tests.
-  at::Tensor gather_masters() const;
+  // State dicts handle per-parameter quantities held like the masters (the masters
+  // themselves, an optimizer's state): one 1-D tensor per param, this rank's part.
+  // flat_of: those parts as this rank's flat [S] (padding and undefined parts are zeros).
+  at::Tensor flat_of(const std::vector<at::Tensor>& parts) const;
+  // parts_of: the reverse, from this rank's flat [S] (copies).
+  std::vector<at::Tensor> parts_of(const at::Tensor& flat) const;
+  // gather: every rank's flat [S] of a quantity, as the unit's full flat (collective over the
+  // shard group; numel() elements).
+  at::Tensor gather(const at::Tensor& flat) const;
   // This rank's fp32 master shard [S] (padding included).
   const at::Tensor& master_shard() const { return shard_; }
 
