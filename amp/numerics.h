@@ -49,6 +49,8 @@ class NumericsMonitor {
   // The first unit this step whose tensor held an inf or NaN.
   const std::optional<std::string>& first_nonfinite_unit() const { return first_nonfinite_; }
   const std::vector<std::pair<int64_t, double>>& scale_history() const { return scales_; }
+  // A resumed run continues the history its checkpoint saved.
+  void restore_scale_history(std::vector<std::pair<int64_t, double>> h) { scales_ = std::move(h); }
 
   // A table of this step's records, for the log.
   std::string report() const;

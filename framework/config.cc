@@ -245,6 +245,8 @@ void read_train(Section s, TrainConfig& t) {
   s.read("weight_decay", t.weight_decay);
   s.read("warmup_steps", t.warmup_steps);
   s.read("clip_grad_norm", t.clip_grad_norm);
+  s.read("eval_every", t.eval_every);
+  s.read("eval_samples", t.eval_samples);
   s.read_choice("optimizer", t.optimizer, {"adamw", "sgd"});
   s.read("momentum", t.momentum);
   s.read("seed", t.seed);
@@ -258,6 +260,8 @@ void read_train(Section s, TrainConfig& t) {
   s.check(t.weight_decay >= 0, "weight_decay", "must be >= 0");
   s.check(t.warmup_steps >= 0, "warmup_steps", "must be >= 0");
   s.check(t.clip_grad_norm >= 0, "clip_grad_norm", "must be >= 0 (0 turns clipping off)");
+  s.check(t.eval_every >= 0, "eval_every", "must be >= 0 (0 turns validation off)");
+  s.check(t.eval_samples >= 1, "eval_samples", "must be >= 1");
   s.check(t.momentum >= 0 && t.momentum < 1, "momentum", "must be in [0, 1)");
   s.finish();
 }
@@ -341,6 +345,7 @@ void read_checkpoint(Section s, CheckpointConfig& c) {
   s.read("every_steps", c.every_steps);
   s.read("keep", c.keep);
   s.read("resume", c.resume);
+  s.read_choice("format", c.format, {"auto", "full", "sharded"});
   s.check(c.every_steps >= 0, "every_steps", "must be >= 0 (0: only at the end)");
   s.check(c.keep >= 1, "keep", "must be >= 1");
   s.finish();

@@ -48,6 +48,8 @@ struct TrainConfig {
   double weight_decay = 0.0;
   int64_t warmup_steps = 0;
   double clip_grad_norm = 0.0;      // 0: off
+  int64_t eval_every = 0;           // validation loss every N steps (and at the end); 0: off
+  int64_t eval_samples = 12;        // the fixed validation set, split over the ranks
   std::string optimizer = "adamw";  // adamw | sgd
   double momentum = 0.9;            // sgd
   int64_t seed = 1234;
@@ -87,10 +89,11 @@ struct PrecisionConfig {
 };
 
 struct CheckpointConfig {
-  std::string dir;  // empty: no checkpoints
-  int64_t every_steps = 0;
+  std::string dir;          // empty: no checkpoints
+  int64_t every_steps = 0;  // 0: only at the end
   int64_t keep = 2;
-  std::string resume = "auto";  // auto | never | <path>
+  std::string resume = "auto";  // auto | never | <path of a step_* directory>
+  std::string format = "auto";  // auto (fsdp: sharded, else full) | full | sharded
 };
 
 struct LoggingConfig {

@@ -8,11 +8,18 @@
 // ByteCorpus: a text file as bytes (vocabulary 256); sample i is the window of seq_len + 1
 // bytes starting at i * seq_len (inputs = first seq_len, targets = shifted by one).
 //
-// BatchSource: what the trainer pulls per micro-batch. The corpus source walks its sampler;
-// the synthetic sources draw from a generator seeded by (seed, rank, step, micro), so runs
-// are reproducible: for the TransformerLM, sequences follow a per-sequence arithmetic
-// progression mod vocab (learnable, so the loss falls); for the MLP, labels come from a fixed
-// random teacher.
+// BatchSource: what the trainer pulls per micro-batch. Every batch is a function of (step,
+// micro) alone, so a resumed run continues exactly where the checkpoint left it with nothing
+// but the step: the corpus source's position in its sampler is (step x micro_batches +
+// micro) x batch_size, and the synthetic sources draw from a generator seeded by (seed,
+// rank, step, micro). For the TransformerLM, synthetic sequences follow a per-sequence
+// arithmetic progression mod vocab (learnable, so the loss falls); for the MLP, labels come
+// from a fixed random teacher.
+//
+// Validation: a fixed set of `eval_samples` samples, the same at any world size (the corpus'
+// last windows, never trained on; synthetic ones from a seed of their own); rank r takes
+// samples r, r + world, ..., so the mean loss over all ranks' shares is the same set's at
+// any world size.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -52,35 +59,42 @@ struct Batch {
 class BatchSource {
  public:
   virtual ~BatchSource() = default;
-  // The next micro-batch of `batch_size` samples for this rank.
+  // Micro-batch `micro` of optimizer step `step`: `batch_size` samples for this rank.
   virtual Batch next(int64_t step, int64_t micro) = 0;
+  // This rank's share of the validation set (see above).
+  virtual Batch validation(int rank, int world) = 0;
   // Tokens (LM) or samples (MLP) per micro-batch, for throughput.
   virtual int64_t items_per_sample() const = 0;
 };
 
 class ByteCorpusSource : public BatchSource {
  public:
-  ByteCorpusSource(const std::string& path, int64_t seq_len, int64_t batch_size, int world_size,
-                   int rank, uint64_t seed);
+  ByteCorpusSource(const std::string& path, int64_t seq_len, int64_t batch_size,
+                   int64_t micro_batches, int world_size, int rank, uint64_t seed,
+                   int64_t eval_samples = 12);
   Batch next(int64_t step, int64_t micro) override;
+  Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return seq_len_; }
   int64_t num_samples() const { return sampler_.num_samples(); }
 
  private:
+  Batch windows(const std::vector<int64_t>& starts) const;
+
   at::Tensor tokens_;  // int64 bytes
-  int64_t seq_len_, batch_size_;
+  int64_t seq_len_, batch_size_, micro_batches_, eval_samples_;
   DistributedSampler sampler_;
-  size_t position_ = 0;
 };
 
 class SyntheticLMSource : public BatchSource {
  public:
-  SyntheticLMSource(int64_t vocab, int64_t seq_len, int64_t batch_size, int rank, uint64_t seed);
+  SyntheticLMSource(int64_t vocab, int64_t seq_len, int64_t batch_size, int rank, uint64_t seed,
+                    int64_t eval_samples = 12);
   Batch next(int64_t step, int64_t micro) override;
+  Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return seq_len_; }
 
  private:
-  int64_t vocab_, seq_len_, batch_size_;
+  int64_t vocab_, seq_len_, batch_size_, eval_samples_;
   int rank_;
   uint64_t seed_;
 };
@@ -88,12 +102,13 @@ class SyntheticLMSource : public BatchSource {
 class SyntheticClassificationSource : public BatchSource {
  public:
   SyntheticClassificationSource(int64_t in_features, int64_t classes, int64_t batch_size, int rank,
-                                uint64_t seed);
+                                uint64_t seed, int64_t eval_samples = 12);
   Batch next(int64_t step, int64_t micro) override;
+  Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return 1; }
 
  private:
-  int64_t in_features_, classes_, batch_size_;
+  int64_t in_features_, classes_, batch_size_, eval_samples_;
   int rank_;
   uint64_t seed_;
   at::Tensor teacher_;

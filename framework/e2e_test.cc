@@ -56,6 +56,9 @@ void expect_loss_falls(const std::string& config, const std::string& launch_pref
   EXPECT_LT(last, first * 0.85) << config << ": loss " << first << " -> " << last << "\n"
                                 << r.output;
   EXPECT_EQ(rows.back()["step"].as<int>(), 30);
+  // Synchronization really happened: every rank ends with bitwise the same parameters (a
+  // falling loss alone would also pass with it silently off).
+  EXPECT_NE(r.output.find("parameters identical on all 2 rank(s)"), std::string::npos) << r.output;
   EXPECT_GT(rows.back()["tokens_per_s"].as<double>(), 0);
 }
 

@@ -54,7 +54,7 @@ TEST(MemoryEstimate, ActivationsAreWithinATenthOfAMeasuredStep) {
     measured = static_cast<double>(TrackedCpuMemory::peak_bytes() - steady);
   }
   const double estimated = estimate_memory(c, 1).activations;
-  EXPECT_NEAR(estimated / measured, 1.0, 0.25)
+  EXPECT_NEAR(estimated / measured, 1.0, 0.1)
       << "estimated " << estimated << " B, measured " << measured << " B";
 }
 

@@ -1,6 +1,7 @@
 // dtrain-train: trains a model as a YAML config says.
 //   dtrain-train --config configs/tiny/ddp_fp32.yaml [--set train.lr=1e-3 ...]
 // Run it under dtrain-launch, mpirun or srun for several ranks; alone for one.
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -17,8 +18,10 @@
 namespace {
 
 const char* kUsage =
-    "usage: dtrain-train --config FILE [--set key.path=value ...]\n"
-    "  Trains as FILE says (see configs/). --set overrides one key, validated like the file.";
+    "usage: dtrain-train --config FILE [--set key.path=value ...] [--resume PATH]\n"
+    "  Trains as FILE says (see configs/). --set overrides one key, validated like the file.\n"
+    "  --resume continues from a checkpoint directory (checkpoint.resume: auto takes the newest\n"
+    "  complete one in checkpoint.dir).";
 
 [[noreturn]] void quit(int code, const std::string& msg) {
   if (!msg.empty()) {
@@ -38,6 +41,9 @@ const char* kUsage =
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A file-size limit (RLIMIT_FSIZE) must fail the write with EFBIG, which the checkpoint
+  // reports, not kill the process with SIGXFSZ.
+  std::signal(SIGXFSZ, SIG_IGN);
   // Count tensor bytes from the start, for the peak-memory report (framework/memory.h).
   dtrain::framework::TrackedCpuMemory::install();
   std::string config_path;
@@ -55,6 +61,10 @@ int main(int argc, char** argv) {
       config_path = value(a);
     } else if (a.rfind("--config=", 0) == 0) {
       config_path = a.substr(9);
+    } else if (a == "--resume") {
+      overrides.push_back("checkpoint.resume=" + value(a));
+    } else if (a.rfind("--resume=", 0) == 0) {
+      overrides.push_back("checkpoint.resume=" + a.substr(9));
     } else if (a == "--set") {
       overrides.push_back(value(a));
     } else if (a.rfind("--set=", 0) == 0) {

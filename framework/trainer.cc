@@ -6,8 +6,10 @@
 #include <torch/optim/sgd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -21,6 +23,8 @@
 #include "comm/rendezvous.h"
 #include "core/error.h"
 #include "core/logging.h"
+#include "framework/checkpoint.h"
+#include "framework/checkpoint_io.h"
 #include "framework/data.h"
 #include "framework/memory.h"
 #include "framework/memory_estimate.h"
@@ -70,6 +74,11 @@ class Model {
   // DDP and plain modules compute in param_dtype under autocast; FSDP's parameters already
   // have it.
   virtual bool uses_autocast() const = 0;
+  // The unwrapped module, and FSDP's state when sharded (for checkpoints).
+  virtual torch::nn::Module& module() = 0;
+  virtual sharding::FSDPState* fsdp() = 0;
+  // Logits for `inputs` (no loss), through the wrapper: every rank must call it alike.
+  virtual at::Tensor logits(const at::Tensor& inputs) = 0;
 };
 
 // Losses in fp32 whatever the logits' dtype (autocast's fp32 list does the same).
@@ -113,13 +122,18 @@ class Wrapped : public Model {
     }
   }
 
+  at::Tensor logits(const at::Tensor& inputs) override {
+    return ddp_ ? ddp_->forward(inputs) : fsdp_ ? fsdp_->forward(inputs) : plain_->forward(inputs);
+  }
   at::Tensor loss(const Batch& b) override {
-    at::Tensor out = ddp_    ? ddp_->forward(b.inputs)
-                     : fsdp_ ? fsdp_->forward(b.inputs)
-                             : plain_->forward(b.inputs);
+    at::Tensor out = logits(b.inputs);
     if (monitor_ != nullptr) monitor_->record("model.output", out);
     return loss_of(out, b.targets);
   }
+  torch::nn::Module& module() override {
+    return ddp_ ? *ddp_->module() : fsdp_ ? *fsdp_->module() : *plain_;
+  }
+  sharding::FSDPState* fsdp() override { return fsdp_ ? &fsdp_->state() : nullptr; }
   std::vector<at::Tensor> parameters() override {
     return ddp_ ? ddp_->parameters() : fsdp_ ? fsdp_->parameters() : plain_->parameters();
   }
@@ -145,6 +159,39 @@ class Wrapped : public Model {
   M plain_{nullptr};
 };
 
+// ",\"key\":<value with every digit>" for JSON lines (losses compared bitwise across runs).
+std::string json_number(const char* prefix, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%s%.17g", prefix, v);
+  return buf;
+}
+
+// Rank 0's metrics file. A resumed run keeps the rows up to its checkpoint's step (a crashed
+// attempt may have logged beyond it) and appends.
+std::ofstream open_metrics(const RunConfig& c, int rank, int64_t resumed_at) {
+  std::ofstream metrics;
+  if (rank != 0 || c.logging.metrics_file.empty()) return metrics;
+  const std::string& path = c.logging.metrics_file;
+  std::vector<std::string> kept;
+  if (resumed_at > 0) {
+    std::ifstream in(path);
+    for (std::string line; std::getline(in, line);) {
+      const auto at = line.find("\"step\":");
+      if (at != std::string::npos && std::atoll(line.c_str() + at + 7) <= resumed_at) {
+        kept.push_back(line);
+      }
+    }
+  }
+  std::error_code ec;
+  auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  metrics.open(path, std::ios::trunc);
+  DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(metrics), c.source,
+                  ": logging.metrics_file: cannot write '", path, "'");
+  for (const auto& line : kept) metrics << line << "\n";
+  return metrics;
+}
+
 double mean_over_ranks(comm::Communicator* comm, double v) {
   if (comm == nullptr || comm->size() == 1) return v;
   at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kDouble).device(comm->device()));
@@ -152,10 +199,86 @@ double mean_over_ranks(comm::Communicator* comm, double v) {
   return t.item<double>();
 }
 
+// Mean per-token loss over the validation set, the same number at any world size: every rank
+// evaluates its share; sums and counts are added over the ranks.
+double validation_loss(Model& model, BatchSource& data, comm::Communicator* comm,
+                       c10::DeviceType device, bool autocast, c10::ScalarType compute) {
+  const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
+  Batch b = data.validation(rank, world);
+  c10::NoGradGuard no_grad;
+  at::Tensor logits;
+  {
+    amp::AutocastGuard ac(device, autocast ? std::optional<c10::ScalarType>(compute) : std::nullopt,
+                          autocast);
+    logits = model.logits(b.inputs.to(device)).to(at::kFloat);
+  }
+  at::Tensor targets = b.targets.to(device);
+  at::Tensor flat = logits.dim() == 3 ? logits.reshape({-1, logits.size(-1)}) : logits;
+  at::Tensor sum = at::cross_entropy_loss(flat, targets.reshape(-1), {}, at::Reduction::Sum);
+  at::Tensor t = at::stack(
+      {sum.to(at::kDouble),
+       at::scalar_tensor(static_cast<double>(targets.numel()), at::kDouble).to(sum.device())});
+  if (comm != nullptr && world > 1) {
+    t = t.to(comm->device());
+    comm->all_reduce(t, comm::ReduceOp::kSum).wait();
+  }
+  t = t.cpu();
+  return t[0].item<double>() / t[1].item<double>();
+}
+
+// Greedy decoding from a prompt (byte vocabulary): what the model has learned, in words. Every
+// rank runs it (FSDP's forwards are collective); rank 0 prints.
+std::string sample_text(Model& model, c10::DeviceType device, int64_t seq_len, int64_t count) {
+  c10::NoGradGuard no_grad;
+  std::vector<int64_t> tokens = {'T', 'h', 'e', ' '};
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - seq_len);
+    at::Tensor in =
+        at::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), at::kLong)
+            .unsqueeze(0)
+            .to(device);
+    at::Tensor logits = model.logits(in);
+    tokens.push_back(logits[0][-1].argmax().item<int64_t>());
+  }
+  std::string text;
+  for (int64_t t : tokens)
+    text += (t >= 32 && t < 127) ? static_cast<char>(t) : (t == '\n' ? ' ' : '?');
+  return text;
+}
+
+// CRC-32 of every parameter's bytes (full values), gathered: ranks hold bitwise the same
+// model, or the run says which do not.
+void check_parameters_agree(Model& model, comm::Communicator* comm) {
+  std::vector<at::Tensor> full;
+  if (auto* f = model.fsdp()) {
+    for (auto& [name, t] : f->full_parameters()) full.push_back(t);
+  } else {
+    for (const auto& t : model.module().parameters()) full.push_back(t.detach());
+  }
+  uint32_t crc = 0;
+  for (const auto& t : full) {
+    at::Tensor c = t.cpu().contiguous();
+    crc = ckpt::crc32(static_cast<const char*>(c.data_ptr()), c.nbytes(), crc);
+  }
+  std::vector<int64_t> all{static_cast<int64_t>(crc)};
+  if (comm != nullptr && comm->size() > 1) {
+    at::Tensor in = at::full({1}, static_cast<int64_t>(crc), at::kLong).to(comm->device());
+    at::Tensor out = at::empty({comm->size()}, at::TensorOptions(at::kLong).device(comm->device()));
+    comm->all_gather(in, out).wait();
+    out = out.cpu();
+    all.assign(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
+  }
+  if (std::all_of(all.begin(), all.end(), [&](int64_t v) { return v == all.front(); })) {
+    logging::info("parameters identical on all ", all.size(), " rank(s) (crc32 ", all.front(), ")");
+  } else {
+    std::ostringstream os;
+    for (size_t r = 0; r < all.size(); ++r) os << (r ? ", " : "") << "rank " << r << ": " << all[r];
+    logging::error("parameters differ across ranks (crc32 ", os.str(),
+                   "): the ranks fell out of sync");
+  }
+}
+
 void check_supported(const RunConfig& c, const comm::Communicator* comm) {
-  DTRAIN_CHECK_AS(ConfigError, c.checkpoint.dir.empty(), c.source,
-                  ": checkpoint.dir: checkpointing is not available in this version of dtrain "
-                  "yet; leave checkpoint.dir unset");
   DTRAIN_CHECK_AS(ConfigError,
                   c.parallel.strategy != "none" || comm == nullptr || comm->size() == 1, c.source,
                   ": parallel.strategy: none trains one process, but this job has ",
@@ -203,8 +326,8 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
     if (c.data.source == "corpus") {
       DTRAIN_CHECK_AS(ConfigError, c.model.vocab_size >= 256, c.source,
                       ": model.vocab_size must be >= 256 for the byte corpus");
-      data = std::make_unique<ByteCorpusSource>(c.data.path, c.model.seq_len, micro_batch, world,
-                                                rank, data_seed);
+      data = std::make_unique<ByteCorpusSource>(c.data.path, c.model.seq_len, micro_batch,
+                                                c.train.micro_batches, world, rank, data_seed);
     } else {
       data = std::make_unique<SyntheticLMSource>(c.model.vocab_size, c.model.seq_len, micro_batch,
                                                  rank, data_seed);
@@ -252,21 +375,49 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                 c.precision.policy, " ", c.precision.mixed.to_string(), ", loss scaling ",
                 sc.enabled ? "on" : "off");
 
-  std::ofstream metrics;
-  if (rank == 0 && !c.logging.metrics_file.empty()) {
-    auto parent = std::filesystem::path(c.logging.metrics_file).parent_path();
-    if (!parent.empty()) std::filesystem::create_directories(parent);
-    metrics.open(c.logging.metrics_file, std::ios::trunc);
-    DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(metrics), c.source,
-                    ": logging.metrics_file: cannot write '", c.logging.metrics_file, "'");
-  }
   const bool tty = rank == 0 && c.logging.progress_bar && ::isatty(2);
 
   TrainResult result;
+  Checkpointer checkpointer(c);
+  CheckpointParts parts{&model->module(), model->fsdp(), opt.get(), &scaler, &monitor, comm.get()};
+  int64_t first_step = 0;
+  if (checkpointer.enabled() || (c.checkpoint.resume != "auto" && c.checkpoint.resume != "never")) {
+    if (auto progress = checkpointer.restore(parts, c.checkpoint.resume)) {
+      first_step = progress->step;
+      result.skipped_steps = progress->skipped_steps;
+    }
+  }
+  std::ofstream metrics = open_metrics(c, rank, first_step);
+  DTRAIN_CHECK_AS(ConfigError, c.train.eval_every == 0 || c.train.eval_samples >= world, c.source,
+                  ": train.eval_samples (", c.train.eval_samples,
+                  ") must be at least the number of ranks (", world,
+                  "): every rank evaluates its share");
+  if (first_step > 0 && c.train.eval_every > 0) {
+    // The restored model's validation loss: the same number, at any world size, as the run
+    // that wrote the checkpoint logged at this step.
+    const double v = validation_loss(*model, *data, comm.get(), device, autocast, compute);
+    logging::info("step ", first_step, " (restored) val_loss ", logging::fixed(v, 6));
+    if (metrics) {
+      metrics << "{\"step\":" << first_step << json_number(",\"val_loss\":", v)
+              << ",\"restored\":true}\n"
+              << std::flush;
+    }
+  }
+  // Test hook (launcher restarts): DTRAIN_TEST_KILL_AT_STEP=<step>:<rank> SIGKILLs that rank
+  // once <step> steps are done (and their checkpoint written), in the first attempt only
+  // (TORCHELASTIC_RESTART_COUNT 0).
+  int64_t kill_step = -1, kill_rank = -1;
+  if (const char* k = std::getenv("DTRAIN_TEST_KILL_AT_STEP")) {
+    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    if (restarts == nullptr || std::string(restarts) == "0") {
+      std::sscanf(k, "%lld:%lld", reinterpret_cast<long long*>(&kill_step),
+                  reinterpret_cast<long long*>(&kill_rank));
+    }
+  }
   double window_loss = 0, window_time = 0;
   int64_t window_steps = 0;
   bool first_logged = false;
-  for (int64_t step = 0; step < c.train.steps; ++step) {
+  for (int64_t step = first_step; step < c.train.steps; ++step) {
     auto t0 = Clock::now();
     monitor.begin_step(step);
     const double lr = lr_at(c.train, step);
@@ -305,7 +456,11 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
     window_time += step_time;
     ++window_steps;
     const bool last = step + 1 == c.train.steps;
-    if ((step + 1) % c.logging.every_steps == 0 || last || step == 0) {
+    std::optional<double> val_loss;
+    if (c.train.eval_every > 0 && ((step + 1) % c.train.eval_every == 0 || last)) {
+      val_loss = validation_loss(*model, *data, comm.get(), device, autocast, compute);
+    }
+    if ((step + 1) % c.logging.every_steps == 0 || last || step == first_step || val_loss) {
       double loss = mean_over_ranks(comm.get(), window_loss / window_steps);
       if (!first_logged) {
         result.first_loss = loss;
@@ -316,6 +471,7 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
       double tokens_per_s = world * c.train.batch_size * data->items_per_sample() / avg_time;
       const sharding::ReducerStats* rs = model->stats();
       logging::info("step ", step + 1, "/", c.train.steps, " loss ", logging::fixed(loss, 4),
+                    val_loss ? " val_loss " + logging::fixed(*val_loss, 4) : std::string(),
                     " scale ", scaler.get_scale(), " grad_norm ", logging::fixed(grad_norm, 3),
                     " skipped ", result.skipped_steps, " lr ", lr, " tokens/s ",
                     logging::fixed(tokens_per_s, 0), " step ", logging::fixed(avg_time * 1000, 1),
@@ -327,21 +483,40 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
       if (metrics) {
         char line[512];
         std::snprintf(line, sizeof(line),
-                      "{\"step\":%lld,\"loss\":%.6f,\"scale\":%.6g,\"grad_norm\":%.6g,"
+                      "{\"step\":%lld,\"loss\":%.17g,\"scale\":%.17g,\"grad_norm\":%.6g,"
                       "\"skipped\":%lld,\"lr\":%.6g,\"tokens_per_s\":%.1f,\"step_time_s\":%.6f,"
-                      "\"comm_hidden\":%.4f,\"peak_rss_mb\":%.1f}\n",
+                      "\"comm_hidden\":%.4f,\"peak_rss_mb\":%.1f%s}\n",
                       static_cast<long long>(step + 1), loss, scaler.get_scale(), grad_norm,
                       static_cast<long long>(result.skipped_steps), lr, tokens_per_s, avg_time,
-                      rs ? rs->hidden_fraction() : 1.0, peak_rss_mb());
+                      rs ? rs->hidden_fraction() : 1.0, peak_rss_mb(),
+                      val_loss ? json_number(",\"val_loss\":", *val_loss).c_str() : "");
         metrics << line << std::flush;
       }
       window_loss = window_time = 0;
       window_steps = 0;
     }
     if (tty) std::fprintf(stderr, "\r%s ", progress_bar(step + 1, c.train.steps).c_str());
+    const bool due = c.checkpoint.every_steps > 0 && (step + 1) % c.checkpoint.every_steps == 0;
+    if (checkpointer.enabled() && (due || last)) {
+      auto t = Clock::now();
+      const std::string path =
+          checkpointer.save(parts, TrainerProgress{step + 1, result.skipped_steps, lr});
+      logging::info("checkpoint ", path, " written in ",
+                    logging::fixed(std::chrono::duration<double>(Clock::now() - t).count(), 2),
+                    " s");
+    }
+    if (step + 1 == kill_step && rank == kill_rank) {
+      logging::warn("DTRAIN_TEST_KILL_AT_STEP: rank ", rank, " kills itself after step ", step);
+      std::raise(SIGKILL);
+    }
   }
   if (tty) std::fprintf(stderr, "\n");
   result.steps = c.train.steps;
+  check_parameters_agree(*model, comm.get());
+  if (c.model.type == "transformer" && c.model.vocab_size >= 256 && first_step < c.train.steps) {
+    const std::string text = sample_text(*model, device, c.model.seq_len, 48);
+    logging::info("sample: \"", text, "\"");
+  }
   result.final_scale = scaler.get_scale();
   // Each rank's peak beside the estimate it started with (rank 0 prints the table).
   {

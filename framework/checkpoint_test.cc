@@ -1,0 +1,311 @@
+// Checkpoints end to end, through dtrain-launch and dtrain-train on real ranks:
+//   - a run interrupted after a checkpoint and resumed equals an uninterrupted run bitwise
+//     (loss per step, loss scale, final parameters): DDP and FSDP, with gradient accumulation,
+//     fp16 + GradScaler, sharded and full checkpoints, `checkpoint.resume: auto` and --resume;
+//   - a sharded checkpoint written at 4 ranks loads at 2 and 3, with the validation loss of
+//     the 4-rank run within 1e-5, and training continues;
+//   - dtrain-launch --max-restarts restarts a killed group, which resumes and ends bitwise
+//     equal to an uninterrupted run;
+//   - a crash before a checkpoint's last rename leaves the previous one, which resume picks;
+//     a flipped byte, a truncated file, a full disk and another model's checkpoint are each
+//     refused with a message naming the file or tensor, and nothing is loaded;
+//   - PyTorch reads a full checkpoint's model and scaler (torch.load(weights_only=True)), and
+//     dtrain loads a PyTorch state_dict(): the same logits on both sides.
+#include "framework/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+
+#include "core/error.h"
+#include "framework/checkpoint_io.h"
+#include "framework/models/transformer_lm.h"
+#include "tests/flags.h"
+
+namespace dtrain::framework {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string g_launcher, g_trainer, g_python, g_interop;
+
+struct Result {
+  int code;
+  std::string output;
+};
+
+Result run(const std::string& cmd) {
+  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  int status = ::pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+}
+
+std::string tmp(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string dir = std::string(base ? base : "/tmp") + "/ckpt_test/" + name;
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+// dtrain-train on `ranks` ranks (dtrain-launch, Gloo) with a checkpoint every 20 of 40
+// steps into `dir`, metrics every step into dir/metrics.jsonl.
+std::string train_cmd(const std::string& config, int ranks, const std::string& dir,
+                      const std::string& extra = "", const std::string& env = "",
+                      const std::string& launcher_flags = "") {
+  return env + " OMP_NUM_THREADS=1 " + g_launcher + " --nproc-per-node " + std::to_string(ranks) +
+         " --master-port 0 --grace-period 2 " + launcher_flags + " -- " + g_trainer + " --config " +
+         config + " --set train.steps=40 --set checkpoint.every_steps=20" +
+         " --set checkpoint.dir=" + dir + " --set logging.every_steps=1" +
+         " --set logging.metrics_file=" + dir + "/metrics.jsonl --set logging.progress_bar=false " +
+         extra;
+}
+
+// Metrics rows by step (the last row of a step wins), as their raw text fields.
+std::map<int, std::map<std::string, std::string>> metrics(const std::string& dir) {
+  std::map<int, std::map<std::string, std::string>> rows;
+  std::ifstream f(dir + "/metrics.jsonl");
+  for (std::string line; std::getline(f, line);) {
+    if (line.empty()) continue;
+    YAML::Node n = YAML::Load(line);
+    auto& row = rows[n["step"].as<int>()];
+    for (const auto& kv : n) row[kv.first.as<std::string>()] = kv.second.Scalar();
+  }
+  return rows;
+}
+
+std::string final_crc(const std::string& output) {
+  std::smatch m;
+  const std::regex re("parameters identical on all [0-9]+ rank\\(s\\) \\(crc32 ([0-9]+)\\)");
+  return std::regex_search(output, m, re) ? m[1].str() : "";
+}
+
+// An uninterrupted run, and one killed after its step-20 checkpoint then resumed: the same
+// loss and scale at every step after 20, the same final parameters bit for bit.
+void expect_resume_is_exact(const std::string& config, const std::string& extra,
+                            const std::string& how_resumed = "auto") {
+  SCOPED_TRACE(config + " " + extra + " resume " + how_resumed);
+  const std::string a = tmp("a"), b = tmp("b");
+  Result whole = run(train_cmd(config, 2, a, extra));
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  Result killed = run(train_cmd(config, 2, b, extra, "DTRAIN_TEST_KILL_AT_STEP=20:1"));
+  ASSERT_NE(killed.code, 0) << "the kill hook did not fire:\n" << killed.output;
+  ASSERT_TRUE(fs::exists(b + "/step_00000020/COMPLETE")) << killed.output;
+  std::string resume = how_resumed == "auto" ? "" : " --resume " + b + "/step_00000020";
+  Result resumed = run(train_cmd(config, 2, b, extra + resume));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + b + "/step_00000020 at step 20"),
+            std::string::npos)
+      << resumed.output;
+  auto ma = metrics(a), mb = metrics(b);
+  for (int step = 21; step <= 40; ++step) {
+    ASSERT_TRUE(ma.count(step) && mb.count(step)) << "step " << step;
+    EXPECT_EQ(ma[step]["loss"], mb[step]["loss"]) << "loss at step " << step;
+    EXPECT_EQ(ma[step]["scale"], mb[step]["scale"]) << "scale at step " << step;
+  }
+  EXPECT_EQ(mb[20]["loss"], ma[20]["loss"]) << "rows up to the checkpoint are kept";
+  const std::string crc = final_crc(whole.output);
+  ASSERT_FALSE(crc.empty()) << whole.output;
+  EXPECT_EQ(final_crc(resumed.output), crc) << "final parameters differ";
+}
+
+TEST(Resume, DdpFp32WithGradientAccumulationIsBitwiseExact) {
+  expect_resume_is_exact("configs/tiny/ddp_fp32.yaml", "");  // micro_batches 2
+}
+
+TEST(Resume, FsdpShardedCheckpointIsBitwiseExact) {
+  expect_resume_is_exact("configs/tiny/fsdp_fp32.yaml", "", "path");
+}
+
+TEST(Resume, FsdpFullCheckpointIsBitwiseExact) {
+  expect_resume_is_exact("configs/tiny/fsdp_fp32.yaml", "--set checkpoint.format=full");
+}
+
+TEST(Resume, Fp16WithGradScalerIsBitwiseExactScalesIncluded) {
+  // A high initial scale and a short growth interval: the scale backs off and grows.
+  expect_resume_is_exact("configs/tiny/fsdp_fp16.yaml",
+                         "--set precision.scaler.init_scale=1.0e9 "
+                         "--set precision.scaler.growth_interval=3");
+}
+
+TEST(Resume, ShardedCheckpointReshardsFromFourRanksToTwoAndThree) {
+  const std::string four = tmp("four");
+  const std::string eval = "--set train.eval_every=20";
+  Result r = run(train_cmd("configs/tiny/fsdp_fp32.yaml", 4, four, eval));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const double want = std::stod(metrics(four)[20]["val_loss"]);
+  for (int ranks : {2, 3}) {
+    SCOPED_TRACE(::testing::Message() << ranks << " ranks");
+    const std::string dir = tmp("at" + std::to_string(ranks));
+    Result s = run(train_cmd("configs/tiny/fsdp_fp32.yaml", ranks, dir,
+                             eval + " --resume " + four + "/step_00000020"));
+    ASSERT_EQ(s.code, 0) << s.output;
+    EXPECT_NE(s.output.find("written at 4 rank(s)"), std::string::npos) << s.output;
+    auto m = metrics(dir);
+    const double got = std::stod(m[20]["val_loss"]);
+    EXPECT_NEAR(got, want, 1e-5 * want) << "validation loss of the resharded model";
+    // Training continues: 20 more steps, the loss finite and the model still learning.
+    ASSERT_TRUE(m.count(40)) << s.output;
+    EXPECT_LT(std::stod(m[40]["val_loss"]), got);
+  }
+}
+
+TEST(Resume, LauncherRestartsTheGroupFromTheNewestCheckpoint) {
+  const std::string a = tmp("whole"), b = tmp("restarted");
+  Result whole = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, a));
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  Result r = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, b, "", "DTRAIN_TEST_KILL_AT_STEP=30:1",
+                           "--max-restarts 1"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("restart"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("resumed from " + b + "/step_00000020 at step 20"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(final_crc(r.output), final_crc(whole.output)) << r.output;
+}
+
+TEST(Integrity, ACrashBeforeTheLastRenameLeavesThePreviousCheckpoint) {
+  const std::string dir = tmp("crash");
+  Result r = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir, "",
+                           "DTRAIN_TEST_CRASH_BEFORE_RENAME=step_00000040/meta.json"));
+  ASSERT_NE(r.code, 0) << r.output;
+  EXPECT_FALSE(fs::exists(dir + "/step_00000040/COMPLETE"));
+  EXPECT_EQ(Checkpointer::newest_complete(dir).value_or(""), dir + "/step_00000020");
+  Result resumed = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + dir + "/step_00000020"), std::string::npos)
+      << resumed.output;
+}
+
+// One good checkpoint at step 20 (the run is killed after writing it).
+std::string one_checkpoint(const std::string& name) {
+  const std::string dir = tmp(name);
+  Result r =
+      run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir, "", "DTRAIN_TEST_KILL_AT_STEP=20:1"));
+  EXPECT_TRUE(fs::exists(dir + "/step_00000020/COMPLETE")) << r.output;
+  return dir;
+}
+
+void expect_refused(const std::string& dir, const std::string& extra,
+                    const std::vector<std::string>& needles) {
+  Result r = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir, extra));
+  EXPECT_NE(r.code, 0) << r.output;
+  for (const auto& n : needles)
+    EXPECT_NE(r.output.find(n), std::string::npos) << n << "\n" << r.output;
+  EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
+}
+
+TEST(Integrity, AFlippedByteAndATruncatedFileAreRefusedByName) {
+  const std::string dir = one_checkpoint("corrupt");
+  const std::string model = dir + "/step_00000020/model.pt";
+  {
+    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(1000);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x10);
+    f.seekp(1000);
+    f.write(&c, 1);
+  }
+  expect_refused(dir, "", {model, "fails its checksum"});
+  const std::string other = one_checkpoint("truncated");
+  const std::string optim = other + "/step_00000020/optim.pt";
+  fs::resize_file(optim, fs::file_size(optim) / 2);
+  expect_refused(other, "", {optim, "truncated"});
+}
+
+TEST(Integrity, AnotherModelsCheckpointIsRefusedNamingTheTensorAndNothingLoads) {
+  const std::string dir = one_checkpoint("other_model");
+  expect_refused(
+      dir, "--set model.d_model=32",
+      {"tok_emb.weight", "has shape [256, 64] but the model's is [256, 32]", "Nothing was loaded"});
+}
+
+TEST(Integrity, AFullDiskGivesAClearErrorAndKeepsThePreviousCheckpoint) {
+  const std::string dir = one_checkpoint("full_disk");
+  // A file-size limit of 100 KiB: model.pt (~480 kB) of the step-40 checkpoint cannot be written.
+  Result r = run("ulimit -f 100 && " + train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir));
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("model.pt"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("the disk is full, or a file-size limit was reached"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(Checkpointer::newest_complete(dir).value_or(""), dir + "/step_00000020");
+  EXPECT_FALSE(fs::exists(dir + "/step_00000040/COMPLETE"));
+}
+
+TEST(Interop, PythonLoadsTheModelAndScalerOfAFullCheckpoint) {
+  const std::string dir = tmp("interop");
+  Result r = run(train_cmd("configs/tiny/ddp_fp16.yaml", 2, dir, "--set train.steps=20"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string step = dir + "/step_00000020";
+  Result py = run(g_python + " " + g_interop + " read " + step);
+  ASSERT_EQ(py.code, 0) << py.output;
+  auto from_python =
+      ckpt::unpickle(ckpt::read_raw(step + "/python.pt"), "python.pt").toGenericDict();
+  // dtrain's own model, loaded from the same file: the same logits.
+  TransformerLM m(
+      TransformerLMOptions().vocab_size(256).seq_len(32).d_model(64).n_layers(2).n_heads(4).d_ff(
+          256));
+  load_state_dict(*m, step + "/model.pt");
+  at::Tensor x = at::arange(2 * 32, at::kLong).reshape({2, 32}).remainder(251);
+  at::Tensor ours = m->forward(x).detach();
+  at::Tensor theirs = from_python.at("logits").toTensor();
+  EXPECT_TRUE(at::allclose(ours, theirs, 1e-6, 1e-6))
+      << "max diff " << (ours - theirs).abs().max().item<double>();
+  // The scaler: what PyTorch's GradScaler holds after load_state_dict is what dtrain saved.
+  auto saved = ckpt::unpickle(ckpt::read_raw(step + "/scaler.pt"), "scaler.pt").toGenericDict();
+  EXPECT_EQ(from_python.at("scale").toTensor().item<double>(), saved.at("scale").toDouble());
+  EXPECT_EQ(from_python.at("growth_tracker").toTensor().item<int64_t>(),
+            saved.at("_growth_tracker").toInt());
+}
+
+TEST(Interop, APyTorchStateDictLoadsIntoDtrainsTransformerLM) {
+  const std::string dir = tmp("from_python");
+  Result py = run(g_python + " " + g_interop + " write " + dir);
+  ASSERT_EQ(py.code, 0) << py.output;
+  TransformerLM m(
+      TransformerLMOptions().vocab_size(256).seq_len(32).d_model(64).n_layers(2).n_heads(4).d_ff(
+          256));
+  load_state_dict(*m, dir + "/state_dict.pt");
+  at::Tensor x = at::arange(2 * 32, at::kLong).reshape({2, 32}).remainder(251);
+  at::Tensor ours = m->forward(x).detach();
+  at::Tensor theirs = ckpt::unpickle(ckpt::read_raw(dir + "/logits.pt"), "logits.pt").toTensor();
+  EXPECT_TRUE(at::allclose(ours, theirs, 1e-6, 1e-6))
+      << "max diff " << (ours - theirs).abs().max().item<double>();
+  // A mismatched module is refused before anything is copied.
+  TransformerLM small(
+      TransformerLMOptions().d_model(32).n_heads(4).d_ff(64).n_layers(2).seq_len(32));
+  at::Tensor before = small->tok_emb->weight.detach().clone();
+  EXPECT_THROW(load_state_dict(*small, dir + "/state_dict.pt"), CheckpointError);
+  EXPECT_TRUE(at::equal(before, small->tok_emb->weight));
+}
+
+}  // namespace
+}  // namespace dtrain::framework
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  using dtrain::testing::flag_value;
+  dtrain::framework::g_launcher = flag_value(argc, argv, "launcher");
+  dtrain::framework::g_trainer = flag_value(argc, argv, "trainer");
+  dtrain::framework::g_python = flag_value(argc, argv, "python");
+  dtrain::framework::g_interop = flag_value(argc, argv, "interop");
+  if (dtrain::framework::g_launcher.empty() || dtrain::framework::g_trainer.empty() ||
+      dtrain::framework::g_python.empty() || dtrain::framework::g_interop.empty()) {
+    std::fprintf(stderr,
+                 "usage: checkpoint_test --launcher=PATH --trainer=PATH --python=PATH "
+                 "--interop=tests/checkpoint_interop.py\n");
+    return 2;
+  }
+  return RUN_ALL_TESTS();
+}
