@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <sstream>
 
@@ -65,11 +66,12 @@ std::string shape_json(at::IntArrayRef shape) {
 
 std::string file_json(const FileInfo& f) {
   return "{\"name\": " + quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
-         ", \"crc32\": " + std::to_string(f.crc32) + "}";
+         ", \"xxh64\": \"" + ckpt::hex(f.checksum) + "\"}";
 }
 
 FileInfo file_of(const YAML::Node& n) {
-  return {n["name"].as<std::string>(), n["bytes"].as<uint64_t>(), n["crc32"].as<uint32_t>()};
+  return {n["name"].as<std::string>(), n["bytes"].as<uint64_t>(),
+          std::stoull(n["xxh64"].as<std::string>(), nullptr, 16)};
 }
 
 // --- collectives (no-ops for one process) -------------------------------------------------
@@ -87,7 +89,7 @@ int64_t broadcast_value(const CheckpointParts& p, int64_t v) {
   return t.item<int64_t>();
 }
 
-// Every rank's (bytes, crc) of its own files, on every rank.
+// Every rank's (bytes, checksum) of its own files, on every rank.
 std::vector<int64_t> gather_values(const CheckpointParts& p, const std::vector<int64_t>& mine) {
   if (!p.comm || p.comm->size() == 1) return mine;
   const auto opts = at::TensorOptions(at::kLong).device(p.comm->device());
@@ -213,7 +215,7 @@ void save_state_dict(torch::nn::Module& module, const std::string& path) {
   for (const auto& item : module.named_buffers()) d.insert(item.key(), item.value().detach().cpu());
   const fs::path p(path);
   const std::string dir = p.has_parent_path() ? p.parent_path().string() : ".";
-  ckpt::write_file(dir, p.filename().string(), ckpt::pickle(d));
+  ckpt::write_pickle(dir, p.filename().string(), d);
 }
 
 void load_state_dict(torch::nn::Module& module, const std::string& path) {
@@ -281,7 +283,7 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
       }
       d.insert("scale_history", at::tensor(flat, at::kDouble).reshape({-1, 2}));
     }
-    mine.push_back(ckpt::write_file(dir, rank_file("rank", rank), ckpt::pickle(d)));
+    mine.push_back(ckpt::write_pickle(dir, rank_file("rank", rank), d));
   }
   std::vector<ParamState> states = p.optimizer == nullptr ? std::vector<ParamState>{}
                                    : p.fsdp != nullptr    ? fsdp_states(p)
@@ -306,13 +308,21 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
     for (const auto& s : states)
       steps.push_back(s.count("step") ? s.at("step").item<double>() : -1);
     d.insert("optim_step", at::tensor(steps, at::kDouble));
-    mine.push_back(ckpt::write_file(dir, rank_file("shard", rank), ckpt::pickle(d)));
+    mine.push_back(ckpt::write_pickle(dir, rank_file("shard", rank), d));
   }
 
   // Rank 0: the full model and optimizer (gathered: every rank takes part), the scaler.
   std::vector<FileInfo> shared;
   if (!sharded) {
+    // Rank 0 writes model.pt on a thread while every rank gathers the optimizer state.
     auto tensors = model_tensors(p);
+    std::future<FileInfo> model_file;
+    if (rank == 0) {
+      auto model = tensor_dict();
+      for (const auto& t : tensors) model.insert(t.name, t.tensor.cpu());
+      model_file = std::async(std::launch::async,
+                              [&dir, model] { return ckpt::write_pickle(dir, "model.pt", model); });
+    }
     std::vector<std::vector<at::Tensor>> full_state(keys.size());
     if (p.fsdp != nullptr) {
       for (size_t k = 0; k < keys.size(); ++k) {
@@ -320,9 +330,6 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
       }
     }
     if (rank == 0) {
-      auto model = tensor_dict();
-      for (const auto& t : tensors) model.insert(t.name, t.tensor.cpu());
-      shared.push_back(ckpt::write_file(dir, "model.pt", ckpt::pickle(model)));
       if (p.optimizer != nullptr) {
         // PyTorch's layout: state keyed by the optimizer's parameter index.
         c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
@@ -348,19 +355,20 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
         auto optim = tensor_dict();
         optim.insert("state", state);
         optim.insert("param_groups", optimizer_param_groups(*p.optimizer));
-        shared.push_back(ckpt::write_file(dir, "optim.pt", ckpt::pickle(optim)));
+        shared.push_back(ckpt::write_pickle(dir, "optim.pt", optim));
       }
+      shared.insert(shared.begin(), model_file.get());
     }
   }
   if (rank == 0 && p.scaler != nullptr) {
-    shared.push_back(ckpt::write_file(dir, "scaler.pt", ckpt::pickle(p.scaler->state_dict())));
+    shared.push_back(ckpt::write_pickle(dir, "scaler.pt", p.scaler->state_dict()));
   }
 
   // Every rank's files, then the metadata, then COMPLETE (rank 0).
   std::vector<int64_t> sizes;
   for (size_t i = 0; i < 2; ++i) {
     sizes.push_back(i < mine.size() ? static_cast<int64_t>(mine[i].bytes) : -1);
-    sizes.push_back(i < mine.size() ? static_cast<int64_t>(mine[i].crc32) : 0);
+    sizes.push_back(i < mine.size() ? static_cast<int64_t>(mine[i].checksum) : 0);
   }
   const std::vector<int64_t> all = gather_values(p, sizes);
   // Each rank's shard rank (HYBRID_SHARD repeats them): which file holds which slice.
@@ -422,7 +430,7 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
       for (int i = 0; i < 2; ++i) {
         if (all[4 * r + 2 * i] < 0) continue;
         listed.push_back({rank_file(kinds[i], r), static_cast<uint64_t>(all[4 * r + 2 * i]),
-                          static_cast<uint32_t>(all[4 * r + 2 * i + 1])});
+                          static_cast<uint64_t>(all[4 * r + 2 * i + 1])});
       }
     }
     for (size_t i = 0; i < listed.size(); ++i) m << (i ? ",\n  " : "") << file_json(listed[i]);

@@ -3,9 +3,9 @@
 //
 // One directory per checkpoint, <checkpoint.dir>/step_<00000100>/:
 //   model.pt        full: every parameter and buffer by the unwrapped module's name, fp32
-//                   (rank 0; an FSDP model is gathered unit by unit, so rank 0 holds the model
-//                   plus one unit). torch.load(weights_only=True) reads it; a PyTorch module of
-//                   the same architecture loads it with load_state_dict.
+//                   (rank 0, written on a thread while the optimizer state is gathered).
+//                   torch.load(weights_only=True) reads it; a PyTorch module of the same
+//                   architecture loads it with load_state_dict.
 //   optim.pt        full: the optimizer state in PyTorch's layout ({"state": {index: {"step",
 //                   "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}), gathered likewise
 //   shard_<r>.pt    sharded (FSDP): rank r's flat master shard and optimizer-state shards of
@@ -15,10 +15,10 @@
 //   rank_<r>.pt     every rank: its RNG states (CPU, CUDA) and the numerics monitor's history
 //   meta.json       rank 0, after every rank's files: format, step, world size, strategy,
 //                   mode, the parameters (names, shapes, dtypes), the units' layout, every
-//                   file's size and CRC-32, and the trainer's state (step, skipped steps, data
-//                   position, learning rate)
+//                   file's size and checksum (xxh64), and the trainer's state (step, skipped
+//                   steps, data position, learning rate)
 //   COMPLETE        rank 0, last, after every rank reported its files: meta.json's size and
-//                   CRC-32. A directory without it is not a checkpoint (a crash mid-write).
+//                   checksum. A directory without it is not a checkpoint (a crash mid-write).
 // Every file is written to a temporary name, fsynced, renamed, and its directory fsynced. On
 // load every file's size and checksum are verified (a flipped byte or a truncated file is
 // refused, naming the file), and every tensor's name, shape and dtype is checked against the

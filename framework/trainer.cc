@@ -246,7 +246,7 @@ std::string sample_text(Model& model, c10::DeviceType device, int64_t seq_len, i
   return text;
 }
 
-// CRC-32 of every parameter's bytes (full values), gathered: ranks hold bitwise the same
+// A checksum of every parameter's bytes (full values), gathered: ranks hold bitwise the same
 // model, or the run says which do not.
 void check_parameters_agree(Model& model, comm::Communicator* comm) {
   std::vector<at::Tensor> full;
@@ -255,25 +255,29 @@ void check_parameters_agree(Model& model, comm::Communicator* comm) {
   } else {
     for (const auto& t : model.module().parameters()) full.push_back(t.detach());
   }
-  uint32_t crc = 0;
+  ckpt::Hasher hash;
   for (const auto& t : full) {
     at::Tensor c = t.cpu().contiguous();
-    crc = ckpt::crc32(static_cast<const char*>(c.data_ptr()), c.nbytes(), crc);
+    hash.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
   }
-  std::vector<int64_t> all{static_cast<int64_t>(crc)};
+  const int64_t sum = static_cast<int64_t>(hash.digest());
+  std::vector<int64_t> all{sum};
   if (comm != nullptr && comm->size() > 1) {
-    at::Tensor in = at::full({1}, static_cast<int64_t>(crc), at::kLong).to(comm->device());
+    at::Tensor in = at::full({1}, sum, at::kLong).to(comm->device());
     at::Tensor out = at::empty({comm->size()}, at::TensorOptions(at::kLong).device(comm->device()));
     comm->all_gather(in, out).wait();
     out = out.cpu();
     all.assign(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
   }
   if (std::all_of(all.begin(), all.end(), [&](int64_t v) { return v == all.front(); })) {
-    logging::info("parameters identical on all ", all.size(), " rank(s) (crc32 ", all.front(), ")");
+    logging::info("parameters identical on all ", all.size(), " rank(s) (xxh64 ",
+                  ckpt::hex(static_cast<uint64_t>(all.front())), ")");
   } else {
     std::ostringstream os;
-    for (size_t r = 0; r < all.size(); ++r) os << (r ? ", " : "") << "rank " << r << ": " << all[r];
-    logging::error("parameters differ across ranks (crc32 ", os.str(),
+    for (size_t r = 0; r < all.size(); ++r) {
+      os << (r ? ", " : "") << "rank " << r << ": " << ckpt::hex(static_cast<uint64_t>(all[r]));
+    }
+    logging::error("parameters differ across ranks (xxh64 ", os.str(),
                    "): the ranks fell out of sync");
   }
 }

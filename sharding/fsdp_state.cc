@@ -393,7 +393,7 @@ std::vector<at::Tensor> FSDPState::gather_full(const std::vector<at::Tensor>& pa
     for (size_t k = 0; k < order_.size(); ++k) {
       if (order_[k].first != static_cast<int64_t>(u)) continue;
       const auto& p = unit.params()[order_[k].second];
-      out[k] = full.narrow(0, p.offset, p.numel).view(p.shape).clone();
+      out[k] = full.narrow(0, p.offset, p.numel).view(p.shape);  // keeps the unit's flat alive
     }
   }
   return out;
