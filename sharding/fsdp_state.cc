@@ -249,7 +249,7 @@ void FSDPState::ensure_backward_started() {
   // Reductions run in reverse forward order, the root's last.
   backward_order_.assign(forward_order_.rbegin(), forward_order_.rend());
   if (root_ >= 0) backward_order_.push_back(root_);
-  next_launch_ = 0;
+  next_launch_ = next_finish_ = 0;
   std::fill(ready_.begin(), ready_.end(), false);
   for (auto& u : units_) u->begin_backward();
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
@@ -279,8 +279,15 @@ void FSDPState::on_grad_ready(int64_t unit, int64_t param) {
 
 void FSDPState::launch_ready() {
   while (next_launch_ < backward_order_.size() && ready_[backward_order_[next_launch_]]) {
+    finish_previous_reduce();
     FlatUnit& u = *units_[backward_order_[next_launch_++]];
     if (!u.reduce_launched()) u.launch_reduce();
+  }
+}
+
+void FSDPState::finish_previous_reduce() {
+  for (; next_finish_ < next_launch_; ++next_finish_) {
+    units_[backward_order_[next_finish_]]->finish_reduce(&exposed_s_);
   }
 }
 
@@ -292,6 +299,7 @@ void FSDPState::finalize_backward() {
     // Units whose hooks never all fired (unused parameters) reduce zeros for the rest, in
     // order, so every rank issues the same collectives.
     for (; next_launch_ < backward_order_.size(); ++next_launch_) {
+      finish_previous_reduce();
       FlatUnit& u = *units_[backward_order_[next_launch_]];
       if (!u.reduce_launched()) u.launch_reduce();
     }

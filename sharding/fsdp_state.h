@@ -11,7 +11,11 @@
 //             backward_prefetch, starts gathering the unit that runs next (BACKWARD_PRE).
 //             Gradient-ready hooks (sharding/grad_hooks.h) count each unit down; at zero
 //             its gradients are in the reduce buffer and its parameters are resharded.
-//             Reductions launch strictly in reverse forward order, as soon as each is ready.
+//             Reductions launch strictly in reverse forward order, as soon as each is ready;
+//             before one launches, the one before it is finished (its result written to the
+//             gradient shard, its unsharded buffer released), as FSDP2 waits for the
+//             previous reduce-scatter: the gradient buffers alive at once do not grow with
+//             the number of units when communication is slower than backward.
 //   end       an autograd callback queued by the first hook launches what never became
 //             ready (unused parameters contribute zeros), waits for every reduction, writes
 //             the gradient shards and reshards what is left.
@@ -169,6 +173,7 @@ class FSDPState : public GradientSync {
   void ensure_backward_started();
   void on_grad_ready(int64_t unit, int64_t param);
   void launch_ready();
+  void finish_previous_reduce();  // every launched reduction, before the next launches
   void finalize_backward();
   void abandon_backward();
   void prefetch(int64_t unit);
@@ -193,7 +198,7 @@ class FSDPState : public GradientSync {
   std::vector<int64_t> forward_order_, previous_order_;  // units, as they ran
   std::vector<int64_t> backward_order_;                  // reduction order, root last
   std::vector<bool> ready_;
-  size_t next_launch_ = 0;
+  size_t next_launch_ = 0, next_finish_ = 0;  // into backward_order_
   double exposed_s_ = 0;
   int64_t peak_gathered_ = 0;
   mutable ReducerStats stats_;
