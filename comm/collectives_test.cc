@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 
 #include "comm/communicator.h"
@@ -185,6 +186,30 @@ TEST_F(Test, SplitFormsColorGroupsOrderedByKey) {
     EXPECT_EQ(some->size(), size - 1);
     some->barrier().wait();
   }
+}
+
+TEST_F(Test, CollectivesOnDifferentCommunicatorsProgressIndependently) {
+  // Two communicators over the same ranks. Rank 0 issues on B, then on A; the others on A,
+  // and on B only once A completed. Were B's collective to hold up A's (one thread for
+  // both), A could never complete: a deadlock, here a timeout.
+  const int rank = world().rank(), size = world().size();
+  auto a = world().split(0, rank), b = world().split(0, rank);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  at::Tensor ta = at::full({1000}, double(rank), at::kFloat);
+  at::Tensor tb = at::full({1000}, double(2 * rank), at::kFloat);
+  const auto limit = std::chrono::seconds(30);
+  if (rank == 0) {
+    Work wb = b->all_reduce(tb);
+    a->all_reduce(ta).wait(limit);
+    wb.wait(limit);
+  } else {
+    a->all_reduce(ta).wait(limit);
+    b->all_reduce(tb).wait(limit);
+  }
+  const double sum = size * (size - 1) / 2.0;
+  EXPECT_EQ(ta[999].item<float>(), sum);
+  EXPECT_EQ(tb[0].item<float>(), 2 * sum);
 }
 
 TEST_F(Test, BadArgumentsRaiseClearErrorsWithoutDesynchronizing) {

@@ -7,6 +7,7 @@
 
 #include <climits>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 
 #include "comm/mpi_raw.h"
@@ -68,7 +69,11 @@ class MpiRuntime {
     return runtime;
   }
 
+  // The world's worker: MPI_Init_thread and MPI_Finalize run on it too.
   OrderedWorker& worker() { return worker_; }
+  // Whether communicators made by split() may run on threads of their own: the MPI library
+  // gave MPI_THREAD_MULTIPLE (else every communicator shares the world's worker).
+  bool thread_multiple() const { return thread_multiple_; }
 
   MPI_Datatype datatype(c10::ScalarType t) const {
     switch (t) {
@@ -122,6 +127,7 @@ class MpiRuntime {
     if (initialized) {
       int provided = 0;
       MPI_Query_thread(&provided);
+      thread_multiple_ = provided == MPI_THREAD_MULTIPLE;
       DTRAIN_CHECK_AS(CommError, provided >= MPI_THREAD_SERIALIZED,
                       "MPI was initialized by the application with thread level ", provided,
                       "; dtrain's mpi backend calls MPI from its own worker thread and needs "
@@ -129,8 +135,14 @@ class MpiRuntime {
                       "MPI_THREAD_SERIALIZED, ...) or let dtrain initialize MPI");
     } else {
       int provided = 0;
-      DTRAIN_MPI(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided));
+      DTRAIN_MPI(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
       owns_mpi_ = true;
+      thread_multiple_ = provided == MPI_THREAD_MULTIPLE;
+      // FUNNELED is enough for one worker: it is the thread that initialized MPI.
+      DTRAIN_CHECK_AS(CommError, provided >= MPI_THREAD_FUNNELED,
+                      "MPI_Init_thread gave thread level ", provided,
+                      "; dtrain's mpi backend calls MPI from a worker thread and needs at "
+                      "least MPI_THREAD_FUNNELED");
     }
     Handles& h = handles_;
     DTRAIN_MPI(MPI_Type_contiguous(2, MPI_BYTE, &h.half));
@@ -169,6 +181,7 @@ class MpiRuntime {
 
   OrderedWorker worker_;
   bool owns_mpi_ = false;
+  bool thread_multiple_ = false;
   std::atomic<bool> abandoned_{false};
   Handles handles_;
 };
@@ -177,15 +190,30 @@ constexpr int64_t kMaxCount = INT_MAX;
 
 class MpiCommunicator : public Communicator {
  public:
+  // `own_worker`: run this communicator's collectives on a thread of its own, so they
+  // progress independently of other communicators' (FSDP's all-gathers beside its
+  // reduce-scatters); otherwise on the world's worker.
   MpiCommunicator(MPI_Comm comm, int rank, int size, std::vector<int> world_ranks,
-                  std::chrono::milliseconds timeout)
-      : Communicator(rank, size, std::move(world_ranks), timeout), comm_(comm) {}
+                  std::chrono::milliseconds timeout, bool own_worker)
+      : Communicator(rank, size, std::move(world_ranks), timeout),
+        comm_(comm),
+        own_worker_(own_worker ? std::make_unique<OrderedWorker>() : nullptr),
+        worker_(own_worker ? own_worker_.get() : &MpiRuntime::get().worker()) {}
 
   ~MpiCommunicator() override {
-    if (is_broken()) return;  // the worker may be stuck in this communicator
+    if (is_broken()) {
+      // The worker may be stuck in this communicator: leave it behind.
+      if (own_worker_) own_worker_->shutdown(std::chrono::milliseconds(100));
+      return;
+    }
     MPI_Comm comm = comm_;
     try {
-      MpiRuntime::get().worker().post([comm]() mutable { MPI_Comm_free(&comm); });
+      worker_->post([comm]() mutable {
+        int finalized = 0;
+        MPI_Finalized(&finalized);
+        if (!finalized) MPI_Comm_free(&comm);
+      });
+      if (own_worker_) own_worker_->shutdown(timeout() + std::chrono::seconds(5));
     } catch (const std::exception&) {
       // The runtime already shut down (destroyed at exit): MPI_Finalize freed it.
     }
@@ -203,7 +231,7 @@ class MpiCommunicator : public Communicator {
       if (on_break) on_break(why);
     };
     // Capture values, not `this`: the task may outlive a communicator destroyed early.
-    runtime.worker().post([comm = comm_, size = size(), c = std::move(c), &runtime] {
+    worker_->post([comm = comm_, size = size(), c = std::move(c), &runtime] {
       // Failed already: the communicator broke while this waited in the queue. Issuing it
       // now would pair it with a different collective on the ranks still in step.
       if (c.state->is_completed()) return;
@@ -221,13 +249,14 @@ class MpiCommunicator : public Communicator {
                                            int new_rank, int64_t /*split_id*/) override {
     MPI_Comm out = MPI_COMM_NULL;
     MPI_Comm parent = comm_;
-    MpiRuntime::get().worker().run_sync([&] {
+    worker_->run_sync([&] {  // a collective on the parent, in order with its others
       DTRAIN_MPI(MPI_Comm_split(parent, color < 0 ? MPI_UNDEFINED : color, key, &out));
       if (out != MPI_COMM_NULL) DTRAIN_MPI(MPI_Comm_set_errhandler(out, MPI_ERRORS_RETURN));
     });
     if (out == MPI_COMM_NULL) return nullptr;
     return std::make_shared<MpiCommunicator>(out, new_rank, static_cast<int>(members.size()),
-                                             to_world_ranks(members), timeout());
+                                             to_world_ranks(members), timeout(),
+                                             MpiRuntime::get().thread_multiple());
   }
 
  private:
@@ -291,6 +320,8 @@ class MpiCommunicator : public Communicator {
   }
 
   MPI_Comm comm_;
+  std::unique_ptr<OrderedWorker> own_worker_;
+  OrderedWorker* worker_;
 };
 
 }  // namespace
@@ -305,7 +336,8 @@ std::shared_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout) 
     DTRAIN_MPI(MPI_Comm_rank(comm, &rank));
     DTRAIN_MPI(MPI_Comm_size(comm, &size));
   });
-  return std::make_shared<MpiCommunicator>(comm, rank, size, std::vector<int>{}, timeout);
+  return std::make_shared<MpiCommunicator>(comm, rank, size, std::vector<int>{}, timeout,
+                                           /*own_worker=*/false);
 }
 
 void run_on_mpi_thread(const std::function<void()>& fn) { MpiRuntime::get().worker().run_sync(fn); }

@@ -1,6 +1,10 @@
-// MPI backend (OpenMPI). All MPI calls of the process, MPI_Init_thread and MPI_Finalize
-// included, run on one ordered worker thread owned by a process-wide runtime, so
-// MPI_THREAD_FUNNELED suffices and collectives overlap the caller's compute.
+// MPI backend (OpenMPI). Collectives run on ordered worker threads, so they overlap the
+// caller's compute: the world communicator's (which also runs MPI_Init_thread and
+// MPI_Finalize), and one per communicator made by split() when the library provides
+// MPI_THREAD_MULTIPLE (OpenMPI does). Collectives on different communicators then progress
+// at once (FSDP's all-gathers do not wait behind its reduce-scatters, which run on a
+// communicator of their own); without MPI_THREAD_MULTIPLE (an application that initialized
+// MPI itself with a lower level) every communicator shares the world's thread.
 //
 // MPI has no 16-bit float types: fp16 and bf16 travel as 2-byte datatypes with user-defined
 // SUM/MAX/MIN ops that widen each pair to fp32 and round the result back (one rounding per
