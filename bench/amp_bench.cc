@@ -23,6 +23,7 @@
 
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
+#include "core/cli.h"
 #include "framework/models/transformer_lm.h"
 
 #ifdef DTRAIN_TORCH_CUDA
@@ -73,6 +74,7 @@ void reset_peak(const c10::Device& device) {
 
 int main(int argc, char** argv) {
   CLI::App app{"amp_bench: TransformerLM step time in fp32, bf16 and fp16 on one device"};
+  dtrain::cli::setup(app, "amp_bench");
   std::string device_name = "cpu";
   int64_t d_model = 256, layers = 4, heads = 4, seq = 128, batch = 8, vocab = 256, steps = 10,
           warmup = 3;
@@ -90,7 +92,7 @@ int main(int argc, char** argv) {
   app.add_option("--precisions", precisions, "subset of fp32 bf16 fp16");
   app.add_option("--peak-tflops", peak_tflops, "dense bf16/fp16 peak for MFU");
   app.add_option("--peak-fp32-tflops", peak_fp32_tflops, "fp32 peak for the fp32 row's MFU");
-  CLI11_PARSE(app, argc, argv);
+  dtrain::cli::parse(app, argc, argv);
 
   c10::Device device(device_name);
   if (device.is_cuda() && !device.has_index()) device = c10::Device(c10::kCUDA, 0);

@@ -25,6 +25,7 @@
 
 #include "amp/grad_scaler.h"
 #include "comm/factory.h"
+#include "core/cli.h"
 #include "framework/checkpoint.h"
 #include "framework/config.h"
 #include "framework/models/transformer_lm.h"
@@ -53,11 +54,12 @@ int64_t bytes_under(const std::string& dir) {
 
 int main(int argc, char** argv) {
   CLI::App app{"checkpoint_bench: FSDP checkpoint write/read time and bytes"};
+  dtrain::cli::setup(app, "checkpoint_bench");
   std::string dir = "/tmp/dtrain_checkpoint_bench";
   int reps = 3;
   app.add_option("--dir", dir, "a scratch folder (emptied)");
   app.add_option("--reps", reps, "repetitions of each write and read");
-  CLI11_PARSE(app, argc, argv);
+  dtrain::cli::parse(app, argc, argv);
   at::set_num_threads(1);
   auto comm = dtrain::comm::create_world();
   at::manual_seed(0);

@@ -13,6 +13,7 @@
 // rank fails the run.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -25,6 +26,7 @@
 #include "comm/factory.h"
 #include "comm/mpi_communicator.h"
 #include "comm/mpi_raw.h"
+#include "core/cli.h"
 #include "core/error.h"
 
 namespace {
@@ -142,13 +144,17 @@ double time_raw(Op op, const Buffers& b, int iters, int world) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{
+      "comm_bench: dtrain's MPI backend beside raw MPI (and Gloo) for all_reduce, reduce_scatter "
+      "and all_gather in fp32 and bf16, 4 KiB to --max-mib; every result checked.\n"
+      "Run under mpirun: mpirun -np 2 comm_bench"};
+  dtrain::cli::setup(app, "comm_bench");
   int64_t max_mib = 64;
   int reps = 5;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--max-mib" && i + 1 < argc) max_mib = std::atol(argv[++i]);
-    if (a == "--reps" && i + 1 < argc) reps = std::atoi(argv[++i]);
-  }
+  app.add_option("--max-mib", max_mib, "largest message, MiB")->check(CLI::Range(1, 4096));
+  app.add_option("--reps", reps, "repetitions per size; the median is reported")
+      ->check(CLI::Range(1, 1000));
+  dtrain::cli::parse(app, argc, argv);
   at::set_num_threads(1);
   CommOptions mo;
   mo.backend = Backend::kMpi;

@@ -30,6 +30,7 @@
 
 #include "amp/autocast.h"
 #include "comm/factory.h"
+#include "core/cli.h"
 #include "framework/memory.h"
 #include "framework/models/transformer_lm.h"
 #include "sharding/ddp.h"
@@ -64,6 +65,7 @@ double max_over_ranks(dtrain::comm::Communicator* comm, double v) {
 int main(int argc, char** argv) {
   TrackedCpuMemory::install();  // before any tensor
   CLI::App app{"step_bench: TransformerLM step time and memory under dtrain's DDP or FSDP"};
+  dtrain::cli::setup(app, "step_bench");
   std::string strategy = "ddp", sharding = "full_shard", precision = "fp32";
   int64_t steps = 8, warmup = 2, d_model = 512, layers = 6, heads = 8, d_ff = 2048, seq = 64,
           batch = 4, vocab = 256, limit = 2;
@@ -86,7 +88,7 @@ int main(int argc, char** argv) {
   app.add_option("--limit-all-gathers", limit, "FSDP");
   app.add_flag("--forward-prefetch", forward_prefetch, "FSDP");
   app.add_flag("--one-queue", one_queue, "FSDP: reduce-scatters on the gathers' communicator");
-  CLI11_PARSE(app, argc, argv);
+  dtrain::cli::parse(app, argc, argv);
 
   const char* threads = std::getenv("OMP_NUM_THREADS");
   at::set_num_threads(std::max(1, std::atoi(threads ? threads : "1")));

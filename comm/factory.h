@@ -1,9 +1,9 @@
 // Creating the world communicator for this process.
 //
 // Backend `auto` resolves to nccl when the job's tensors live on CUDA, else mpi when an MPI
-// launcher started the process (and this build has MPI), else gloo. DTRAIN_BACKEND (dtrain-launch --backend) replaces
-// `auto` only; an explicit choice in the config wins. The timeout of every collective comes
-// from the options, else DTRAIN_COMM_TIMEOUT_S, else 300 s.
+// launcher started the process (and this build has MPI), else gloo. DTRAIN_BACKEND (dtrain-launch
+// --backend) replaces `auto` only; an explicit choice in the config wins. The timeout of every
+// collective comes from the options, else DTRAIN_COMM_TIMEOUT_S, else 300 s.
 #pragma once
 
 #include <c10/core/DeviceType.h>

@@ -44,7 +44,7 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> make_pg(const c10::intrusive_ptr<c10d
     return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
   } catch (const std::exception& e) {
     DTRAIN_FAIL(CommError, "gloo: rank ", rank, " of ", size,
-                " could not connect to its peers: ", e.what(),
+                " could not connect to its peers: ", ::dtrain::detail::clause(e.what()),
                 ". Check MASTER_ADDR/MASTER_PORT and that every rank started.");
   }
 }

@@ -89,7 +89,7 @@ c10::intrusive_ptr<c10d::Store> make_tcp_store(const RankInfo& info,
   } catch (const std::exception& e) {
     DTRAIN_FAIL(CommError, "rendezvous: rank ", info.rank, " of ", info.world_size, " could not ",
                 info.rank == 0 ? "serve" : "reach", " the store at ", info.master_addr, ":",
-                info.master_port, " (", info.source, "): ", e.what(),
+                info.master_port, " (", info.source, "): ", ::dtrain::detail::clause(e.what()),
                 ". Check MASTER_ADDR/MASTER_PORT, that the port is free, and that every rank "
                 "started.");
   }

@@ -7,7 +7,8 @@
 //   UsageError    an API was called out of order (e.g. GradScaler::unscale_ twice)
 //   CheckpointError  a checkpoint cannot be written, or is missing, corrupt or does not match
 //                 the model (message names the file or tensor)
-// The macros append the source location, so a report from the field points at the check.
+// The macros append the source location, so a report from the field points at the check;
+// users see it only at DTRAIN_LOG_LEVEL=debug (detail::user_message).
 #pragma once
 
 #include <sstream>
@@ -62,6 +63,18 @@ std::string strip_location(const std::string& what);
 
 // Strips the build-root prefix so messages show "comm/mpi_communicator.cc:42".
 const char* short_path(const char* file);
+
+// `what` of an exception from LibTorch without the C++ backtrace c10 appends ("Exception
+// raised from ..." and "frame #0: ..." lines), which tells a user nothing.
+std::string without_backtrace(const std::string& what);
+
+// A message from elsewhere (LibTorch, gloo) for embedding in a sentence: no backtrace, and
+// no trailing spaces or period.
+std::string clause(const std::string& what);
+
+// What a user is shown for `what`: no backtrace and no " [file.cc:NN]" tags, unless `debug`
+// (DTRAIN_LOG_LEVEL=debug or trace), when it is returned whole.
+std::string user_message(const std::string& what, bool debug);
 
 template <typename E>
 [[noreturn]] void fail(const char* file, int line, const std::string& message) {

@@ -38,6 +38,27 @@ TEST(Error, CheckIsOneStatementSoElseBindsToTheCallersIf) {
   EXPECT_EQ(branch, 2);
 }
 
+TEST(Error, UserMessagesDropC10BacktracesAndSourceTagsUnlessDebugging) {
+  // The shape of a c10::Error's what(): message, "Exception raised from", frames.
+  const std::string c10 =
+      "The server socket has failed to listen on any local network address. port: 29500, "
+      "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n"
+      "Exception raised from makeWithPort at /pytorch/torch/csrc/distributed/c10d/socket.cpp:"
+      "1006 (most recent call first):\nframe #0: c10::Error::Error(...) + 0x98 (0x7f in "
+      "libc10.so)\nframe #1: <unknown function> + 0x5 (0x7f in libtorch_cpu.so)\n";
+  const std::string what = "rendezvous: rank 0 could not serve the store: " + c10 +
+                           ". Check MASTER_PORT. [comm/rendezvous.cc:88] [framework/x.cc:12]";
+  const std::string shown = detail::user_message(what, /*debug=*/false);
+  EXPECT_EQ(shown.find("frame #"), std::string::npos) << shown;
+  EXPECT_EQ(shown.find("Exception raised from"), std::string::npos) << shown;
+  EXPECT_EQ(shown.find(".cc:"), std::string::npos) << shown;
+  EXPECT_NE(shown.find("EADDRINUSE"), std::string::npos) << shown;
+  EXPECT_NE(shown.find("Check MASTER_PORT."), std::string::npos) << shown;
+  // Brackets that are not source tags stay.
+  EXPECT_EQ(detail::user_message("ranks [0,1] at [x: y]", false), "ranks [0,1] at [x: y]");
+  EXPECT_EQ(detail::user_message(what, /*debug=*/true), what);
+}
+
 TEST(Env, ParsesIntegersAndRejectsGarbageNamingTheVariable) {
   std::map<std::string, std::string> vars{{"A", "12"}, {"B", "x1"}};
   EnvLookup env = [&](const std::string& k) -> std::optional<std::string> {

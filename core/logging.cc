@@ -12,6 +12,10 @@
 namespace dtrain::logging {
 namespace {
 
+const char* const kLevelNames[] = {"trace", "debug", "info", "warn", "error", "off"};
+
+spdlog::level::level_enum to_spdlog(Level level);
+
 std::mutex g_mu;
 std::shared_ptr<spdlog::logger> g_logger;
 
@@ -27,8 +31,16 @@ std::shared_ptr<spdlog::logger> logger() {
   std::lock_guard<std::mutex> lock(g_mu);
   if (!g_logger) {
     g_logger = make_logger("");
+    // An unknown DTRAIN_LOG_LEVEL is reported by configure() (a ConfigError); until then,
+    // info.
     const char* env = std::getenv("DTRAIN_LOG_LEVEL");
-    g_logger->set_level(env ? spdlog::level::from_str(env) : spdlog::level::info);
+    Level level = Level::kInfo;
+    if (env != nullptr) {
+      for (int i = 0; i < 6; ++i) {
+        if (std::string(env) == kLevelNames[i]) level = static_cast<Level>(i);
+      }
+    }
+    g_logger->set_level(to_spdlog(level));
   }
   return g_logger;
 }
@@ -41,9 +53,8 @@ spdlog::level::level_enum to_spdlog(Level level) {
 }  // namespace
 
 Level parse_level(const std::string& name) {
-  static const char* kNames[] = {"trace", "debug", "info", "warn", "error", "off"};
   for (int i = 0; i < 6; ++i) {
-    if (name == kNames[i]) return static_cast<Level>(i);
+    if (name == kLevelNames[i]) return static_cast<Level>(i);
   }
   DTRAIN_FAIL(ConfigError, "unknown log level '", name,
               "'; expected one of trace, debug, info, warn, error, off");
@@ -51,7 +62,15 @@ Level parse_level(const std::string& name) {
 
 void configure(int rank, const Options& options) {
   std::string level_name = options.level;
-  if (const char* env = std::getenv("DTRAIN_LOG_LEVEL")) level_name = env;
+  if (const char* env = std::getenv("DTRAIN_LOG_LEVEL")) {
+    level_name = env;
+    try {
+      parse_level(level_name);
+    } catch (const ConfigError&) {
+      DTRAIN_FAIL(ConfigError, "DTRAIN_LOG_LEVEL='", level_name,
+                  "' is not a log level; use one of trace, debug, info, warn, error, off");
+    }
+  }
   bool all_ranks = options.all_ranks;
   if (const char* env = std::getenv("DTRAIN_LOG_ALL_RANKS")) all_ranks = std::string(env) == "1";
   Level level = parse_level(level_name);
@@ -67,7 +86,12 @@ void configure(int rank, const Options& options) {
 
 bool enabled(Level level) { return logger()->should_log(to_spdlog(level)); }
 
-void write(Level level, const std::string& message) { logger()->log(to_spdlog(level), message); }
+void write(Level level, const std::string& message) {
+  auto l = logger();
+  // Below debug, users see messages without LibTorch backtraces and source tags.
+  const bool debug = l->should_log(spdlog::level::debug);
+  l->log(to_spdlog(level), debug ? message : detail::user_message(message, false));
+}
 
 std::string fixed(double value, int digits) {
   char buf[64];

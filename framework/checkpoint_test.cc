@@ -81,6 +81,7 @@ std::map<int, std::map<std::string, std::string>> metrics(const std::string& dir
   for (std::string line; std::getline(f, line);) {
     if (line.empty()) continue;
     YAML::Node n = YAML::Load(line);
+    if (n["run"]) continue;  // the row describing the run
     auto& row = rows[n["step"].as<int>()];
     for (const auto& kv : n) row[kv.first.as<std::string>()] = kv.second.Scalar();
   }

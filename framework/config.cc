@@ -3,12 +3,15 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
 
 #include "core/error.h"
+#include "framework/hardware.h"
 
 namespace dtrain::framework {
 namespace {
@@ -23,6 +26,10 @@ struct Origin {
       if (path == key || path.rfind(key + ".", 0) == 0) return text;
     }
     if (mark.line >= 0) return file + ":" + std::to_string(mark.line + 1);
+    // A section the file does not have, made by an override of a key inside it.
+    for (const auto& [key, text] : overrides) {
+      if (!path.empty() && key.rfind(path + ".", 0) == 0) return text;
+    }
     return file;
   }
 };
@@ -82,6 +89,11 @@ class Section {
       out = v.as<T>();
     } catch (const YAML::Exception&) {
       fail_at(key_path(key), v.Mark(), "expected " + type_name<T>() + ", got '" + v.Scalar() + "'");
+    }
+    if constexpr (std::is_floating_point_v<T>) {
+      if (!std::isfinite(out)) {
+        fail_at(key_path(key), v.Mark(), "must be a finite number, got '" + v.Scalar() + "'");
+      }
     }
   }
 
@@ -229,6 +241,8 @@ void read_data(Section s, DataConfig& d) {
   s.read("path", d.path);
   s.read("seed", d.seed);
   if (d.source == "corpus") {
+    s.check(!std::filesystem::is_directory(d.path), "path",
+            "'" + d.path + "' is a directory; give a text file, or use source: synthetic");
     std::ifstream f(d.path);
     s.check(
         static_cast<bool>(f), "path",
@@ -250,6 +264,7 @@ void read_train(Section s, TrainConfig& t) {
   s.read_choice("optimizer", t.optimizer, {"adamw", "sgd"});
   s.read("momentum", t.momentum);
   s.read("seed", t.seed);
+  s.read("max_nonfinite_steps", t.max_nonfinite_steps);
   s.check(t.steps >= 1, "steps", "must be >= 1, got " + std::to_string(t.steps));
   s.check(t.batch_size >= 1, "batch_size", "must be >= 1, got " + std::to_string(t.batch_size));
   s.check(t.micro_batches >= 1, "micro_batches", "must be >= 1");
@@ -257,6 +272,10 @@ void read_train(Section s, TrainConfig& t) {
           "batch_size " + std::to_string(t.batch_size) + " must be divisible by micro_batches " +
               std::to_string(t.micro_batches));
   s.check(t.lr > 0, "lr", "must be > 0, got " + std::to_string(t.lr));
+  s.check(t.lr <= 10, "lr",
+          "must be <= 10, got " + std::to_string(t.lr) +
+              " (a step that large diverges; typical AdamW rates are 1e-4 to 3e-3)");
+  s.check(t.max_nonfinite_steps >= 1, "max_nonfinite_steps", "must be >= 1");
   s.check(t.weight_decay >= 0, "weight_decay", "must be >= 0");
   s.check(t.warmup_steps >= 0, "warmup_steps", "must be >= 0");
   s.check(t.clip_grad_norm >= 0, "clip_grad_norm", "must be >= 0 (0 turns clipping off)");
@@ -291,8 +310,21 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.finish();
 }
 
-void read_precision(Section s, PrecisionConfig& p, std::vector<std::string>& warnings) {
-  s.read_choice("policy", p.policy, {"fp32", "bf16", "fp16"});
+void read_precision(Section s, const std::string& device, PrecisionConfig& p,
+                    std::vector<std::string>& warnings) {
+  s.read_choice("policy", p.policy, {"fp32", "bf16", "fp16", "auto"});
+  const auto hw = low_precision_support(device == "cuda" ? c10::kCUDA : c10::kCPU);
+  if (p.policy == "auto") {
+    // bf16 where the hardware has it, else fp16 with loss scaling where that is native (GPUs
+    // before Ampere), else fp32.
+    p.policy = hw.bf16 ? "bf16" : hw.fp16 ? "fp16" : "fp32";
+    p.chosen_by = "precision.policy auto chose " + p.policy + " on this " + device + " (" +
+                  (hw.bf16   ? hw.bf16_how
+                   : hw.fp16 ? hw.fp16_how
+                             : hw.bf16_how) +
+                  ")";
+    if (p.policy == "fp16" && !s.section("scaler").has("enabled")) p.scaler.enabled = true;
+  }
   p.mixed = amp::MixedPrecisionPolicy::preset(p.policy);
   auto dtype = [&](const char* key, auto assign) {
     std::string name;
@@ -326,6 +358,25 @@ void read_precision(Section s, PrecisionConfig& p, std::vector<std::string>& war
   sc.check(p.scaler.backoff_factor > 0 && p.scaler.backoff_factor < 1, "backoff_factor",
            "must be in (0, 1)");
   sc.check(p.scaler.growth_interval >= 1, "growth_interval", "must be >= 1");
+  // A 16-bit dtype the device has no instructions for is emulated: correct, but slow.
+  auto uses = [&](c10::ScalarType t) {
+    return p.mixed.param_dtype == t || p.mixed.effective_reduce_dtype() == t;
+  };
+  if (uses(at::kHalf) && !hw.fp16) {
+    warnings.push_back(
+        "precision uses fp16, which has no hardware path here (" + hw.fp16_how +
+        "): ATen emulates it, and steps run several times slower than fp32 (configs/default.yaml: "
+        "11x on an AVX-512 CPU without FP16). " +
+        (hw.bf16 ? "Use precision.policy: bf16 (" + hw.bf16_how + ") or auto"
+                 : std::string("Use fp32 here, or fp16/bf16 on a GPU")) +
+        ".");
+  }
+  if (uses(at::kBFloat16) && !hw.bf16) {
+    warnings.push_back("precision uses bf16, which has no hardware path here (" + hw.bf16_how +
+                       "): ATen emulates it, and steps can be slower than fp32. " +
+                       (hw.fp16 ? "fp16 (" + hw.fp16_how + ") is native here; or use fp32."
+                                : std::string("Use fp32 here, or bf16 on a GPU with sm_80+.")));
+  }
   if (p.mixed.needs_grad_scaler()) {
     sc.check(p.scaler.enabled, "enabled",
              "policy " + p.policy +
@@ -372,7 +423,7 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
   read_data(top.section("data"), cfg.data);
   read_train(top.section("train"), cfg.train);
   read_parallel(top.section("parallel"), cfg.parallel);
-  read_precision(top.section("precision"), cfg.precision, cfg.warnings);
+  read_precision(top.section("precision"), cfg.device, cfg.precision, cfg.warnings);
   read_checkpoint(top.section("checkpoint"), cfg.checkpoint);
   read_logging(top.section("logging"), cfg.logging);
   if (cfg.parallel.strategy != "fsdp") {
@@ -406,6 +457,28 @@ RunConfig parse_with(YAML::Node root, const std::string& name,
   return parse_node(root, origin);
 }
 
+// yaml-cpp keeps both entries of a key written twice in one mapping, and lookups see the
+// first: the second would be silently ignored.
+void refuse_duplicate_keys(const YAML::Node& node, const std::string& path,
+                           const std::string& file) {
+  if (node.IsSequence()) {
+    for (const auto& item : node) refuse_duplicate_keys(item, path, file);
+    return;
+  }
+  if (!node.IsMap()) return;
+  std::map<std::string, int> seen;  // key -> line (1-based)
+  for (const auto& kv : node) {
+    const std::string key = kv.first.Scalar();
+    const std::string key_path = path.empty() ? key : path + "." + key;
+    const int line = kv.first.Mark().line + 1;
+    auto [it, fresh] = seen.emplace(key, line);
+    DTRAIN_CHECK_AS(ConfigError, fresh, file, ":", line, ": ", key_path,
+                    ": duplicate key (also at line ", it->second,
+                    "); YAML would keep only one of them: remove the other");
+    refuse_duplicate_keys(kv.second, key_path, file);
+  }
+}
+
 }  // namespace
 
 RunConfig parse_config(const std::string& yaml_text, const std::string& name,
@@ -416,10 +489,16 @@ RunConfig parse_config(const std::string& yaml_text, const std::string& name,
   } catch (const YAML::Exception& e) {
     DTRAIN_FAIL(ConfigError, name, ":", e.mark.line + 1, ": not valid YAML: ", e.msg);
   }
+  DTRAIN_CHECK_AS(ConfigError, (root && !root.IsNull()) || !overrides.empty(), name,
+                  ": the config is empty; start from configs/default.yaml (configs/README.md "
+                  "lists every key)");
+  refuse_duplicate_keys(root, "", name);
   return parse_with(root, name, overrides);
 }
 
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  DTRAIN_CHECK_AS(ConfigError, !std::filesystem::is_directory(path), "config file '", path,
+                  "' is a directory; give a YAML file, e.g. configs/default.yaml");
   std::ifstream f(path);
   DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(f), "config file '", path,
                   "' cannot be read (does it exist?)");

@@ -53,6 +53,9 @@ struct TrainConfig {
   std::string optimizer = "adamw";  // adamw | sgd
   double momentum = 0.9;            // sgd
   int64_t seed = 1234;
+  // Without loss scaling (fp32, bf16), this many consecutive steps with a non-finite loss
+  // stop the run (with a scaler, such steps are skipped and the scale backs off).
+  int64_t max_nonfinite_steps = 1;
 };
 
 struct ParallelConfig {
@@ -83,7 +86,8 @@ struct ScalerConfig {
 };
 
 struct PrecisionConfig {
-  std::string policy = "fp32";      // fp32 | bf16 | fp16
+  std::string policy = "fp32";      // fp32 | bf16 | fp16 (auto is resolved while parsing)
+  std::string chosen_by;            // what auto chose and why; empty otherwise
   amp::MixedPrecisionPolicy mixed;  // the preset with any explicit dtype overrides applied
   ScalerConfig scaler;
 };

@@ -178,7 +178,7 @@ TEST(ConfigError, SyntaxErrorsAndMissingFilesAreClear) {
   expect_yaml_error("model:\n  type: [transformer\n", {"run.yaml:", "not valid YAML"});
   expect_config_error([] { load_config("/nonexistent/run.yaml"); },
                       {"/nonexistent/run.yaml", "cannot be read"});
-  expect_yaml_error("", {"run.yaml", "model.type", "required key is missing"});
+  expect_yaml_error("", {"run.yaml", "the config is empty", "configs/default.yaml"});
 }
 
 TEST(Configs, EveryShippedConfigLoadsAndValidates) {

@@ -34,11 +34,18 @@ std::string tmp(const std::string& name) {
   return std::string(base ? base : "/tmp") + "/" + name;
 }
 
-std::vector<YAML::Node> metrics(const std::string& path) {
+// The step rows of a metrics file; `run` gets its first row, which describes the run.
+std::vector<YAML::Node> metrics(const std::string& path, YAML::Node* run = nullptr) {
   std::ifstream f(path);
   std::vector<YAML::Node> rows;
   for (std::string line; std::getline(f, line);) {
-    if (!line.empty()) rows.push_back(YAML::Load(line));
+    if (line.empty()) continue;
+    YAML::Node n = YAML::Load(line);
+    if (n["run"]) {
+      if (run != nullptr) *run = n["run"];
+      continue;
+    }
+    rows.push_back(n);
   }
   return rows;
 }
@@ -50,8 +57,12 @@ void expect_loss_falls(const std::string& config, const std::string& launch_pref
       run(launch_prefix + " " + g_trainer + " --config " + config +
           " --set train.steps=30 --set logging.every_steps=5 --set logging.metrics_file=" + out);
   ASSERT_EQ(r.code, 0) << r.output;
-  auto rows = metrics(out);
+  YAML::Node run_row;
+  auto rows = metrics(out, &run_row);
   ASSERT_GE(rows.size(), 3u) << r.output;
+  ASSERT_TRUE(run_row) << "no run row in " << out;
+  EXPECT_EQ(run_row["ranks"].as<int>(), 2);
+  EXPECT_EQ(run_row["config"].as<std::string>(), config);
   double first = rows.front()["loss"].as<double>(), last = rows.back()["loss"].as<double>();
   EXPECT_LT(last, first * 0.85) << config << ": loss " << first << " -> " << last << "\n"
                                 << r.output;

@@ -135,6 +135,9 @@ void check_memory_fits(const RunConfig& c, int world, int ranks_here, int64_t av
             "state over the "
          << world << " ranks: about " << format_bytes(estimate_memory(f, world).peak())
          << " per rank)";
+  } else if (c.parallel.strategy != "fsdp") {
+    hint << "more ranks with parallel.strategy: fsdp (it shards parameters, gradients and "
+            "optimizer state over them)";
   } else {
     hint << "more ranks on more nodes (FSDP shards further)";
   }

@@ -1,5 +1,5 @@
 // dtrain-train: trains a model as a YAML config says.
-//   dtrain-train --config configs/tiny/ddp_fp32.yaml [--set train.lr=1e-3 ...]
+//   dtrain-train --config configs/tiny/ddp_fp32.yaml [--set train.lr=1e-3 ...] [--resume DIR]
 // Run it under dtrain-launch, mpirun or srun for several ranks; alone for one.
 #include <csignal>
 #include <cstdio>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "comm/factory.h"
+#include "core/cli.h"
 #include "core/error.h"
 #include "core/logging.h"
 #include "framework/config.h"
@@ -16,12 +17,6 @@
 #include "framework/trainer.h"
 
 namespace {
-
-const char* kUsage =
-    "usage: dtrain-train --config FILE [--set key.path=value ...] [--resume PATH]\n"
-    "  Trains as FILE says (see configs/). --set overrides one key, validated like the file.\n"
-    "  --resume continues from a checkpoint directory (checkpoint.resume: auto takes the newest\n"
-    "  complete one in checkpoint.dir).";
 
 [[noreturn]] void quit(int code, const std::string& msg) {
   if (!msg.empty()) {
@@ -41,46 +36,27 @@ const char* kUsage =
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{
+      "dtrain-train: trains a model as a YAML config says (see configs/README.md).\n"
+      "Run it under dtrain-launch, mpirun or srun for several ranks; alone for one."};
+  dtrain::cli::setup(app, "dtrain-train");
+  std::string config_path, resume;
+  std::vector<std::string> overrides;
+  app.add_option("--config", config_path, "the run's YAML file, e.g. configs/default.yaml")
+      ->required();
+  app.add_option("--set", overrides,
+                 "override one key, validated like the file: --set train.lr=1e-3 (repeatable)")
+      ->allow_extra_args(false);
+  app.add_option("--resume", resume,
+                 "continue from this checkpoint directory (checkpoint.resume: auto takes the "
+                 "newest complete one in checkpoint.dir)");
+  dtrain::cli::parse(app, argc, argv);
+  if (!resume.empty()) overrides.push_back("checkpoint.resume=" + resume);
   // A file-size limit (RLIMIT_FSIZE) must fail the write with EFBIG, which the checkpoint
   // reports, not kill the process with SIGXFSZ.
   std::signal(SIGXFSZ, SIG_IGN);
   // Count tensor bytes from the start, for the peak-memory report (framework/memory.h).
   dtrain::framework::TrackedCpuMemory::install();
-  std::string config_path;
-  std::vector<std::string> overrides;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&](const std::string& flag) -> std::string {
-      if (i + 1 >= argc) {
-        std::cerr << "dtrain-train: " << flag << " needs a value\n" << kUsage << std::endl;
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--config") {
-      config_path = value(a);
-    } else if (a.rfind("--config=", 0) == 0) {
-      config_path = a.substr(9);
-    } else if (a == "--resume") {
-      overrides.push_back("checkpoint.resume=" + value(a));
-    } else if (a.rfind("--resume=", 0) == 0) {
-      overrides.push_back("checkpoint.resume=" + a.substr(9));
-    } else if (a == "--set") {
-      overrides.push_back(value(a));
-    } else if (a.rfind("--set=", 0) == 0) {
-      overrides.push_back(a.substr(6));
-    } else if (a == "--help" || a == "-h") {
-      std::cout << kUsage << std::endl;
-      return 0;
-    } else {
-      std::cerr << "dtrain-train: unknown argument '" << a << "'\n" << kUsage << std::endl;
-      return 2;
-    }
-  }
-  if (config_path.empty()) {
-    std::cerr << "dtrain-train: --config is required\n" << kUsage << std::endl;
-    return 2;
-  }
   try {
     auto config = dtrain::framework::load_config(config_path, overrides);
     dtrain::comm::CommOptions co;
@@ -102,11 +78,8 @@ int main(int argc, char** argv) {
     if (comm) comm->barrier().wait();
     comm.reset();
     return 0;
-  } catch (const dtrain::ConfigError& e) {
-    quit(2, std::string("config error: ") + e.what());
-  } catch (const dtrain::Error& e) {
-    quit(1, e.what());
-  } catch (const std::exception& e) {
-    quit(1, std::string("unexpected error: ") + e.what());
+  } catch (...) {
+    auto failure = dtrain::cli::failure_of(std::current_exception());
+    quit(failure.code, failure.message);
   }
 }

@@ -7,12 +7,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <sstream>
 
@@ -168,7 +171,9 @@ std::string json_number(const char* prefix, double v) {
 
 // Rank 0's metrics file. A resumed run keeps the rows up to its checkpoint's step (a crashed
 // attempt may have logged beyond it) and appends.
-std::ofstream open_metrics(const RunConfig& c, int rank, int64_t resumed_at) {
+// The first row describes the run (for plot titles and legends): {"run": {...}}.
+std::ofstream open_metrics(const RunConfig& c, int rank, int64_t resumed_at,
+                           const std::string& run_json) {
   std::ofstream metrics;
   if (rank != 0 || c.logging.metrics_file.empty()) return metrics;
   const std::string& path = c.logging.metrics_file;
@@ -187,7 +192,9 @@ std::ofstream open_metrics(const RunConfig& c, int rank, int64_t resumed_at) {
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
   metrics.open(path, std::ios::trunc);
   DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(metrics), c.source,
-                  ": logging.metrics_file: cannot write '", path, "'");
+                  ": logging.metrics_file: cannot write '", path, "': ", std::strerror(errno),
+                  "; choose a writable place");
+  metrics << "{\"run\":" << run_json << "}\n";
   for (const auto& line : kept) metrics << line << "\n";
   return metrics;
 }
@@ -298,7 +305,10 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
   const int rank = comm ? comm->rank() : 0;
   const int world = comm ? comm->size() : 1;
   const c10::DeviceType device = c.device == "cuda" ? c10::kCUDA : c10::kCPU;
-  for (const auto& w : c.warnings) logging::warn(c.source, ": ", w);
+  if (rank == 0) {  // once per job, not once per rank
+    for (const auto& w : c.warnings) logging::warn(c.source, ": ", w);
+    if (!c.precision.chosen_by.empty()) logging::info(c.precision.chosen_by);
+  }
 
   // Before anything is allocated: refuse a run that cannot fit (a real OOM is the kernel's
   // killer). Host memory only; a CUDA run's device memory is not estimated here.
@@ -313,6 +323,7 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
   std::unique_ptr<BatchSource> data;
   const int64_t micro_batch = c.train.batch_size / c.train.micro_batches;
   const uint64_t data_seed = static_cast<uint64_t>(c.data.seed);
+  std::string model_desc;
   if (c.model.type == "transformer") {
     auto o = TransformerLMOptions()
                  .vocab_size(c.model.vocab_size)
@@ -326,6 +337,8 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
     lm->to(device);
     logging::info("model: TransformerLM, ", transformer_lm_parameter_count(o) / 1e6,
                   "M parameters");
+    model_desc =
+        "TransformerLM " + logging::fixed(transformer_lm_parameter_count(o) / 1e6, 1) + "M";
     model = std::make_unique<Wrapped<TransformerLM>>(lm, comm, c, &monitor);
     if (c.data.source == "corpus") {
       DTRAIN_CHECK_AS(ConfigError, c.model.vocab_size >= 256, c.source,
@@ -343,6 +356,9 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                 .depth(c.model.depth)
                 .out_features(c.model.out_features));
     mlp->to(device);
+    int64_t n = 0;
+    for (const auto& p : mlp->parameters()) n += p.numel();
+    model_desc = "MLP " + logging::fixed(n / 1e6, 2) + "M";
     model = std::make_unique<Wrapped<MLP>>(mlp, comm, c, &monitor);
     data = std::make_unique<SyntheticClassificationSource>(
         c.model.in_features, c.model.out_features, micro_batch, rank, data_seed);
@@ -391,7 +407,12 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
       result.skipped_steps = progress->skipped_steps;
     }
   }
-  std::ofstream metrics = open_metrics(c, rank, first_step);
+  std::ofstream metrics =
+      open_metrics(c, rank, first_step,
+                   "{\"config\":\"" + c.source + "\",\"model\":\"" + model_desc +
+                       "\",\"strategy\":\"" + c.parallel.strategy + "\",\"precision\":\"" +
+                       c.precision.policy + "\",\"ranks\":" + std::to_string(world) +
+                       ",\"backend\":\"" + (comm ? comm->backend() : std::string("none")) + "\"}");
   DTRAIN_CHECK_AS(ConfigError, c.train.eval_every == 0 || c.train.eval_samples >= world, c.source,
                   ": train.eval_samples (", c.train.eval_samples,
                   ") must be at least the number of ranks (", world,
@@ -418,9 +439,17 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                   reinterpret_cast<long long*>(&kill_rank));
     }
   }
+  // Test hook (non-finite losses): DTRAIN_TEST_NAN_FROM_STEP=<step>:<rank> makes that rank's
+  // loss NaN from step <step> (1-based) on.
+  int64_t nan_step = -1, nan_rank = -1;
+  if (const char* k = std::getenv("DTRAIN_TEST_NAN_FROM_STEP")) {
+    std::sscanf(k, "%lld:%lld", reinterpret_cast<long long*>(&nan_step),
+                reinterpret_cast<long long*>(&nan_rank));
+  }
   double window_loss = 0, window_time = 0;
   int64_t window_steps = 0;
   bool first_logged = false;
+  int64_t nonfinite_run = 0;
   for (int64_t step = first_step; step < c.train.steps; ++step) {
     auto t0 = Clock::now();
     monitor.begin_step(step);
@@ -439,6 +468,9 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
         amp::AutocastGuard ac(
             device, autocast ? std::optional<c10::ScalarType>(compute) : std::nullopt, autocast);
         loss = model->loss(b) / static_cast<double>(c.train.micro_batches);
+        if (nan_step >= 1 && step + 1 >= nan_step && rank == nan_rank) {
+          loss = loss * std::numeric_limits<double>::quiet_NaN();
+        }
       }
       scaler.scale(loss).backward();
       loss_sum += loss.item<double>();
@@ -448,9 +480,31 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
     const double scale_used = scaler.get_scale();
     bool stepped = scaler.step(*opt);
     scaler.update();
+    if (!sc.enabled) {
+      // Without loss scaling nothing skips a step whose loss is inf/NaN: the parameters are
+      // now corrupt on every rank. Every rank takes the same decision.
+      double bad = std::isfinite(loss_sum) ? 0.0 : 1.0;
+      if (comm && world > 1) {
+        at::Tensor t = at::full({1}, bad, at::TensorOptions(at::kDouble).device(comm->device()));
+        comm->all_reduce(t, comm::ReduceOp::kMax).wait();
+        bad = t.item<double>();
+      }
+      nonfinite_run = bad > 0 ? nonfinite_run + 1 : 0;
+      if (nonfinite_run >= c.train.max_nonfinite_steps) {
+        const auto& unit = monitor.first_nonfinite_unit();
+        DTRAIN_FAIL(Error, "step ", step + 1, ": the loss is not finite (this rank's: ", loss_sum,
+                    ") for ", nonfinite_run, " consecutive step(s) (train.max_nonfinite_steps: ",
+                    c.train.max_nonfinite_steps, "); stopping. ",
+                    unit ? "The first unit with an inf/NaN: " + *unit + ". "
+                         : std::string("logging.numerics: true names the first unit with an "
+                                       "inf/NaN. "),
+                    "Try a lower train.lr, train.clip_grad_norm, or fp32 for the unstable part.");
+      }
+    }
     monitor.record_scale(step, scaler.get_scale());
     if (!stepped) {
       ++result.skipped_steps;
+      if (tty) std::fprintf(stderr, "\r\033[K");
       logging::warn("step ", step + 1, ": inf/NaN gradients, step skipped; loss scale ", scale_used,
                     " -> ", scaler.get_scale());
       if (monitor.enabled()) logging::warn(monitor.report());
@@ -474,6 +528,7 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
       double avg_time = window_time / window_steps;
       double tokens_per_s = world * c.train.batch_size * data->items_per_sample() / avg_time;
       const sharding::ReducerStats* rs = model->stats();
+      if (tty) std::fprintf(stderr, "\r\033[K");  // the bar gives way to the line
       logging::info("step ", step + 1, "/", c.train.steps, " loss ", logging::fixed(loss, 4),
                     val_loss ? " val_loss " + logging::fixed(*val_loss, 4) : std::string(),
                     " scale ", scaler.get_scale(), " grad_norm ", logging::fixed(grad_norm, 3),
@@ -505,6 +560,7 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
       auto t = Clock::now();
       const std::string path =
           checkpointer.save(parts, TrainerProgress{step + 1, result.skipped_steps, lr});
+      if (tty) std::fprintf(stderr, "\r\033[K");
       logging::info("checkpoint ", path, " written in ",
                     logging::fixed(std::chrono::duration<double>(Clock::now() - t).count(), 2),
                     " s");

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <cerrno>
 #include <chrono>
@@ -17,6 +18,7 @@
 #include <iostream>
 #include <map>
 
+#include "core/cli.h"
 #include "core/error.h"
 
 namespace dtrain::launcher {
@@ -40,22 +42,6 @@ sigset_t forwarded_signals() {
   sigemptyset(&set);
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
   return set;
-}
-
-int to_int(const std::string& flag, const std::string& value) {
-  char* end = nullptr;
-  long v = std::strtol(value.c_str(), &end, 10);
-  DTRAIN_CHECK_AS(UsageError, !value.empty() && *end == '\0', flag, " expects an integer, got '",
-                  value, "'\n", usage());
-  return static_cast<int>(v);
-}
-
-double to_double(const std::string& flag, const std::string& value) {
-  char* end = nullptr;
-  double v = std::strtod(value.c_str(), &end);
-  DTRAIN_CHECK_AS(UsageError, !value.empty() && *end == '\0', flag, " expects a number, got '",
-                  value, "'\n", usage());
-  return v;
 }
 
 int free_port(const std::string& addr) {
@@ -321,53 +307,59 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
 std::string usage() {
   return "usage: dtrain-launch [--nproc-per-node N] [--nnodes M --node-rank R] "
          "[--master-addr A] [--master-port P] [--max-restarts K] [--backend auto|mpi|gloo|nccl] "
-         "[--grace-period S] [--] program [args...]";
+         "[--grace-period S] [--version] [--] program [args...]";
 }
 
 LaunchOptions parse_args(const std::vector<std::string>& args) {
   LaunchOptions o;
-  size_t i = 0;
-  auto value = [&](const std::string& flag, const std::string& inline_value) -> std::string {
-    if (!inline_value.empty()) return inline_value;
-    DTRAIN_CHECK_AS(UsageError, i + 1 < args.size(), flag, " needs a value\n", usage());
-    return args[++i];
-  };
-  for (; i < args.size(); ++i) {
-    std::string a = args[i];
-    if (a == "--") {
-      ++i;
-      break;
-    }
-    if (a.rfind("--", 0) != 0) break;  // the program starts here
-    std::string inline_value;
-    if (auto eq = a.find('='); eq != std::string::npos) {
-      inline_value = a.substr(eq + 1);
-      a = a.substr(0, eq);
-    }
-    for (char& c : a) c = c == '_' ? '-' : c;  // torchrun spells them with underscores too
-    if (a == "--nproc-per-node") {
-      o.nproc_per_node = to_int(a, value(a, inline_value));
-    } else if (a == "--nnodes") {
-      o.nnodes = to_int(a, value(a, inline_value));
-    } else if (a == "--node-rank") {
-      o.node_rank = to_int(a, value(a, inline_value));
-    } else if (a == "--master-addr") {
-      o.master_addr = value(a, inline_value);
-    } else if (a == "--master-port") {
-      o.master_port = to_int(a, value(a, inline_value));
-    } else if (a == "--max-restarts") {
-      o.max_restarts = to_int(a, value(a, inline_value));
-    } else if (a == "--backend") {
-      o.backend = value(a, inline_value);
-    } else if (a == "--grace-period") {
-      o.grace_period_s = to_double(a, value(a, inline_value));
-    } else if (a == "--help" || a == "-h") {
-      DTRAIN_FAIL(UsageError, usage());
-    } else {
-      DTRAIN_FAIL(UsageError, "unknown option ", a, "\n", usage());
-    }
+  CLI::App app{
+      "dtrain-launch: starts --nproc-per-node ranks of a program on this node, as torchrun "
+      "does,\nwith torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), "
+      "every\noutput line prefixed with [rank k], and the whole group ended when one rank "
+      "fails.",
+      "dtrain-launch"};
+  app.footer("The program and its arguments follow the options (or --):\n  " + usage());
+  app.set_version_flag("--version", cli::version_line("dtrain-launch"));
+  app.prefix_command();  // the program starts at the first argument that is not an option
+  // torchrun spells them with underscores too.
+  app.add_option("--nproc-per-node,--nproc_per_node", o.nproc_per_node, "ranks on this node")
+      ->check(CLI::Range(1, 65536));
+  app.add_option("--nnodes", o.nnodes, "nodes in the job")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--node-rank,--node_rank", o.node_rank, "this node's index, 0 to nnodes-1");
+  app.add_option("--master-addr,--master_addr", o.master_addr,
+                 "host of node 0, where the rendezvous store listens");
+  app.add_option("--master-port,--master_port", o.master_port,
+                 "the store's TCP port; 0 picks a free one (one node only)");
+  app.add_option("--max-restarts,--max_restarts", o.max_restarts,
+                 "restart the whole group up to K times after a failure (with checkpoint.resume: "
+                 "auto, it resumes)");
+  app.add_option("--backend", o.backend,
+                 "sets DTRAIN_BACKEND for the ranks: auto, mpi, gloo or nccl (replaces a "
+                 "config's auto only)");
+  app.add_option("--grace-period,--grace_period", o.grace_period_s,
+                 "seconds between SIGTERM and SIGKILL when ending the group");
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 parses from the back
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    o.print_and_exit = app.help();
+    return o;
+  } catch (const CLI::CallForVersion& e) {
+    o.print_and_exit = e.what();
+    return o;
+  } catch (const CLI::ParseError& e) {
+    DTRAIN_FAIL(UsageError, e.what(), "\n", usage(),
+                "\n(dtrain-launch --help explains each option)");
   }
-  o.command.assign(args.begin() + static_cast<long>(std::min(i, args.size())), args.end());
+  o.command = app.remaining();
+  if (!o.command.empty() && o.command.front() == "--") {
+    o.command.erase(o.command.begin());
+  } else if (!o.command.empty() && o.command.front().size() > 1 && o.command.front()[0] == '-') {
+    // An option CLI11 does not know ends option parsing; a program is never spelt "-x"
+    // (after --, it may be).
+    DTRAIN_FAIL(UsageError, "unknown option ", o.command.front(), "\n", usage(),
+                "\n(dtrain-launch --help explains each option)");
+  }
   DTRAIN_CHECK_AS(UsageError, !o.command.empty(), "no program to launch\n", usage());
   DTRAIN_CHECK_AS(UsageError, o.nproc_per_node >= 1, "--nproc-per-node must be at least 1, got ",
                   o.nproc_per_node, "\n", usage());

@@ -29,11 +29,13 @@ struct LaunchOptions {
   std::string backend;  // empty: leave DTRAIN_BACKEND alone
   double grace_period_s = 10.0;
   std::vector<std::string> command;  // program and its arguments
+  std::string print_and_exit;        // --help or --version: print this, exit 0
 };
 
 std::string usage();
 
-// Parses argv (without argv[0]); throws UsageError with the usage line on bad input.
+// Parses argv (without argv[0]) with CLI11; throws UsageError with the usage line on bad
+// input. For --help and --version it returns only print_and_exit.
 LaunchOptions parse_args(const std::vector<std::string>& args);
 
 // Runs the job; returns the launcher's exit code.

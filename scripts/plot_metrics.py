@@ -1,9 +1,17 @@
 #!/usr/bin/env python3
-"""Plots a run's loss and loss scale from its metrics file (logging.metrics_file, JSON lines).
+"""Plots one or several runs from their metrics files (logging.metrics_file, JSON lines).
 
-    .venv/bin/python scripts/plot_metrics.py runs/default/metrics.jsonl [out.png]
+    scripts/plot runs/default/metrics.jsonl                      # -> runs/default/metrics.png
+    scripts/plot runs/fp32/m.jsonl runs/bf16/m.jsonl runs/fp16/m.jsonl -o compare.png
+
+Panels: training loss (validation loss dashed, where logged), gradient norm, learning rate,
+tokens/s, the share of communication hidden behind compute, and, when a loss scaler ran, the
+loss scale with skipped steps marked. Several runs are overlaid with a legend; the title
+names each run's model, strategy, precision and ranks (the metrics file's first row).
 """
+import argparse
 import json
+import os
 import sys
 
 import matplotlib
@@ -12,29 +20,100 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main():
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
-    path = sys.argv[1]
-    out = sys.argv[2] if len(sys.argv) > 2 else path.rsplit(".", 1)[0] + ".png"
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+def load(path):
+    run, rows = {}, []
+    try:
+        lines = open(path).read().splitlines()
+    except OSError as e:
+        sys.exit(f"plot: cannot read {path}: {e.strerror}")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            sys.exit(f"plot: {path}:{n} is not a JSON line (is this a metrics file?)")
+        if "run" in row:
+            run = row["run"]
+        elif "step" in row and "loss" in row:
+            rows.append(row)
     if not rows:
-        sys.exit(f"{path}: no metrics")
-    steps = [r["step"] for r in rows]
-    fig, (ax_loss, ax_scale) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax_loss.plot(steps, [r["loss"] for r in rows], marker=".")
-    ax_loss.set_ylabel("loss (mean over ranks)")
-    ax_loss.grid(alpha=0.3)
-    ax_scale.plot(steps, [r["scale"] for r in rows], marker=".", color="tab:orange")
-    ax_scale.set_yscale("log", base=2)
-    ax_scale.set_ylabel("loss scale")
-    ax_scale.set_xlabel("step")
-    ax_scale.grid(alpha=0.3)
-    skipped = [r["step"] for i, r in enumerate(rows) if i and r["skipped"] > rows[i - 1]["skipped"]]
-    for s in skipped:
-        ax_scale.axvline(s, color="red", alpha=0.3)
-    fig.suptitle(f"{path}: {rows[-1]['skipped']} skipped step(s)")
+        sys.exit(f"plot: {path} has no step rows")
+    return run, rows
+
+
+def describe(run, path):
+    if not run:
+        return os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    return (f"{run.get('model', '?')}, {run.get('strategy', '?')}, {run.get('precision', '?')}, "
+            f"{run.get('ranks', '?')} rank(s) ({run.get('backend', '?')})")
+
+
+def main():
+    ap = argparse.ArgumentParser(
+        prog="scripts/plot", description=__doc__.split("\n\n")[0],
+        epilog="Example: scripts/plot runs/default/metrics.jsonl")
+    ap.add_argument("metrics", nargs="+", help="metrics files (JSON lines) of one or more runs")
+    ap.add_argument("-o", "--out", help="the PNG to write (default: beside the first file)")
+    args = ap.parse_args()
+    runs = [(path, *load(path)) for path in args.metrics]
+    out = args.out or os.path.splitext(args.metrics[0])[0] + ".png"
+
+    scaled = any(r.get("scale", 1) != 1 or r.get("skipped", 0) for _, _, rows in runs
+                 for r in rows)
+    panels = [("loss", "loss (mean over ranks)"), ("grad_norm", "gradient norm"),
+              ("lr", "learning rate"), ("tokens_per_s", "tokens/s"),
+              ("comm_hidden", "communication hidden (%)")]
+    if scaled:
+        panels.append(("scale", "loss scale"))
+    cols = 2
+    nrows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(12, 3.2 * nrows), sharex=True)
+    axes = axes.flatten()
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (path, run, rows) in enumerate(runs):
+        color = colors[i % len(colors)]
+        label = describe(run, path) if len(runs) == 1 else (
+            f"{run.get('precision', '')} {run.get('strategy', '')}".strip() or path)
+        steps = [r["step"] for r in rows]
+        for ax, (key, _) in zip(axes, panels):
+            values = [r.get(key) for r in rows]
+            if key == "comm_hidden":
+                values = [None if v is None else 100 * v for v in values]
+            pts = [(s, v) for s, v in zip(steps, values) if v is not None]
+            if not pts:
+                continue
+            ax.plot(*zip(*pts), marker=".", color=color, label=label)
+            if key == "loss":
+                val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+                if val:
+                    ax.plot(*zip(*val), linestyle="--", marker="o", color=color,
+                            label=f"{label} (validation)")
+            if key == "scale":
+                ax.set_yscale("log", base=2)
+                for j in range(1, len(rows)):
+                    if rows[j].get("skipped", 0) > rows[j - 1].get("skipped", 0):
+                        ax.axvline(rows[j]["step"], color=color, alpha=0.3)
+    for ax, (key, title) in zip(axes, panels):
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        if key == "scale":
+            ax.text(0.01, 0.02, "vertical lines: skipped steps", transform=ax.transAxes,
+                    fontsize=8, alpha=0.7)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    for ax in axes[max(0, len(panels) - cols):len(panels)]:
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    if len(runs) == 1:
+        path, run, rows = runs[0]
+        skipped = rows[-1].get("skipped", 0)
+        fig.suptitle(f"{describe(run, path)}" + (f", {skipped} skipped step(s)" if scaled else ""))
+    else:
+        first = runs[0][1]
+        fig.suptitle(f"{len(runs)} runs of {first.get('model', 'a model')}")
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
     print(f"wrote {out}")
 

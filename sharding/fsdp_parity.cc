@@ -21,6 +21,7 @@
 
 #include "amp/sharded_grad_scaler.h"
 #include "comm/factory.h"
+#include "core/cli.h"
 #include "framework/models/transformer_lm.h"
 #include "sharding/fsdp.h"
 
@@ -29,6 +30,7 @@ using dtrain::framework::TransformerLMOptions;
 
 int main(int argc, char** argv) {
   CLI::App app{"fsdp_parity: dtrain FSDP's loss trajectory, for comparison with PyTorch"};
+  dtrain::cli::setup(app, "fsdp_parity");
   std::string precision = "fp32", out_dir;
   int64_t steps = 20, vocab = 64, seq = 16, d_model = 32, layers = 2, heads = 4, batch = 4;
   // fp16: a scale high enough to overflow early and a short growth interval, so the
@@ -41,7 +43,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", out_dir, "folder for init.pt and dtrain.json")->required();
   app.add_option("--init-scale", init_scale, "fp16: the GradScaler's initial scale");
   app.add_option("--growth-interval", growth_interval, "fp16: the GradScaler's growth interval");
-  CLI11_PARSE(app, argc, argv);
+  dtrain::cli::parse(app, argc, argv);
 
   auto world = dtrain::comm::create_world();
   const int rank = world->rank(), size = world->size();

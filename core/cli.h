@@ -1,0 +1,94 @@
+// What every dtrain binary shares on its command line and at its exit:
+//   setup/parse    CLI11 with -h/--help (a help screen on stdout, exit 0), --version
+//                  ("dtrain-train 0.2.0 (LibTorch 2.13.0)", exit 0), and usage errors on
+//                  stderr with exit 2;
+//   failure_of     an exception as the one line a user is shown and the exit code: 2 for a
+//                  config or usage error, 1 for anything else. No LibTorch backtrace or
+//                  source tag unless DTRAIN_LOG_LEVEL=debug; an allocation failure says how
+//                  to need less memory; only a bug reads "internal error".
+// Header-only, for main() files. Binaries built with LibTorch print its version too.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#if __has_include(<torch/csrc/api/include/torch/version.h>)
+#include <torch/csrc/api/include/torch/version.h>
+#endif
+
+#include <cstdlib>
+#include <exception>
+#include <new>
+#include <string>
+
+#include "core/error.h"
+#include "core/version.h"
+
+namespace dtrain::cli {
+
+inline std::string version_line(const std::string& program) {
+#ifdef TORCH_VERSION
+  return program + " " + DTRAIN_VERSION + " (LibTorch " + TORCH_VERSION + ")";
+#else
+  return program + " " + DTRAIN_VERSION;
+#endif
+}
+
+inline void setup(CLI::App& app, const std::string& program) {
+  app.set_version_flag("--version", version_line(program));
+}
+
+// Parses argv; exits 0 after --help or --version, 2 (with CLI11's message) on a usage error.
+inline void parse(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    std::exit(code == 0 ? 0 : 2);
+  }
+}
+
+inline bool debugging() {
+  const char* level = std::getenv("DTRAIN_LOG_LEVEL");
+  return level != nullptr && (std::string(level) == "debug" || std::string(level) == "trace");
+}
+
+struct Failure {
+  int code;
+  std::string message;
+};
+
+inline std::string out_of_memory_advice() {
+  return "out of memory: an allocation failed. Each rank needs less with a smaller "
+         "train.batch_size or model, parallel.strategy: fsdp (shards parameters, gradients and "
+         "optimizer state), or precision bf16; the memory estimate logged at startup shows "
+         "what a rank needs";
+}
+
+inline Failure failure_of(std::exception_ptr error) {
+  const bool debug = debugging();
+  try {
+    std::rethrow_exception(error);
+  } catch (const ConfigError& e) {
+    return {2, "config error: " + detail::user_message(e.what(), debug)};
+  } catch (const UsageError& e) {
+    return {2, detail::user_message(e.what(), debug)};
+  } catch (const Error& e) {
+    return {1, detail::user_message(e.what(), debug)};
+  } catch (const std::bad_alloc&) {
+    return {1, out_of_memory_advice()};
+  } catch (const std::exception& e) {
+    const std::string what = detail::user_message(e.what(), debug);
+    // LibTorch's allocators: "DefaultCPUAllocator: can't allocate memory ...", "CUDA out of
+    // memory ...".
+    if (what.find("can't allocate memory") != std::string::npos ||
+        what.find("not enough memory") != std::string::npos ||
+        what.find("out of memory") != std::string::npos) {
+      return {1, out_of_memory_advice() + " (" + what + ")"};
+    }
+    return {
+        1, "internal error (please report it, with the output of DTRAIN_LOG_LEVEL=debug): " + what};
+  } catch (...) {
+    return {1, "internal error (please report it): an exception of unknown type"};
+  }
+}
+
+}  // namespace dtrain::cli

@@ -1,0 +1,271 @@
+// A user's mistakes, one table: each row runs a real command (dtrain-train, dtrain-launch, a
+// benchmark) the way a user would get it wrong, and checks the exit code and that the message
+// names what to fix. Every row also checks what no user should see: "unexpected error", a
+// LibTorch backtrace ("frame #", "Exception raised from"), a source tag ("[config.cc:42]"),
+// a crash (exit code >= 128) or a hang (every command runs under `timeout`).
+//
+// Classes covered: config values (unknown, duplicate, non-finite, absurd, from a --set), the
+// config file itself (missing, empty, a directory), paths in the config (data, metrics),
+// sizes that cannot fit in memory, environment variables, command-line flags of every
+// binary (including --help and --version, which exit 0), the rendezvous (a missing peer, a
+// port in use) and a diverging run.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "tests/flags.h"
+
+namespace {
+
+std::string g_launcher, g_trainer, g_comm_bench, g_scaler_bench, g_step_bench;
+
+struct Result {
+  int code;
+  std::string output;
+};
+
+Result run(const std::string& cmd) {
+  // `env` lets a row start with VAR=value assignments.
+  FILE* p = ::popen(("timeout -k 5 90 env " + cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  int status = ::pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+}
+
+std::string tmp(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  return std::string(base ? base : "/tmp") + "/" + name;
+}
+
+std::string write(const std::string& name, const std::string& text) {
+  const std::string path = tmp(name);
+  std::ofstream(path) << text;
+  return path;
+}
+
+// A TCP port nobody listens on now.
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+struct Mistake {
+  std::string what;  // what the user did
+  std::string command;
+  int code;                          // expected exit code
+  std::vector<std::string> needles;  // the message must contain each
+};
+
+void check(const Mistake& m) {
+  SCOPED_TRACE(m.what + ": " + m.command);
+  Result r = run(m.command);
+  EXPECT_EQ(r.code, m.code) << r.output;
+  for (const auto& n : m.needles)
+    EXPECT_NE(r.output.find(n), std::string::npos) << n << "\n" << r.output;
+  for (const char* never : {"unexpected error", "frame #", "Exception raised from",
+                            "terminate called", "internal error"}) {
+    EXPECT_EQ(r.output.find(never), std::string::npos) << never << "\n" << r.output;
+  }
+  EXPECT_FALSE(std::regex_search(r.output, std::regex(R"(\[[A-Za-z_/]+\.(cc|h|cpp):[0-9]+\])")))
+      << "a source tag reached the user:\n"
+      << r.output;
+}
+
+std::string train(const std::string& args) {
+  return g_trainer + " --config configs/tiny/ddp_fp32.yaml " + args;
+}
+
+TEST(UserMistakes, ConfigValuesNameTheKeyTheSourceAndTheFix) {
+  const std::string dup = write("dup.yaml",
+                                "model: {type: transformer}\ntrain:\n  steps: 3\n  batch_size: 2\n"
+                                "  lr: 1.0e-3\n  steps: 5\n");
+  for (const auto& m : std::vector<Mistake>{
+           {"an unknown key from --set",
+            train("--set foo.bar=1"),
+            2,
+            {"--set foo.bar=1", "unknown key"}},
+           {"a misspelt key from --set",
+            train("--set train.stesp=3"),
+            2,
+            {"--set train.stesp=3", "did you mean 'steps'"}},
+           {"an infinite learning rate", train("--set train.lr=.inf"), 2, {"train.lr", "finite"}},
+           {"a NaN weight decay",
+            train("--set train.weight_decay=.nan"),
+            2,
+            {"train.weight_decay", "finite"}},
+           {"an absurd learning rate", train("--set train.lr=1e6"), 2, {"train.lr", "<= 10"}},
+           {"a key written twice",
+            g_trainer + " --config " + dup,
+            2,
+            {"dup.yaml:6", "train.steps", "duplicate key", "line 3"}},
+           {"a --set without '='",
+            train("--set train.lr"),
+            2,
+            {"--set train.lr", "key.path=value"}},
+       }) {
+    check(m);
+  }
+}
+
+TEST(UserMistakes, TheConfigFileItselfAndThePathsItNames) {
+  const std::string empty = write("empty.yaml", "");
+  for (const auto& m : std::vector<Mistake>{
+           {"a config that does not exist",
+            g_trainer + " --config nope.yaml",
+            2,
+            {"nope.yaml", "cannot be read"}},
+           {"an empty config", g_trainer + " --config " + empty, 2, {"empty.yaml", "is empty"}},
+           {"a directory as the config",
+            g_trainer + " --config configs",
+            2,
+            {"configs", "is a directory"}},
+           {"data.path is a directory",
+            train("--set data.source=corpus --set data.path=/tmp --set model.vocab_size=256"),
+            2,
+            {"data.path", "is a directory"}},
+           {"an unwritable metrics file",
+            train("--set logging.metrics_file=/proc/dtrain/metrics.jsonl"),
+            2,
+            {"logging.metrics_file", "/proc/dtrain/metrics.jsonl"}},
+       }) {
+    check(m);
+  }
+}
+
+TEST(UserMistakes, SizesThatCannotFitAreRefusedBeforeAllocating) {
+  for (const auto& m : std::vector<Mistake>{
+           {"a huge d_model",
+            train("--set model.d_model=200000 --set model.n_heads=4"),
+            2,
+            {"needs about", "parallel.strategy: fsdp"}},
+           {"a huge seq_len", train("--set model.seq_len=10000000"), 2, {"needs about"}},
+           {"a huge batch", train("--set train.batch_size=200000000"), 2, {"needs about"}},
+       }) {
+    check(m);
+  }
+}
+
+TEST(UserMistakes, EnvironmentVariablesAreNamed) {
+  for (const auto& m : std::vector<Mistake>{
+           {"an unknown log level",
+            "DTRAIN_LOG_LEVEL=loud " + train(""),
+            2,
+            {"DTRAIN_LOG_LEVEL='loud'", "trace, debug, info"}},
+           {"a rank outside the world",
+            "RANK=3 WORLD_SIZE=2 " + train(""),
+            2,
+            {"rank 3", "outside [0, 2)"}},
+       }) {
+    check(m);
+  }
+}
+
+TEST(UserMistakes, EveryBinaryExplainsItselfAndRefusesBadFlags) {
+  std::vector<Mistake> rows{
+      {"dtrain-train without --config", g_trainer, 2, {"--config is required"}},
+      {"--config without a value", g_trainer + " --config", 2, {"--config"}},
+      {"an unknown flag", g_trainer + " --config configs/tiny/ddp_fp32.yaml --lr 1", 2, {"--lr"}},
+      {"dtrain-launch -h", g_launcher + " -h", 0, {"--nproc-per-node", "--max-restarts"}},
+      {"dtrain-launch without a program",
+       g_launcher + " --nproc-per-node 2",
+       2,
+       {"no program to launch", "usage: dtrain-launch"}},
+      {"an absurd --nproc-per-node",
+       g_launcher + " --nproc-per-node 99999999999 true",
+       2,
+       {"--nproc-per-node"}},
+      {"a zero --nproc-per-node", g_launcher + " --nproc-per-node 0 true", 2, {"--nproc-per-node"}},
+      {"a bad backend", g_launcher + " --backend tcp true", 2, {"--backend", "tcp"}},
+  };
+  for (const auto& bin : {g_trainer, g_launcher, g_comm_bench, g_scaler_bench, g_step_bench}) {
+    if (bin.empty()) continue;  // comm_bench needs MPI: a CMake build without it has none
+    const std::string name = bin.substr(bin.rfind('/') + 1);
+    rows.push_back({name + " --help", bin + " --help", 0, {"--version"}});
+    rows.push_back({name + " --version", bin + " --version", 0, {name + " 0."}});
+  }
+  for (const auto& m : rows) check(m);
+}
+
+TEST(UserMistakes, RendezvousFailuresSayWhatToCheck) {
+  const std::string port = std::to_string(free_port());
+  // A listener on `busy`: the store cannot bind it.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  ::listen(fd, 1);
+  socklen_t len = sizeof(a);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const std::string busy = std::to_string(ntohs(a.sin_port));
+  for (const auto& m : std::vector<Mistake>{
+           {"only rank 0 of a 2-rank Slurm job started",
+            "SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_LOCALID=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+                port + " DTRAIN_COMM_TIMEOUT_S=3 " + train("--set parallel.backend=gloo"),
+            1,
+            {"rendezvous", "MASTER_ADDR/MASTER_PORT", "every rank started"}},
+           {"the port is in use",
+            "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + busy +
+                " DTRAIN_COMM_TIMEOUT_S=3 " + train("--set parallel.backend=gloo"),
+            1,
+            {"rendezvous", busy, "the port is free"}},
+       }) {
+    check(m);
+  }
+  ::close(fd);
+}
+
+TEST(UserMistakes, ADivergingRunStopsNamingTheStepInsteadOfPrintingNaN) {
+  check(
+      {"a NaN loss on one rank without a loss scaler",
+       "DTRAIN_TEST_NAN_FROM_STEP=3:1 " + g_launcher +
+           " --nproc-per-node 2 --master-port 0 --backend gloo -- " +
+           train("--set train.steps=8 --set logging.progress_bar=false"),
+       1,
+       {"step 3: the loss is not finite", "train.max_nonfinite_steps", "logging.numerics: true"}});
+  // Allowed twice in a row: stops at the second.
+  check({"max_nonfinite_steps 2",
+         "DTRAIN_TEST_NAN_FROM_STEP=3:0 " + g_launcher +
+             " --nproc-per-node 2 --master-port 0 --backend gloo -- " +
+             train("--set train.steps=8 --set train.max_nonfinite_steps=2"),
+         1,
+         {"step 4: the loss is not finite", "for 2 consecutive step(s)"}});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  using dtrain::testing::flag_value;
+  g_launcher = flag_value(argc, argv, "launcher");
+  g_trainer = flag_value(argc, argv, "trainer");
+  g_comm_bench = flag_value(argc, argv, "comm_bench");
+  g_scaler_bench = flag_value(argc, argv, "scaler_bench");
+  g_step_bench = flag_value(argc, argv, "step_bench");
+  if (g_launcher.empty() || g_trainer.empty() || g_scaler_bench.empty() || g_step_bench.empty()) {
+    std::fprintf(stderr,
+                 "usage: user_errors_test --launcher=PATH --trainer=PATH --scaler_bench=PATH "
+                 "--step_bench=PATH [--comm_bench=PATH]\n");
+    return 2;
+  }
+  return RUN_ALL_TESTS();
+}
