@@ -279,7 +279,11 @@ std::vector<char> read_file(const std::string& dir, const FileInfo& expected) {
   return bytes;
 }
 
-FileInfo write_pickle(const std::string& dir, const std::string& name, const c10::IValue& value) {
+namespace {
+
+// torch.save's zip of `value` (data.pkl and one record per tensor), streamed to `sink`.
+void write_archive(const c10::IValue& value,
+                   const std::function<size_t(const void*, size_t)>& sink) {
   std::vector<char> data;
   torch::jit::Pickler pickler(
       [&](const char* buf, size_t n) { data.insert(data.end(), buf, buf + n); },
@@ -288,48 +292,41 @@ FileInfo write_pickle(const std::string& dir, const std::string& name, const c10
   pickler.protocol();
   pickler.pushIValue(plain(value));
   pickler.stop();
+  caffe2::serialize::PyTorchStreamWriter writer(sink);
+  torch::jit::writeArchiveAndTensors("data", data.data(), data.size(), pickler.tensorData(),
+                                     writer);
+  writer.writeEndOfFile();
+}
+
+}  // namespace
+
+FileInfo write_pickle(const std::string& dir, const std::string& name, const c10::IValue& value) {
   PendingFile f(dir, name);
+  // The zip goes straight to the file: tensors are never copied into a buffer. A failed
+  // write (a full disk) must not throw through miniz, whose writer would then throw again
+  // from its destructor: it is kept, the rest of the archive is dropped, and it is thrown
+  // once the writer is done.
   std::exception_ptr failed;
-  {
-    // The zip goes straight to the file: tensors are never copied into a buffer. A failed
-    // write (a full disk) must not throw through miniz, whose writer would then throw again
-    // from its destructor: it is kept, the rest of the archive is dropped, and it is thrown
-    // once the writer is done.
-    caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) {
-      if (failed) return n;
-      try {
-        f.append(static_cast<const char*>(p), n);
-      } catch (...) {
-        failed = std::current_exception();
-      }
-      return n;
-    });
-    torch::jit::writeArchiveAndTensors("data", data.data(), data.size(), pickler.tensorData(),
-                                       writer);
-    writer.writeEndOfFile();
-  }
+  write_archive(value, [&](const void* p, size_t n) {
+    if (failed) return n;
+    try {
+      f.append(static_cast<const char*>(p), n);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    return n;
+  });
   if (failed) std::rethrow_exception(failed);
   return f.commit();
 }
 
 std::vector<char> pickle(const c10::IValue& value) {
-  std::vector<char> data;
-  torch::jit::Pickler pickler(
-      [&](const char* buf, size_t n) { data.insert(data.end(), buf, buf + n); },
-      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
-      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
-  pickler.protocol();
-  pickler.pushIValue(plain(value));
-  pickler.stop();
   std::vector<char> out;
-  caffe2::serialize::PyTorchStreamWriter writer([&](const void* p, size_t n) {
+  write_archive(value, [&](const void* p, size_t n) {
     const char* b = static_cast<const char*>(p);
     out.insert(out.end(), b, b + n);
     return n;
   });
-  torch::jit::writeArchiveAndTensors("data", data.data(), data.size(), pickler.tensorData(),
-                                     writer);
-  writer.writeEndOfFile();
   return out;
 }
 

@@ -31,6 +31,7 @@
 #include "framework/checkpoint_io.h"
 #include "framework/models/transformer_lm.h"
 #include "tests/flags.h"
+#include "tests/subprocess.h"
 
 namespace dtrain::framework {
 namespace {
@@ -39,23 +40,13 @@ namespace fs = std::filesystem;
 
 std::string g_launcher, g_trainer, g_python, g_interop;
 
-struct Result {
-  int code;
-  std::string output;
-};
+using Result = dtrain::testing::CommandResult;
+using dtrain::testing::run_command;
 
-Result run(const std::string& cmd) {
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
-  int status = ::pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
-}
+Result run(const std::string& cmd) { return run_command(cmd); }
 
 std::string tmp(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  std::string dir = std::string(base ? base : "/tmp") + "/ckpt_test/" + name;
+  const std::string dir = dtrain::testing::scratch_path("ckpt_test/" + name);
   fs::remove_all(dir);
   fs::create_directories(dir);
   return dir;

@@ -10,29 +10,18 @@
 #include <sstream>
 
 #include "tests/flags.h"
+#include "tests/subprocess.h"
 
 namespace {
 
 std::string g_launcher, g_trainer;
 
-struct Result {
-  int code;
-  std::string output;
-};
+using Result = dtrain::testing::CommandResult;
+using dtrain::testing::run_command;
 
-Result run(const std::string& cmd) {
-  FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
-  int status = ::pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
-}
+Result run(const std::string& cmd) { return run_command(cmd); }
 
-std::string tmp(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  return std::string(base ? base : "/tmp") + "/" + name;
-}
+std::string tmp(const std::string& name) { return dtrain::testing::scratch_path(name); }
 
 // The step rows of a metrics file; `run` gets its first row, which describes the run.
 std::vector<YAML::Node> metrics(const std::string& path, YAML::Node* run = nullptr) {

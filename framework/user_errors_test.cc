@@ -24,30 +24,20 @@
 #include <vector>
 
 #include "tests/flags.h"
+#include "tests/subprocess.h"
 
 namespace {
 
 std::string g_launcher, g_trainer, g_comm_bench, g_scaler_bench, g_step_bench;
 
-struct Result {
-  int code;
-  std::string output;
-};
+using Result = dtrain::testing::CommandResult;
 
 Result run(const std::string& cmd) {
-  // `env` lets a row start with VAR=value assignments.
-  FILE* p = ::popen(("timeout -k 5 90 env " + cmd + " 2>&1").c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
-  int status = ::pclose(p);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
+  // `env` lets a row start with VAR=value assignments; `timeout` turns a hang into a failure.
+  return dtrain::testing::run_command("timeout -k 5 90 env " + cmd);
 }
 
-std::string tmp(const std::string& name) {
-  const char* base = std::getenv("TEST_TMPDIR");
-  return std::string(base ? base : "/tmp") + "/" + name;
-}
+std::string tmp(const std::string& name) { return dtrain::testing::scratch_path(name); }
 
 std::string write(const std::string& name, const std::string& text) {
   const std::string path = tmp(name);
