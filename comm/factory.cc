@@ -2,6 +2,7 @@
 
 #include "comm/gloo_communicator.h"
 #include "core/error.h"
+#include "core/guardian.h"
 #include "core/logging.h"
 #ifdef DTRAIN_WITH_MPI
 #include "comm/mpi_communicator.h"
@@ -51,6 +52,8 @@ std::shared_ptr<Communicator> create_world(const CommOptions& options, const Env
   RankInfo info = detect_rank_info(options.rendezvous, env);
   Backend backend = resolve_backend(options.backend, options.device, info, env);
   auto timeout = resolve_timeout(options.timeout, env);
+  // Before MPI_Init: a rank of mpirun gets a guardian that ends its children if it dies.
+  guard_children_of_mpi_rank();
   std::shared_ptr<Communicator> comm;
   switch (backend) {
     case Backend::kMpi: {

@@ -1,6 +1,8 @@
 // dtrain-train: trains a model as a YAML config says.
 //   dtrain-train --config configs/tiny/ddp_fp32.yaml [--set train.lr=1e-3 ...] [--resume DIR]
 // Run it under dtrain-launch, mpirun or srun for several ranks; alone for one.
+#include <unistd.h>
+
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +35,31 @@ namespace {
   std::_Exit(code);
 }
 
+// Test hook (tests/faults_test.py): DTRAIN_TEST_CHILD="program args..." starts that program
+// as a child of this rank, run by argv, like a user's data-loader helper. The fault tests
+// check it does not outlive the job.
+void start_test_child() {
+  const char* spec = std::getenv("DTRAIN_TEST_CHILD");
+  if (spec == nullptr || *spec == '\0') return;
+  std::vector<std::string> words;
+  std::string w;
+  for (const char* c = spec;; ++c) {
+    if (*c == ' ' || *c == '\0') {
+      if (!w.empty()) words.push_back(w);
+      w.clear();
+      if (*c == '\0') break;
+    } else {
+      w += *c;
+    }
+  }
+  if (words.empty() || ::fork() != 0) return;
+  std::vector<char*> argv;
+  for (auto& s : words) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  ::execvp(argv[0], argv.data());
+  ::_exit(127);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -57,6 +84,7 @@ int main(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   // Count tensor bytes from the start, for the peak-memory report (framework/memory.h).
   dtrain::framework::TrackedCpuMemory::install();
+  start_test_child();
   try {
     auto config = dtrain::framework::load_config(config_path, overrides);
     dtrain::comm::CommOptions co;

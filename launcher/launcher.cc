@@ -20,6 +20,7 @@
 
 #include "core/cli.h"
 #include "core/error.h"
+#include "core/guardian.h"
 
 namespace dtrain::launcher {
 namespace {
@@ -70,6 +71,8 @@ void write_all(int fd, const std::string& s) {
   }
 }
 
+Guardian g_guardian;
+
 struct Rank {
   int local_rank = 0;
   int global_rank = 0;
@@ -106,8 +109,10 @@ bool pump(int& fd, std::string& buf, int dest, const std::string& prefix) {
 }
 
 pid_t spawn(const LaunchOptions& o, Rank& r, int restart_count, int port) {
+  // Close-on-exec, so no rank inherits another rank's pipe ends (dup2 below clears the flag on
+  // this rank's own copies).
   int out[2], err[2];
-  DTRAIN_CHECK(::pipe(out) == 0 && ::pipe(err) == 0,
+  DTRAIN_CHECK(::pipe2(out, O_CLOEXEC) == 0 && ::pipe2(err, O_CLOEXEC) == 0,
                "dtrain-launch: pipe() failed: ", std::strerror(errno));
   std::map<std::string, std::string> env{
       {"RANK", std::to_string(r.global_rank)},
@@ -159,6 +164,7 @@ pid_t spawn(const LaunchOptions& o, Rank& r, int restart_count, int port) {
     ::_exit(127);
   }
   ::setpgid(pid, pid);  // also from the parent, so signals never miss a just-forked rank
+  g_guardian.add(pid);
   ::close(out[1]);
   ::close(err[1]);
   r.out_fd = out[0];
@@ -167,11 +173,16 @@ pid_t spawn(const LaunchOptions& o, Rank& r, int restart_count, int port) {
   return pid;
 }
 
+// Signals every live rank's process group. A stopped rank (SIGSTOP, a debugger) would hold
+// any signal but SIGKILL pending, so SIGCONT follows.
 void signal_all(std::vector<Rank>& ranks, int sig) {
   for (auto& r : ranks) {
-    if (!r.exited && r.pid > 0) ::kill(-r.pid, sig);
+    if (r.exited || r.pid <= 0) continue;
+    ::kill(-r.pid, sig);
+    if (sig != SIGKILL) ::kill(-r.pid, SIGCONT);
   }
 }
+
 
 int exit_code_of(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
@@ -209,23 +220,41 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
     signal_all(ranks, sig);
   };
   while (true) {
-    // Reap exited ranks.
+    // Reap exited ranks. Of the ranks that failed in one sweep, the one a signal killed is
+    // the likely cause (the others saw it die), so it is the one reported.
     int status = 0;
     pid_t pid;
-    while ((pid = ::waitpid(-1, &status, WNOHANG)) > 0) {
+    Rank* first_failed = nullptr;
+    while ((pid = ::waitpid(-1, &status, WNOHANG | WUNTRACED)) > 0) {
       for (auto& r : ranks) {
         if (r.pid != pid) continue;
+        if (WIFSTOPPED(status)) {
+          std::cerr << "[dtrain-launch] rank " << r.global_rank << " (pid " << r.pid
+                    << ") was stopped by signal " << WSTOPSIG(status)
+                    << "; the other ranks will time out in their next collective unless it "
+                       "continues (SIGCONT)"
+                    << std::endl;
+          continue;
+        }
         r.exited = true;
         r.exit_code = exit_code_of(status);
         ::kill(-r.pid, SIGKILL);  // leftovers in the rank's process group
-        if (r.exit_code != 0 && result.outcome == Outcome::kSuccess) {
-          result = {Outcome::kRankFailed, r.exit_code, r.global_rank};
-          std::cerr << "[dtrain-launch] rank " << r.global_rank << " (pid " << r.pid
-                    << ") exited with code " << r.exit_code << "; terminating the other ranks"
-                    << std::endl;
-          start_termination(SIGTERM);
+        g_guardian.remove(r.pid);
+        if (r.exit_code != 0 && result.outcome == Outcome::kSuccess &&
+            (first_failed == nullptr || (WIFSIGNALED(status) && first_failed->exit_code < 128))) {
+          first_failed = &r;
         }
       }
+    }
+    if (first_failed != nullptr) {
+      const Rank& r = *first_failed;
+      result = {Outcome::kRankFailed, r.exit_code, r.global_rank};
+      std::cerr << "[dtrain-launch] rank " << r.global_rank << " (pid " << r.pid << ") "
+                << (r.exit_code > 128 ? "was killed by signal " + std::to_string(r.exit_code - 128) +
+                                            " (exit code " + std::to_string(r.exit_code) + ")"
+                                      : "exited with code " + std::to_string(r.exit_code))
+                << "; terminating the other ranks" << std::endl;
+      start_termination(SIGTERM);
     }
     bool all_exited = true;
     bool pipes_open = false;
@@ -381,6 +410,10 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
 }
 
 int run(const LaunchOptions& options) {
+  g_guardian.start(options.grace_period_s);  // first: it inherits nothing of what follows
+  struct StopGuardian {
+    ~StopGuardian() { g_guardian.stop(); }
+  } stop_guardian;
   DTRAIN_CHECK(::pipe2(g_signal_pipe, O_CLOEXEC) == 0, "dtrain-launch: pipe() failed");
   ::fcntl(g_signal_pipe[0], F_SETFL, O_NONBLOCK);
   ::fcntl(g_signal_pipe[1], F_SETFL, O_NONBLOCK);

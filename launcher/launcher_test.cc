@@ -156,9 +156,47 @@ TEST(Launcher, SigtermToTheLauncherEndsEveryRank) {
   ::kill(pid, SIGTERM);
   EXPECT_EQ(wait_exit(pid), 128 + SIGTERM);
   for (int r : {0, 1}) {
-    EXPECT_FALSE(alive(read_pid(dir + "/pid." + std::to_string(r))));
-    EXPECT_FALSE(alive(read_pid(dir + "/child." + std::to_string(r))));
+    pid_t rank_pid = read_pid(dir + "/pid." + std::to_string(r));
+    pid_t sleeper = read_pid(dir + "/child." + std::to_string(r));
+    ASSERT_GT(rank_pid, 0) << "rank " << r << " never started";
+    ASSERT_GT(sleeper, 0) << "rank " << r << " never started its child";
+    EXPECT_FALSE(alive(rank_pid));
+    EXPECT_FALSE(alive(sleeper));
   }
+}
+
+// The launcher SIGKILLed: the ranks die with it (PDEATHSIG), and the guardian ends their
+// children, including one that ignores SIGTERM (SIGKILL after the grace period).
+TEST(Launcher, SigkillOfTheLauncherLeavesNothingRunning) {
+  std::string dir = make_dir();
+  pid_t pid = start_launcher({"--nproc-per-node", "2", "--master-port", "0", "--grace-period", "1",
+                              g_child, "stubborn", dir});
+  for (int i = 0; i < 200 && !(std::ifstream(dir + "/child.0") && std::ifstream(dir + "/child.1"));
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::vector<pid_t> job;
+  for (int r : {0, 1}) {
+    for (const char* what : {"/pid.", "/child."}) {
+      pid_t p = read_pid(dir + what + std::to_string(r));
+      ASSERT_GT(p, 0) << dir << what << r << " was never written";
+      ASSERT_TRUE(alive(p));
+      job.push_back(p);
+    }
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  ::kill(pid, SIGKILL);
+  EXPECT_EQ(wait_exit(pid), 128 + SIGKILL);
+  auto any_alive = [&] {
+    for (pid_t p : job) {
+      if (alive(p)) return true;
+    }
+    return false;
+  };
+  while (any_alive() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (pid_t p : job) EXPECT_FALSE(alive(p)) << "pid " << p << " outlived the launcher";
 }
 
 TEST(Launcher, RestartsTheGroupExactlyMaxRestartsTimes) {

@@ -17,6 +17,12 @@ case "$mode" in
     echo $! > "$dir/child.$RANK"
     wait
     ;;
+  stubborn)  # every rank starts a child that ignores SIGTERM, then sleeps
+    echo $$ > "$dir/pid.$RANK"
+    (trap '' TERM; exec sleep 1000) &
+    echo $! > "$dir/child.$RANK"
+    wait
+    ;;
   count)  # every rank records its restart count; rank 0 fails once all have recorded
     echo "$TORCHELASTIC_RESTART_COUNT" >> "$dir/count.$RANK"
     if [ "$RANK" != 0 ]; then exec sleep 1000; fi
