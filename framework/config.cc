@@ -353,11 +353,17 @@ void read_precision(Section s, const std::string& device, PrecisionConfig& p,
   sc.read("growth_factor", p.scaler.growth_factor);
   sc.read("backoff_factor", p.scaler.backoff_factor);
   sc.read("growth_interval", p.scaler.growth_interval);
+  sc.read("min_scale", p.scaler.min_scale);
+  sc.read("max_consecutive_skips", p.scaler.max_consecutive_skips);
   sc.check(p.scaler.init_scale > 0, "init_scale", "must be > 0");
   sc.check(p.scaler.growth_factor > 1, "growth_factor", "must be > 1");
   sc.check(p.scaler.backoff_factor > 0 && p.scaler.backoff_factor < 1, "backoff_factor",
            "must be in (0, 1)");
   sc.check(p.scaler.growth_interval >= 1, "growth_interval", "must be >= 1");
+  sc.check(p.scaler.min_scale >= 0 && p.scaler.min_scale <= p.scaler.init_scale, "min_scale",
+           "must be in [0, init_scale]");
+  sc.check(p.scaler.max_consecutive_skips >= 0, "max_consecutive_skips",
+           "must be >= 0 (0: no limit)");
   // A 16-bit dtype the device has no instructions for is emulated: correct, but slow.
   auto uses = [&](c10::ScalarType t) {
     return p.mixed.param_dtype == t || p.mixed.effective_reduce_dtype() == t;

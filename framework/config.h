@@ -83,6 +83,11 @@ struct ScalerConfig {
   double growth_factor = 2.0;
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
+  // Scale collapse: the run stops when the scale falls below min_scale (DeepSpeed's
+  // min_loss_scale, default 1) or after max_consecutive_skips skipped steps in a row
+  // (0: no limit). Either means the gradients overflow whatever the scale.
+  double min_scale = 1.0;
+  int64_t max_consecutive_skips = 50;
 };
 
 struct PrecisionConfig {

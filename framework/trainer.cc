@@ -298,6 +298,68 @@ void check_supported(const RunConfig& c, const comm::Communicator* comm) {
                   ": device: cuda, but this LibTorch has no CUDA device; use device: cpu");
 }
 
+
+// Loss-scale collapse: the scale keeps halving because the gradients overflow whatever it
+// is, so every step is skipped and the run trains nothing while looking alive. After the
+// first skipped step the numerics monitor is switched on (if it was off), so that the error
+// can name the unit that went non-finite first; it goes back off after a step that stepped.
+class ScaleCollapseGuard {
+ public:
+  explicit ScaleCollapseGuard(const ScalerConfig& c) : c_(c) {}
+
+  void after_step(int64_t step, bool stepped, double scale, amp::NumericsMonitor& monitor) {
+    if (const auto& unit = monitor.first_nonfinite_unit()) last_unit_ = *unit;
+    if (stepped) {
+      skips_ = 0;
+      if (switched_monitor_on_) {
+        monitor.set_enabled(false);
+        switched_monitor_on_ = false;
+      }
+    } else {
+      ++skips_;
+      if (!monitor.enabled()) {
+        monitor.set_enabled(true);
+        switched_monitor_on_ = true;
+      }
+    }
+    if (scale < 1024 && !warned_) {
+      warned_ = true;
+      logging::warn("step ", step + 1, ": the loss scale fell to ", scale,
+                    ", below 2^10: fp16 gradients are overflowing often. ", advice());
+    }
+    const bool too_small = scale < c_.min_scale;
+    const bool too_many = c_.max_consecutive_skips > 0 && skips_ >= c_.max_consecutive_skips;
+    if (!too_small && !too_many) return;
+    std::ostringstream history;
+    const auto& h = monitor.scale_history();
+    for (size_t i = h.size() > 8 ? h.size() - 8 : 0; i < h.size(); ++i) {
+      history << "step " << h[i].first + 1 << ": " << h[i].second << (i + 1 < h.size() ? ", " : "");
+    }
+    DTRAIN_FAIL(Error, "step ", step + 1, ": the loss scale collapsed (",
+                too_small ? detail::str("scale ", scale, " is below precision.scaler.min_scale ",
+                                        c_.min_scale)
+                          : detail::str(skips_, " steps skipped in a row, precision.scaler."
+                                                "max_consecutive_skips: ",
+                                        c_.max_consecutive_skips),
+                "); stopping. The first unit with an inf/NaN: ",
+                last_unit_.empty() ? std::string("none recorded") : last_unit_,
+                ". Recent scales: ", history.str(), ". ", advice());
+  }
+
+ private:
+  static std::string advice() {
+    return "Try precision.policy: bf16 (no loss scaling needed), a lower "
+           "precision.scaler.init_scale, a lower train.lr, or fp32 for the unstable part "
+           "(amp::CustomOpRegion).";
+  }
+
+  const ScalerConfig& c_;
+  int64_t skips_ = 0;
+  bool warned_ = false;
+  bool switched_monitor_on_ = false;
+  std::string last_unit_;
+};
+
 }  // namespace
 
 TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) {
@@ -450,6 +512,7 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
   int64_t window_steps = 0;
   bool first_logged = false;
   int64_t nonfinite_run = 0;
+  ScaleCollapseGuard collapse(sc);
   for (int64_t step = first_step; step < c.train.steps; ++step) {
     auto t0 = Clock::now();
     monitor.begin_step(step);
@@ -507,8 +570,9 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
       if (tty) std::fprintf(stderr, "\r\033[K");
       logging::warn("step ", step + 1, ": inf/NaN gradients, step skipped; loss scale ", scale_used,
                     " -> ", scaler.get_scale());
-      if (monitor.enabled()) logging::warn(monitor.report());
+      if (c.logging.numerics) logging::warn(monitor.report());
     }
+    if (sc.enabled) collapse.after_step(step, stepped, scaler.get_scale(), monitor);
     double step_time = std::chrono::duration<double>(Clock::now() - t0).count();
     window_loss += loss_sum;
     window_time += step_time;

@@ -241,6 +241,46 @@ TEST(UserMistakes, ADivergingRunStopsNamingTheStepInsteadOfPrintingNaN) {
          {"step 4: the loss is not finite", "for 2 consecutive step(s)"}});
 }
 
+// Loss-scale collapse, from an injected overflow source (rank 1's loss is NaN from step 3 on,
+// so every fp16 step is skipped on both ranks and the scale halves each time).
+TEST(UserMistakes, ACollapsingLossScaleStopsTheRunNamingTheUnitTheScalesAndTheFix) {
+  const std::string fp16 = g_trainer + " --config configs/tiny/ddp_fp16.yaml " +
+                           "--set train.steps=40 --set logging.progress_bar=false ";
+  const std::string launch =
+      "DTRAIN_TEST_NAN_FROM_STEP=3:1 " + g_launcher + " --nproc-per-node 2 --master-port 0 -- ";
+  // 65536 halves below min_scale 1 at the 17th skipped step: step 19.
+  check({"scale below min_scale",
+         launch + fp16,
+         1,
+         {"step 19: the loss scale collapsed (scale 0.5 is below precision.scaler.min_scale 1)",
+          "The first unit with an inf/NaN: ddp.bucket0.grad",
+          "Recent scales: step 12: 64, step 13: 32", "step 19: 0.5",
+          "precision.policy: bf16", "precision.scaler.init_scale",
+          "the loss scale fell to 512, below 2^10"}});
+  Result r = run(launch + fp16);
+  size_t first = r.output.find("below 2^10");
+  ASSERT_NE(first, std::string::npos) << r.output;
+  // Once per rank, not once per step.
+  size_t count = 0;
+  for (size_t at = first; at != std::string::npos; at = r.output.find("below 2^10", at + 1)) {
+    ++count;
+  }
+  EXPECT_EQ(count, 2u) << r.output;
+  check({"max_consecutive_skips",
+         launch + fp16 + "--set precision.scaler.max_consecutive_skips=4",
+         1,
+         {"step 6: the loss scale collapsed (4 steps skipped in a row, "
+          "precision.scaler.max_consecutive_skips: 4)",
+          "The first unit with an inf/NaN: ddp.bucket0.grad"}});
+  // The same run with the limits off trains to the end, skipping.
+  check({"limits off",
+         launch + fp16 +
+             "--set train.steps=8 --set precision.scaler.min_scale=0 "
+             "--set precision.scaler.max_consecutive_skips=0",
+         0,
+         {"step 8: inf/NaN gradients, step skipped"}});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
