@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <numeric>
+#include <sstream>
+#include <cstdlib>
 
 #include "core/error.h"
 
@@ -28,6 +30,13 @@ Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
   if (world_ranks_.empty()) {
     world_ranks_.resize(size_);
     std::iota(world_ranks_.begin(), world_ranks_.end(), 0);
+  }
+  if (const char* v = std::getenv("DTRAIN_COMM_CHECK")) {
+    const std::string value = v;
+    DTRAIN_CHECK_AS(ConfigError, value == "0" || value == "1" || value.empty(),
+                    "DTRAIN_COMM_CHECK must be 1 (verify every collective across ranks) or 0, got '",
+                    value, "'");
+    check_calls_ = value == "1";
   }
 }
 
@@ -157,6 +166,9 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
     DTRAIN_CHECK_AS(CommError, root >= 0 && root < size_, name, ": root ", root,
                     " is not a rank of this communicator (size ", size_, ")");
   }
+  if (check_calls_ && !checking_) {
+    verify_same_call(kind, info, output.defined() ? output.numel() : 0, op, root);
+  }
   info.seq = next_seq_++;
   // Zero-element collectives are no-ops on every rank alike (shapes agree across ranks).
   if (kind != OpKind::kBarrier && info.numel == 0) return Work();
@@ -167,6 +179,92 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
   Collective c{kind, input, output, op, root, state};
   enqueue(std::move(c));
   return Work(state);
+}
+
+namespace {
+
+// One rank's call as the check exchanges it.
+struct CallPrint {
+  static constexpr int64_t kMagic = 0x64747261696e;  // "dtrain": pairs only with another check
+  static constexpr int kFields = 8;
+  int64_t f[kFields];
+  int64_t magic() const { return f[0]; }
+};
+
+const char* kind_name(int64_t kind) {
+  static const char* const names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                      "barrier"};
+  return kind >= 0 && kind < 5 ? names[kind] : "an unknown collective";
+}
+
+std::string describe_call(const CallPrint& p, const CallPrint& mine) {
+  if (p.magic() != CallPrint::kMagic) {
+    return "not a checked collective (is DTRAIN_COMM_CHECK=1 set on every rank?)";
+  }
+  const int64_t kind = p.f[1];
+  std::ostringstream os;
+  os << kind_name(kind);
+  if (kind == 4) return os.str();
+  os << " of " << p.f[3] << " " << dtype_name(static_cast<c10::ScalarType>(p.f[2])) << " element"
+     << (p.f[3] == 1 ? "" : "s");
+  if (kind == 1 || kind == 2) os << " (output " << p.f[4] << ")";
+  if (p.f[5] >= 0) os << ", " << to_string(static_cast<ReduceOp>(p.f[5]));
+  if (p.f[6] >= 0) os << " from root " << p.f[6];
+  if (p.f[7] != mine.f[7]) os << " as its collective #" << p.f[7] << " (this rank's #" << mine.f[7] << ")";
+  return os.str();
+}
+
+}  // namespace
+
+void Communicator::verify_same_call(OpKind kind, const CollectiveInfo& info, int64_t output_numel,
+                                    ReduceOp op, int root) {
+  const bool reduces = kind == OpKind::kAllReduce || kind == OpKind::kReduceScatter;
+  CallPrint mine{{CallPrint::kMagic, static_cast<int64_t>(kind),
+                  kind == OpKind::kBarrier ? -1 : static_cast<int64_t>(info.dtype), info.numel,
+                  kind == OpKind::kReduceScatter || kind == OpKind::kAllGather ? output_numel : 0,
+                  reduces ? static_cast<int64_t>(op) : -1, kind == OpKind::kBroadcast ? root : -1,
+                  next_seq_}};
+  at::Tensor all;
+  checking_ = true;
+  try {
+    at::Tensor t = at::tensor(at::ArrayRef<int64_t>(mine.f, CallPrint::kFields), at::kLong)
+                       .to(device());
+    all = at::empty({int64_t{size_} * CallPrint::kFields}, t.options());
+    all_gather(t, all).wait();
+  } catch (...) {
+    checking_ = false;
+    throw;
+  }
+  checking_ = false;
+  all = all.cpu().contiguous();
+  const int64_t* a = all.data_ptr<int64_t>();
+  std::vector<int> differ;
+  for (int r = 0; r < size_; ++r) {
+    if (!std::equal(mine.f, mine.f + CallPrint::kFields, a + r * CallPrint::kFields)) {
+      differ.push_back(r);
+    }
+  }
+  if (differ.empty()) return;
+  // Name the ranks that disagree with rank 0 (or, on those ranks, rank 0 itself).
+  std::ostringstream os;
+  CollectiveInfo named = info;
+  named.seq = next_seq_;  // the number the collective gets after the check's own
+  os << describe(named) << ": DTRAIN_COMM_CHECK found that the ranks issued different "
+     << "collectives. This rank (" << rank_ << ") issued " << describe_call(mine, mine);
+  size_t shown = 0;
+  for (int r : differ) {
+    if (++shown > 4) {
+      os << "; and " << differ.size() - 4 << " more";
+      break;
+    }
+    CallPrint theirs;
+    std::copy(a + r * CallPrint::kFields, a + (r + 1) * CallPrint::kFields, theirs.f);
+    os << "; rank " << r << " issued " << describe_call(theirs, mine);
+  }
+  os << ". Every rank must issue the same collectives, with the same dtype, element count, "
+        "reduction and root, in the same order.";
+  mark_broken(os.str());
+  DTRAIN_FAIL(CommError, os.str());
 }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key) {

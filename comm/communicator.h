@@ -9,6 +9,15 @@
 // The base class validates arguments identically for every backend (contiguity, dtype,
 // sizes, op) and numbers the collectives; backends implement `enqueue`.
 //
+// DTRAIN_COMM_CHECK=1 (set on every rank; like PyTorch's TORCH_DISTRIBUTED_DEBUG=DETAIL)
+// verifies, before each collective, that every rank issues the same one: op, dtype, element
+// counts, reduction and root, exchanged in a small all-gather of their own. A difference
+// raises CommError on every rank, naming the collective and each rank that differs, and
+// breaks the communicator; without the check such a mismatch is undefined behaviour of the
+// backend (MPI may truncate or leave garbage, Gloo may abort the process, a same-size dtype
+// or op mismatch goes unnoticed). The check waits for the collectives before it, so it
+// removes overlap: a debugging tool, see README "Reliability".
+//
 // Supported: ops SUM, AVG, MAX, MIN (AVG only for floating dtypes); dtypes fp32, fp64,
 // fp16, bf16, int32, int64, uint8. fp16/bf16 reductions add pairs in fp32 and round the
 // result back once per pairwise step, on every backend.
@@ -103,6 +112,9 @@ class Communicator {
  private:
   Work submit(OpKind kind, const char* name, const at::Tensor& input, const at::Tensor& output,
               ReduceOp op, int root);
+  // DTRAIN_COMM_CHECK: throws CommError on every rank when the ranks' calls differ.
+  void verify_same_call(OpKind kind, const CollectiveInfo& info, int64_t output_numel,
+                        ReduceOp op, int root);
 
   int rank_;
   int size_;
@@ -110,6 +122,8 @@ class Communicator {
   std::chrono::milliseconds timeout_;
   int64_t next_seq_ = 1;
   int64_t next_split_ = 1;
+  bool check_calls_ = false;  // DTRAIN_COMM_CHECK=1
+  bool checking_ = false;     // inside verify_same_call: its own all-gather is not checked
   // Shared with pending Works, whose timeout marks it even if this communicator is gone.
   // Marking it fails every op still pending, so a rank that hit one timeout (or error) does
   // not wait a full timeout again per queued bucket: it can report and exit at once.

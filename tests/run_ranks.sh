@@ -15,8 +15,12 @@ case "$mode" in
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     # Ranks may outnumber cores; let idle ranks yield instead of spinning.
     export OMPI_MCA_mpi_yield_when_idle=1
+    forward=()
+    for v in DTRAIN_COMM_CHECK DTRAIN_TEST_DEVICE; do
+      [ -n "${!v+x}" ] && forward+=(-x "$v")
+    done
     exec mpirun -np "$np" --oversubscribe --bind-to none \
-      -x OMP_NUM_THREADS -x DTRAIN_COMM_TIMEOUT_S -x DTRAIN_BACKEND=mpi \
+      -x OMP_NUM_THREADS -x DTRAIN_COMM_TIMEOUT_S -x DTRAIN_BACKEND=mpi "${forward[@]}" \
       "$@"
     ;;
   launch)
