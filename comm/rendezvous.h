@@ -11,6 +11,14 @@
 // MASTER_ADDR/MASTER_PORT (default 127.0.0.1:29500, as torchrun) apply to every source.
 // The store is a c10d::TCPStore served by rank 0; NCCL exchanges its unique id through it
 // (or through MPI when launched by mpirun, see comm/factory.h).
+//
+// Exposure (docs/reliability.md): the store listens on MASTER_ADDR only (loopback unless a
+// job spans nodes), never on every interface. Before anything else uses it, every rank
+// proves it belongs to this job: rank 0 admits a rank only with the same world size, job id
+// (TORCHELASTIC_RUN_ID, which dtrain-launch sets per run, else SLURM_JOB_ID, else mpirun's
+// job id), restart attempt, and DTRAIN_JOB_TOKEN (sent as a SHA-1 of token, job and rank,
+// never in clear), and every rank checks rank 0 the same way. A mismatch is refused on every
+// rank with an error that names the rank and what differs.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -32,6 +40,9 @@ struct RankInfo {
   int master_port = 29500;
   std::string source = "single process";  // "explicit", "torchrun", "openmpi", "slurm"
   bool mpi_launched = false;              // started by an MPI launcher (backend auto picks mpi)
+  std::string job_id = "none";            // TORCHELASTIC_RUN_ID, SLURM_JOB_ID, mpirun's job
+  int attempt = 0;                        // TORCHELASTIC_RESTART_COUNT
+  std::string token;                      // DTRAIN_JOB_TOKEN; empty: none
 };
 
 struct RendezvousOptions {
@@ -47,8 +58,9 @@ struct RendezvousOptions {
 RankInfo detect_rank_info(const RendezvousOptions& options = {},
                           const EnvLookup& env = process_env());
 
-// TCPStore on master_addr:master_port, served by rank 0. Blocks until all ranks connect or
-// `timeout` passes (then CommError naming the address).
+// TCPStore on master_addr:master_port, served by rank 0 on that address only. Blocks until
+// every rank has joined and been admitted (see above), or throws CommError naming the
+// address and the ranks missing or refused.
 c10::intrusive_ptr<c10d::Store> make_tcp_store(const RankInfo& info,
                                                std::chrono::milliseconds timeout);
 

@@ -2,7 +2,15 @@
 
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <functional>
+#include <future>
 #include <map>
+#include <sstream>
 
 #include "comm/factory.h"
 #include "core/error.h"
@@ -126,6 +134,153 @@ TEST(Timeout, FromOptionsThenEnvironmentThenDefault) {
   EXPECT_EQ(resolve_timeout(std::nullopt, fake({{"DTRAIN_COMM_TIMEOUT_S", "2.5"}})).count(), 2500);
   EXPECT_EQ(resolve_timeout(std::nullopt, fake({})).count(), 300000);
   EXPECT_THROW(resolve_timeout(std::nullopt, fake({{"DTRAIN_COMM_TIMEOUT_S", "-1"}})), ConfigError);
+}
+
+// A free TCP port on the loopback.
+int free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(sa);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  ::close(fd);
+  return ntohs(sa.sin_port);
+}
+
+RankInfo rank_info(int rank, int world, int port) {
+  RankInfo i;
+  i.rank = rank;
+  i.world_size = world;
+  i.master_port = port;
+  i.job_id = "job-a";
+  i.token = "secret";
+  return i;
+}
+
+// Runs make_tcp_store for each info on its own thread, as separate processes would; returns
+// each rank's error ("" if none). The stores live until every rank is done.
+std::vector<std::string> join(const std::vector<RankInfo>& infos, int timeout_ms = 3000) {
+  using Result = std::pair<c10::intrusive_ptr<c10d::Store>, std::string>;
+  std::vector<std::future<Result>> f;
+  for (const auto& i : infos) {
+    f.push_back(std::async(std::launch::async, [i, timeout_ms]() -> Result {
+      try {
+        return {make_tcp_store(i, std::chrono::milliseconds(timeout_ms)), ""};
+      } catch (const CommError& e) {
+        return {{}, e.what()};
+      }
+    }));
+  }
+  std::vector<Result> results;
+  for (auto& x : f) results.push_back(x.get());
+  std::vector<std::string> out;
+  for (const auto& r : results) out.push_back(r.second);
+  return out;
+}
+
+TEST(RendezvousStore, AdmitsTheRanksOfOneJob) {
+  int port = free_port();
+  auto errors = join({rank_info(0, 3, port), rank_info(1, 3, port), rank_info(2, 3, port)});
+  for (const auto& e : errors) EXPECT_EQ(e, "");
+}
+
+// Each way a process can belong to another job is refused on both sides, naming what differs.
+TEST(RendezvousStore, RefusesARankOfAnotherJobOnEverySide) {
+  struct Case {
+    const char* what;
+    std::function<void(RankInfo&)> change;  // applied to rank 1
+    std::string needle;
+  };
+  for (const auto& c : std::vector<Case>{
+           {"world size", [](RankInfo& i) { i.world_size = 3; }, "has world size"},
+           {"job id", [](RankInfo& i) { i.job_id = "job-b"; }, "belongs to job"},
+           {"restart attempt", [](RankInfo& i) { i.attempt = 1; }, "at restart"},
+           {"token", [](RankInfo& i) { i.token = "guess"; }, "different DTRAIN_JOB_TOKEN"},
+           {"no token", [](RankInfo& i) { i.token.clear(); }, "different DTRAIN_JOB_TOKEN"},
+       }) {
+    SCOPED_TRACE(c.what);
+    int port = free_port();
+    RankInfo one = rank_info(1, 2, port);
+    c.change(one);
+    auto errors = join({rank_info(0, 2, port), one});
+    for (const auto& e : errors) {
+      EXPECT_NE(e.find("refused"), std::string::npos) << e;
+      EXPECT_NE(e.find(c.needle), std::string::npos) << e;
+    }
+  }
+}
+
+TEST(RendezvousStore, NamesTheRanksThatNeverJoined) {
+  int port = free_port();
+  auto errors = join({rank_info(0, 3, port), rank_info(1, 3, port)}, 1500);
+  EXPECT_NE(errors[0].find("ranks [2] of 3 did not join within 1 s"), std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("refused: ranks [2] of 3 did not join"), std::string::npos)
+      << errors[1];
+}
+
+// The store listens on MASTER_ADDR only: the kernel's table of listening sockets shows it
+// bound to 127.0.0.1, not 0.0.0.0 or ::.
+TEST(RendezvousStore, ListensOnTheMasterAddressOnly) {
+  int port = free_port();
+  auto server = std::async(std::launch::async, [&] {
+    return make_tcp_store(rank_info(0, 1, port), std::chrono::milliseconds(3000));
+  });
+  auto store = server.get();
+  std::vector<std::string> listening;  // local addresses of sockets on `port` in LISTEN
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream f(table);
+    std::string line;
+    std::getline(f, line);  // header
+    while (std::getline(f, line)) {
+      std::istringstream in(line);
+      std::string slot, local, remote, state;
+      in >> slot >> local >> remote >> state;
+      auto colon = local.rfind(':');
+      if (state == "0A" && std::stoi(local.substr(colon + 1), nullptr, 16) == port) {
+        listening.push_back(local.substr(0, colon));
+      }
+    }
+  }
+  ASSERT_FALSE(listening.empty()) << "no listening socket on port " << port;
+  for (const auto& a : listening) EXPECT_EQ(a, "0100007F") << "the store listens on " << a;
+}
+
+TEST(RendezvousStore, APortInUseIsNamedWithTheFix) {
+  int port = free_port();
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  auto errors = join({rank_info(0, 1, port)});
+  ::close(fd);
+  EXPECT_NE(errors[0].find("port " + std::to_string(port) + " on 127.0.0.1 is already in use"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[0].find("--master-port 0"), std::string::npos) << errors[0];
+}
+
+TEST(Rendezvous, JobIdAttemptAndTokenComeFromTheLauncherSlurmOrMpirun) {
+  RankInfo l = detect_rank_info({}, fake({{"RANK", "0"},
+                                          {"WORLD_SIZE", "2"},
+                                          {"TORCHELASTIC_RUN_ID", "abc"},
+                                          {"TORCHELASTIC_RESTART_COUNT", "2"},
+                                          {"DTRAIN_JOB_TOKEN", "t"}}));
+  EXPECT_EQ(l.job_id, "abc");
+  EXPECT_EQ(l.attempt, 2);
+  EXPECT_EQ(l.token, "t");
+  EXPECT_EQ(detect_rank_info({}, fake({{"SLURM_PROCID", "0"},
+                                        {"SLURM_NTASKS", "2"},
+                                        {"SLURM_JOB_ID", "77"},
+                                        {"SLURM_STEP_ID", "3"}}))
+                .job_id,
+            "slurm-77.3");
+  EXPECT_EQ(detect_rank_info({}, fake({})).job_id, "none");
 }
 
 }  // namespace

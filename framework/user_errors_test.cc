@@ -212,12 +212,13 @@ TEST(UserMistakes, RendezvousFailuresSayWhatToCheck) {
             "SLURM_PROCID=0 SLURM_NTASKS=2 SLURM_LOCALID=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
                 port + " DTRAIN_COMM_TIMEOUT_S=3 " + train("--set parallel.backend=gloo"),
             1,
-            {"rendezvous", "MASTER_ADDR/MASTER_PORT", "every rank started"}},
+            {"rendezvous", "ranks [1] of 2 did not join", "every rank started",
+             "MASTER_ADDR/MASTER_PORT"}},
            {"the port is in use",
             "RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + busy +
                 " DTRAIN_COMM_TIMEOUT_S=3 " + train("--set parallel.backend=gloo"),
             1,
-            {"rendezvous", busy, "the port is free"}},
+            {"rendezvous", busy, "is already in use", "--master-port 0"}},
        }) {
     check(m);
   }

@@ -128,10 +128,11 @@ pid_t spawn(const LaunchOptions& o, Rank& r, int restart_count, int port) {
       {"MASTER_PORT", std::to_string(port)},
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
       {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.max_restarts)},
-      {"TORCHELASTIC_RUN_ID", "none"},
+      {"TORCHELASTIC_RUN_ID", o.run_id},
       {"DTRAIN_LAUNCHER", "1"},
   };
   if (!o.backend.empty()) env["DTRAIN_BACKEND"] = o.backend;
+  if (!o.job_token.empty()) env["DTRAIN_JOB_TOKEN"] = o.job_token;
   if (o.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
     env["OMP_NUM_THREADS"] = "1";
   }
@@ -365,6 +366,10 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
   app.add_option("--backend", o.backend,
                  "sets DTRAIN_BACKEND for the ranks: auto, mpi, gloo or nccl (replaces a "
                  "config's auto only)");
+  app.add_option("--run-id,--rdzv-id,--rdzv_id", o.run_id,
+                 "the job's id (TORCHELASTIC_RUN_ID); the rendezvous refuses ranks of another "
+                 "job. Default: a new random id with --nnodes 1; give the same one to every "
+                 "node of a multi-node job");
   app.add_option("--grace-period,--grace_period", o.grace_period_s,
                  "seconds between SIGTERM and SIGKILL when ending the group");
   std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 parses from the back
@@ -409,7 +414,31 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
   return o;
 }
 
-int run(const LaunchOptions& options) {
+namespace {
+
+std::string random_hex(size_t bytes) {
+  std::string raw(bytes, '\0');
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  DTRAIN_CHECK(fd >= 0 && ::read(fd, raw.data(), bytes) == static_cast<ssize_t>(bytes),
+               "dtrain-launch: cannot read /dev/urandom: ", std::strerror(errno));
+  ::close(fd);
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : raw) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
+}  // namespace
+
+int run(const LaunchOptions& given) {
+  LaunchOptions options = given;
+  if (options.run_id.empty()) options.run_id = options.nnodes == 1 ? random_hex(8) : "none";
+  if (options.job_token.empty() && options.nnodes == 1 && std::getenv("DTRAIN_JOB_TOKEN") == nullptr) {
+    options.job_token = random_hex(16);
+  }
   g_guardian.start(options.grace_period_s);  // first: it inherits nothing of what follows
   struct StopGuardian {
     ~StopGuardian() { g_guardian.stop(); }

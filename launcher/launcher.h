@@ -12,6 +12,7 @@
 // Choices where torchrun is silent or differs: --master-port 0 picks a free port (single
 // node only); OMP_NUM_THREADS defaults to 1 when more than one rank shares the node, as
 // torchrun does; --backend sets DTRAIN_BACKEND, which replaces a config's `auto` only.
+// Programs run by argv (execvp), never through a shell.
 #pragma once
 
 #include <string>
@@ -28,6 +29,11 @@ struct LaunchOptions {
   int max_restarts = 0;
   std::string backend;  // empty: leave DTRAIN_BACKEND alone
   double grace_period_s = 10.0;
+  // The rendezvous refuses ranks whose run id or DTRAIN_JOB_TOKEN differ (comm/rendezvous.h).
+  // With --nnodes 1 both default to fresh random values per launch (a token from the
+  // environment is kept); a multi-node job passes the same --run-id (and token) to every node.
+  std::string run_id;
+  std::string job_token;
   std::vector<std::string> command;  // program and its arguments
   std::string print_and_exit;        // --help or --version: print this, exit 0
 };
