@@ -1,9 +1,6 @@
 #include "comm/rendezvous.h"
 
 #include <c10/util/hash.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <unistd.h>
 
@@ -14,6 +11,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/net.h"
 
 namespace dtrain::comm {
 namespace {
@@ -100,44 +98,19 @@ namespace {
 
 // A socket listening on addr:port only. Throws CommError naming the address and the fix.
 int listen_on(const std::string& addr, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  const std::string service = std::to_string(port);
-  int rc = ::getaddrinfo(addr.c_str(), service.c_str(), &hints, &found);
-  DTRAIN_CHECK_AS(CommError, rc == 0, "rendezvous: MASTER_ADDR ", addr,
-                  " does not resolve: ", ::gai_strerror(rc));
-  int error = 0;
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      error = errno;
-      continue;
-    }
-    int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 1024) == 0) {
-      ::freeaddrinfo(found);
-      return fd;
-    }
-    error = errno;
-    ::close(fd);
-  }
-  ::freeaddrinfo(found);
-  if (error == EADDRINUSE) {
+  net::Listener l = net::listen_on(addr, port);
+  if (l.fd >= 0) return l.fd;
+  if (l.error == EADDRINUSE) {
     DTRAIN_FAIL(CommError, "rendezvous: port ", port, " on ", addr,
                 " is already in use (another job, or one that has not ended yet). Choose "
                 "another MASTER_PORT, or dtrain-launch --master-port 0 for a free one.");
   }
-  if (error == EADDRNOTAVAIL) {
+  if (l.error == EADDRNOTAVAIL) {
     DTRAIN_FAIL(CommError, "rendezvous: MASTER_ADDR ", addr,
-                " is not an address of this machine, and rank 0 serves the store there. Set "
-                "MASTER_ADDR to rank 0's host.");
+                " is not an address of this machine (", l.detail,
+                "), and rank 0 serves the store there. Set MASTER_ADDR to rank 0's host.");
   }
-  DTRAIN_FAIL(CommError, "rendezvous: cannot listen on ", addr, ":", port, ": ",
-              std::strerror(error));
+  DTRAIN_FAIL(CommError, "rendezvous: cannot listen on ", addr, ":", port, ": ", l.detail);
 }
 
 // What a rank says about itself in the handshake, and what the others expect of it.

@@ -1,12 +1,9 @@
 #include "launcher/launcher.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
@@ -21,6 +18,7 @@
 #include "core/cli.h"
 #include "core/error.h"
 #include "core/guardian.h"
+#include "core/net.h"
 
 namespace dtrain::launcher {
 namespace {
@@ -45,20 +43,22 @@ sigset_t forwarded_signals() {
   return set;
 }
 
-int free_port(const std::string& addr) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  DTRAIN_CHECK(fd >= 0, "dtrain-launch: socket() failed: ", std::strerror(errno));
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_port = 0;
-  if (::inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = INADDR_ANY;
-  socklen_t len = sizeof(sa);
-  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
-            ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0;
-  ::close(fd);
-  DTRAIN_CHECK(ok, "dtrain-launch: could not find a free port on ", addr, ": ",
-               std::strerror(errno));
-  return ntohs(sa.sin_port);
+// A free port on addr, or the given one checked: a port in use, or an address that is not
+// this machine's, is a usage error before any rank starts (node 0 serves the store there).
+int usable_port(const LaunchOptions& o) {
+  net::Listener l = net::listen_on(o.master_addr, o.master_port);
+  if (l.fd < 0 && l.error == EADDRINUSE) {
+    DTRAIN_FAIL(UsageError, "--master-port ", o.master_port, " on ", o.master_addr,
+                " is already in use (another job, or one that has not ended yet); choose "
+                "another, or --master-port 0 for a free one");
+  }
+  DTRAIN_CHECK_AS(UsageError, l.fd >= 0, "--master-addr ", o.master_addr,
+                  " cannot serve the rendezvous on this machine (", l.detail,
+                  "): node 0 serves it, so use one of this machine's addresses (127.0.0.1 on "
+                  "one node)");
+  int port = net::bound_port(l.fd);
+  ::close(l.fd);
+  return port;
 }
 
 void write_all(int fd, const std::string& s) {
@@ -453,7 +453,9 @@ int run(const LaunchOptions& given) {
   ::signal(SIGPIPE, SIG_IGN);
 
   for (int attempt = 0;; ++attempt) {
-    int port = options.master_port == 0 ? free_port(options.master_addr) : options.master_port;
+    // Node 0 serves the store: check its address and port before starting anyone (later
+    // nodes cannot: the address is node 0's).
+    int port = options.node_rank == 0 ? usable_port(options) : options.master_port;
     Result r = run_group(options, attempt, port);
     if (r.outcome == Outcome::kSuccess) return 0;
     if (r.outcome == Outcome::kInterrupted || r.interrupted) return r.code;

@@ -2,7 +2,9 @@
 #include "launcher/launcher.h"
 
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +16,7 @@
 
 #include "core/error.h"
 #include "tests/flags.h"
+#include "tests/subprocess.h"
 
 namespace {
 
@@ -206,6 +209,37 @@ TEST(Launcher, RestartsTheGroupExactlyMaxRestartsTimes) {
   EXPECT_EQ(wait_exit(pid), 1);
   EXPECT_EQ(read_file(dir + "/count.0"), "0\n1\n2\n");
   EXPECT_EQ(read_file(dir + "/count.1"), "0\n1\n2\n");
+}
+
+// Node 0's rendezvous address and port are checked before any rank starts.
+TEST(Launcher, APortInUseOrAForeignMasterAddressIsAUsageError) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(sa);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  const std::string busy = std::to_string(ntohs(sa.sin_port));
+  auto r = dtrain::testing::run_command(g_launcher + " --master-port " + busy + " " + g_child +
+                                        " env /tmp");
+  ::close(fd);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--master-port " + busy + " on 127.0.0.1 is already in use"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("RANK="), std::string::npos) << "a rank started:\n" << r.output;
+  // TEST-NET-1 (RFC 5737): never an address of this machine.
+  r = dtrain::testing::run_command(g_launcher + " --master-addr 192.0.2.1 " + g_child + " env /tmp");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("--master-addr 192.0.2.1 cannot serve the rendezvous on this machine"),
+            std::string::npos)
+      << r.output;
+  r = dtrain::testing::run_command(g_launcher + " --master-addr no-such-host.invalid " + g_child +
+                                   " env /tmp");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("does not resolve"), std::string::npos) << r.output;
 }
 
 TEST(Launcher, MissingProgramExits127) {
