@@ -6,7 +6,6 @@
 #include <sys/stat.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
-#include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -22,6 +21,7 @@
 #include "core/error.h"
 #include "core/logging.h"
 #include "framework/checkpoint_io.h"
+#include "framework/checkpoint_meta.h"
 #include "framework/optim_state.h"
 #include "sharding/fsdp_state.h"
 
@@ -67,11 +67,6 @@ std::string shape_json(at::IntArrayRef shape) {
 std::string file_json(const FileInfo& f) {
   return "{\"name\": " + quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
          ", \"xxh64\": \"" + ckpt::hex(f.checksum) + "\"}";
-}
-
-FileInfo file_of(const YAML::Node& n) {
-  return {n["name"].as<std::string>(), n["bytes"].as<uint64_t>(),
-          std::stoull(n["xxh64"].as<std::string>(), nullptr, 16)};
 }
 
 // --- collectives (no-ops for one process) -------------------------------------------------
@@ -485,27 +480,15 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
                     "crashed); give a step_* directory that has one, or checkpoint.resume: auto");
   }
   // COMPLETE -> meta.json (verified) -> every file (verified as it is read).
-  YAML::Node complete, meta;
-  try {
-    std::vector<char> raw = ckpt::read_raw(dir + "/COMPLETE");
-    complete = YAML::Load(std::string(raw.begin(), raw.end()));
-    std::vector<char> m = ckpt::read_file(dir, file_of(complete["meta"]));
-    meta = YAML::Load(std::string(m.begin(), m.end()));
-  } catch (const YAML::Exception& e) {
-    DTRAIN_FAIL(CheckpointError, "checkpoint '", dir, "': COMPLETE or meta.json is not valid (",
-                e.what(), ")");
-  }
-  DTRAIN_CHECK_AS(CheckpointError, meta["format"].as<std::string>("") == kFormat, "checkpoint '",
-                  dir, "': meta.json is not a dtrain checkpoint's");
-  std::map<std::string, FileInfo> files;
-  for (const auto& f : meta["files"]) files[f["name"].as<std::string>()] = file_of(f);
+  const ckpt::Meta meta = ckpt::read_meta(dir);
+  const std::map<std::string, FileInfo>& files = meta.files;
   auto load = [&](const std::string& name) {
     DTRAIN_CHECK_AS(CheckpointError, files.count(name), "checkpoint '", dir,
                     "': meta.json lists no '", name, "'");
     return ckpt::unpickle(ckpt::read_file(dir, files.at(name)), dir + "/" + name);
   };
-  const std::string mode = meta["mode"].as<std::string>();
-  const int saved_world = meta["world_size"].as<int>();
+  const std::string& mode = meta.mode;
+  const int saved_world = meta.world_size;
   DTRAIN_CHECK_AS(CheckpointError, mode == "full" || p.fsdp != nullptr, "checkpoint '", dir,
                   "' is sharded (FSDP), but this run's strategy is ", config_.parallel.strategy,
                   "; resume it with parallel.strategy: fsdp, or save it with checkpoint.format: "
@@ -523,8 +506,7 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
   std::vector<at::Tensor> new_values;         // per params entry: full (plain) or parts (FSDP)
   std::vector<ParamState> new_states;         // in the optimizer's order
   std::map<std::string, at::Tensor> buffers;  // full mode
-  std::vector<std::string> keys;
-  for (const auto& k : meta["optimizer_keys"]) keys.push_back(k.as<std::string>());
+  const std::vector<std::string>& keys = meta.optimizer_keys;
   if (mode == "full") {
     auto model = tensors_of(as_dict(load("model.pt"), dir + "/model.pt"));
     std::map<std::string, std::vector<int64_t>> fsdp_shapes;
@@ -584,27 +566,24 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
   } else {
     // Sharded: the units must be the same; the world size may differ.
     const auto layouts = p.fsdp->layouts();
-    const YAML::Node units = meta["units"];
+    const std::vector<ckpt::UnitMeta>& units = meta.units;
     DTRAIN_CHECK_AS(CheckpointError, units.size() == layouts.size(), "checkpoint '", dir, "' has ",
                     units.size(), " FSDP units, this model ", layouts.size(),
                     ": resume with the same wrap policy. Nothing was loaded.");
     for (size_t u = 0; u < layouts.size(); ++u) {
-      const YAML::Node ps = units[u]["params"];
+      const std::vector<ckpt::UnitParamMeta>& ps = units[u].params;
       DTRAIN_CHECK_AS(CheckpointError, ps.size() == layouts[u].params.size(), "checkpoint '", dir,
                       "': unit '", layouts[u].name, "' holds ", ps.size(), " parameters there, ",
                       layouts[u].params.size(), " here. Nothing was loaded.");
       for (size_t i = 0; i < ps.size(); ++i) {
         const auto& e = layouts[u].params[i];
-        DTRAIN_CHECK_AS(CheckpointError,
-                        ps[i]["name"].as<std::string>() == e.name &&
-                            ps[i]["shape"].as<std::vector<int64_t>>() == e.shape,
-                        "checkpoint '", dir, "': parameter '", ps[i]["name"].as<std::string>(),
-                        "' of shape ", at::IntArrayRef(ps[i]["shape"].as<std::vector<int64_t>>()),
-                        " does not match the model's '", e.name, "' of shape ",
-                        at::IntArrayRef(e.shape), ". Nothing was loaded.");
+        DTRAIN_CHECK_AS(CheckpointError, ps[i].name == e.name && ps[i].shape == e.shape,
+                        "checkpoint '", dir, "': parameter '", ps[i].name, "' of shape ",
+                        at::IntArrayRef(ps[i].shape), " does not match the model's '", e.name,
+                        "' of shape ", at::IntArrayRef(e.shape), ". Nothing was loaded.");
       }
     }
-    const std::vector<int64_t> shard_ranks = meta["shard_ranks"].as<std::vector<int64_t>>();
+    const std::vector<int64_t>& shard_ranks = meta.shard_ranks;
     std::map<int, c10::impl::GenericDict> cache;
     auto shard_file = [&](int64_t shard_rank) -> const c10::impl::GenericDict& {
       const int w = static_cast<int>(std::find(shard_ranks.begin(), shard_ranks.end(), shard_rank) -
@@ -616,7 +595,7 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
     };
     auto reader = [&](const std::string& what) {
       return [&, what](int64_t unit, int64_t begin, int64_t count) {
-        const int64_t size = units[unit]["shard_size"].as<int64_t>();
+        const int64_t size = units[unit].shard_size;
         at::Tensor out = at::empty({count}, at::kFloat);
         for (int64_t pos = begin; pos < begin + count;) {
           const int64_t q = pos / size, in = pos - q * size;
@@ -690,9 +669,9 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
                   world, ": resharded; random-number generators keep this run's seeding");
   }
   TrainerProgress progress;
-  progress.step = meta["trainer"]["step"].as<int64_t>();
-  progress.skipped_steps = meta["trainer"]["skipped_steps"].as<int64_t>();
-  progress.lr = meta["trainer"]["lr"].as<double>();
+  progress.step = meta.step;
+  progress.skipped_steps = meta.skipped_steps;
+  progress.lr = meta.lr;
   logging::info("resumed from ", dir, " at step ", progress.step, " (", mode, ", written at ",
                 saved_world, " rank(s))");
   return progress;
