@@ -4,7 +4,7 @@
 //   parse_complete  COMPLETE's text -> meta.json's FileInfo
 //   parse_meta      meta.json's text -> Meta
 //   read_meta       <dir>/COMPLETE, then <dir>/meta.json verified against it, parsed
-// Text that is not YAML raises CheckpointError naming the checkpoint (`where`). Kept apart from
+// Every problem raises CheckpointError naming the checkpoint (`where`). Kept apart from
 // checkpoint.cc so the parsers can be tested and fuzzed (fuzz/fuzz_checkpoint_meta.cc)
 // without a model.
 #pragma once
