@@ -10,6 +10,9 @@
 #include <sstream>
 #include <thread>
 
+#include <climits>
+#include <cstdint>
+
 #include "core/error.h"
 #include "core/net.h"
 
@@ -18,7 +21,11 @@ namespace {
 
 std::optional<int> get_int(const EnvLookup& env, const std::string& name) {
   if (!env(name)) return std::nullopt;
-  return static_cast<int>(env_int(env, name, 0));
+  const long v = env_int(env, name, 0);
+  // Not truncated: RANK=4294967296 would otherwise be rank 0.
+  DTRAIN_CHECK_AS(ConfigError, v >= INT_MIN && v <= INT_MAX, "environment variable ", name, "='",
+                  *env(name), "' is out of range");
+  return static_cast<int>(v);
 }
 
 }  // namespace
@@ -57,7 +64,10 @@ RankInfo detect_rank_info(const RendezvousOptions& options, const EnvLookup& env
     if (auto per_node = get_int(env, "SLURM_NTASKS_PER_NODE")) {
       info.local_world_size = *per_node;
     } else if (auto nodes = get_int(env, "SLURM_NNODES")) {
-      info.local_world_size = (info.world_size + *nodes - 1) / std::max(1, *nodes);
+      DTRAIN_CHECK_AS(ConfigError, *nodes >= 1, "SLURM_NNODES=", *nodes, " must be at least 1");
+      // In 64 bits: SLURM_NTASKS near INT_MAX must not overflow.
+      info.local_world_size =
+          static_cast<int>((static_cast<int64_t>(info.world_size) + *nodes - 1) / *nodes);
     } else {
       info.local_world_size = info.world_size;
     }

@@ -114,6 +114,25 @@ TEST(Rendezvous, InconsistentVariablesNameTheirSource) {
       ConfigError);
 }
 
+// Inputs in fuzz/regressions/fuzz_rendezvous/: values beyond int were truncated (RANK=4294967296
+// was rank 0, MASTER_PORT=4294996796 was 29500) and SLURM_NTASKS near INT_MAX overflowed.
+TEST(Rendezvous, OutOfRangeValuesAreRefused) {
+  EXPECT_THROW(detect_rank_info({}, fake({{"RANK", "4294967296"}, {"WORLD_SIZE", "2"}})),
+               ConfigError);
+  EXPECT_THROW(detect_rank_info(
+                   {}, fake({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "4294996796"}})),
+               ConfigError);
+  EXPECT_THROW(
+      detect_rank_info({}, fake({{"RANK", "0"}, {"WORLD_SIZE", "99999999999999999999999"}})),
+      ConfigError);
+  EXPECT_THROW(detect_rank_info(
+                   {}, fake({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_NNODES", "0"}})),
+               ConfigError);
+  RankInfo i = detect_rank_info(
+      {}, fake({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2147483647"}, {"SLURM_NNODES", "2"}}));
+  EXPECT_EQ(i.local_world_size, 1073741824);
+}
+
 TEST(Backend, AutoPicksNcclForCudaMpiUnderMpirunElseGloo) {
   RankInfo plain;
   RankInfo mpi;

@@ -1,5 +1,6 @@
 #include "core/env.h"
 
+#include <cerrno>
 #include <cstdlib>
 
 #include "core/error.h"
@@ -18,9 +19,13 @@ long env_int(const EnvLookup& env, const std::string& name, long fallback) {
   auto v = env(name);
   if (!v || v->empty()) return fallback;
   char* end = nullptr;
+  errno = 0;
   long out = std::strtol(v->c_str(), &end, 10);
   DTRAIN_CHECK_AS(ConfigError, end != nullptr && *end == '\0', "environment variable ", name, "='",
                   *v, "' is not an integer");
+  // strtol saturates out-of-range values at LONG_MIN/LONG_MAX; refuse them instead.
+  DTRAIN_CHECK_AS(ConfigError, errno != ERANGE, "environment variable ", name, "='", *v,
+                  "' is out of range");
   return out;
 }
 
