@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
@@ -340,6 +341,9 @@ std::string usage() {
          "[--grace-period S] [--version] [--] program [args...]";
 }
 
+// A day: longer than any rank needs to write a checkpoint and exit.
+constexpr double kMaxGracePeriodS = 86400;
+
 LaunchOptions parse_args(const std::vector<std::string>& args) {
   LaunchOptions o;
   CLI::App app{
@@ -406,7 +410,14 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
   DTRAIN_CHECK_AS(UsageError, o.master_port != 0 || o.nnodes == 1,
                   "--master-port 0 (pick a free port) works only with --nnodes 1\n", usage());
   DTRAIN_CHECK_AS(UsageError, o.max_restarts >= 0, "--max-restarts must be >= 0\n", usage());
-  DTRAIN_CHECK_AS(UsageError, o.grace_period_s >= 0, "--grace-period must be >= 0\n", usage());
+  // The ranks' WORLD_SIZE and RANK are ints, and the grace period becomes a deadline on the
+  // steady clock (nanoseconds in 64 bits): keep both representable (inf would be UB there).
+  DTRAIN_CHECK_AS(UsageError, static_cast<int64_t>(o.nproc_per_node) * o.nnodes <= INT32_MAX,
+                  "--nproc-per-node ", o.nproc_per_node, " times --nnodes ", o.nnodes,
+                  " is more ranks than a job can have (", INT32_MAX, ")\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.grace_period_s >= 0 && o.grace_period_s <= kMaxGracePeriodS,
+                  "--grace-period must be a number of seconds in [0, ", kMaxGracePeriodS, "], got ",
+                  o.grace_period_s, "\n", usage());
   DTRAIN_CHECK_AS(UsageError,
                   o.backend.empty() || o.backend == "auto" || o.backend == "mpi" ||
                       o.backend == "gloo" || o.backend == "nccl",

@@ -94,15 +94,20 @@ TEST(LaunchArgs, ParsesTorchrunStyleOptionsAndTheProgram) {
 }
 
 TEST(LaunchArgs, RefusesBadArgumentsWithAUsageLine) {
-  for (const auto& args :
-       std::vector<std::vector<std::string>>{{"--nproc-per-node", "two", "prog"},
-                                             {"--bogus", "prog"},
-                                             {"--nproc-per-node", "2"},
-                                             {"--nproc-per-node", "0", "prog"},
-                                             {"--nnodes", "2", "--node-rank", "2", "prog"},
-                                             {"--backend", "tcp", "prog"},
-                                             {"--master-port", "70000", "prog"},
-                                             {"--nnodes", "2", "--master-port", "0", "prog"}}) {
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"--nproc-per-node", "two", "prog"},
+           {"--bogus", "prog"},
+           {"--nproc-per-node", "2"},
+           {"--nproc-per-node", "0", "prog"},
+           {"--nnodes", "2", "--node-rank", "2", "prog"},
+           {"--backend", "tcp", "prog"},
+           {"--master-port", "70000", "prog"},
+           {"--nnodes", "2", "--master-port", "0", "prog"},
+           // fuzz/fuzz_launcher_args checks these are refused:
+           // more ranks than an int, an endless grace.
+           {"--nproc-per-node", "65536", "--nnodes", "1048576", "prog"},
+           {"--grace-period", "inf", "prog"},
+           {"--grace-period", "1e300", "prog"}}) {
     try {
       parse_args(args);
       ADD_FAILURE() << "accepted " << args[0] << " " << args[1];
