@@ -137,7 +137,11 @@ class Section {
   void finish() const {
     if (!node_ || !node_.IsMap()) return;
     for (const auto& kv : node_) {
-      std::string key = kv.first.as<std::string>();
+      // A --set value can bring a list or mapping as a key (the file's are refused earlier).
+      if (!kv.first.IsScalar()) {
+        fail_at(path_, kv.first.Mark(), "a key must be a name, not a list or mapping");
+      }
+      std::string key = kv.first.Scalar();
       if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
       std::string best;
       size_t best_d = 3;  // suggest only near misses
@@ -464,25 +468,48 @@ RunConfig parse_with(YAML::Node root, const std::string& name,
 }
 
 // yaml-cpp keeps both entries of a key written twice in one mapping, and lookups see the
-// first: the second would be silently ignored.
-void refuse_duplicate_keys(const YAML::Node& node, const std::string& path,
-                           const std::string& file) {
+// first: the second would be silently ignored. Also refuses what would make a walk over the
+// document endless: an alias inside the node its anchor names (`a: &x [*x]`, a cycle), and
+// aliases that expand to more than kMaxConfigNodes nodes (the "billion laughs").
+constexpr size_t kMaxConfigNodes = 100000;
+
+struct DocumentWalk {
+  std::string file;
+  std::vector<YAML::Node> open;  // the containers around the node being checked
+  size_t nodes = 0;
+};
+
+void refuse_duplicate_keys(const YAML::Node& node, const std::string& path, DocumentWalk& walk) {
+  const std::string where = path.empty() ? std::string("the top level") : path;
+  DTRAIN_CHECK_AS(ConfigError, ++walk.nodes <= kMaxConfigNodes, walk.file, ": ", where,
+                  ": the document expands to more than ", kMaxConfigNodes,
+                  " values (aliases of aliases?); a config is a few dozen keys");
+  if (!node.IsSequence() && !node.IsMap()) return;
+  for (const auto& outer : walk.open) {
+    DTRAIN_CHECK_AS(ConfigError, !outer.is(node), walk.file, ":", node.Mark().line + 1, ": ", where,
+                    ": an alias (*name) refers to a node that contains it; YAML anchors must not "
+                    "be recursive");
+  }
+  walk.open.push_back(node);
   if (node.IsSequence()) {
-    for (const auto& item : node) refuse_duplicate_keys(item, path, file);
-    return;
+    for (const auto& item : node) refuse_duplicate_keys(item, path, walk);
+  } else {
+    std::map<std::string, int> seen;  // key -> line (1-based)
+    for (const auto& kv : node) {
+      const int line = kv.first.Mark().line + 1;
+      // A list or mapping as a key ({[a, b]: 1}) names nothing dtrain reads.
+      DTRAIN_CHECK_AS(ConfigError, kv.first.IsScalar(), walk.file, ":", line, ": ", where,
+                      ": a key must be a name, not a list or mapping");
+      const std::string key = kv.first.Scalar();
+      const std::string key_path = path.empty() ? key : path + "." + key;
+      auto [it, fresh] = seen.emplace(key, line);
+      DTRAIN_CHECK_AS(ConfigError, fresh, walk.file, ":", line, ": ", key_path,
+                      ": duplicate key (also at line ", it->second,
+                      "); YAML would keep only one of them: remove the other");
+      refuse_duplicate_keys(kv.second, key_path, walk);
+    }
   }
-  if (!node.IsMap()) return;
-  std::map<std::string, int> seen;  // key -> line (1-based)
-  for (const auto& kv : node) {
-    const std::string key = kv.first.Scalar();
-    const std::string key_path = path.empty() ? key : path + "." + key;
-    const int line = kv.first.Mark().line + 1;
-    auto [it, fresh] = seen.emplace(key, line);
-    DTRAIN_CHECK_AS(ConfigError, fresh, file, ":", line, ": ", key_path,
-                    ": duplicate key (also at line ", it->second,
-                    "); YAML would keep only one of them: remove the other");
-    refuse_duplicate_keys(kv.second, key_path, file);
-  }
+  walk.open.pop_back();
 }
 
 }  // namespace
@@ -498,7 +525,8 @@ RunConfig parse_config(const std::string& yaml_text, const std::string& name,
   DTRAIN_CHECK_AS(ConfigError, (root && !root.IsNull()) || !overrides.empty(), name,
                   ": the config is empty; start from configs/default.yaml (configs/README.md "
                   "lists every key)");
-  refuse_duplicate_keys(root, "", name);
+  DocumentWalk walk{name, {}, 0};
+  refuse_duplicate_keys(root, "", walk);
   return parse_with(root, name, overrides);
 }
 

@@ -181,6 +181,25 @@ TEST(ConfigError, SyntaxErrorsAndMissingFilesAreClear) {
   expect_yaml_error("", {"run.yaml", "the config is empty", "configs/default.yaml"});
 }
 
+// Inputs in fuzz/regressions/fuzz_config/: a recursive alias overflowed
+// the stack, nested aliases took minutes, and a list or mapping as a key escaped as a
+// yaml-cpp exception.
+TEST(ConfigError, RecursiveAliasesExpansionsAndNonNameKeysAreRefused) {
+  expect_yaml_error(std::string(kGood) + "logging: &x {all_ranks: *x}\n",
+                    {"run.yaml:", "logging.all_ranks", "must not be recursive"});
+  std::string laughs = std::string(kGood) + "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n";
+  for (int i = 1; i < 9; ++i) {
+    laughs += "l" + std::to_string(i) + ": &l" + std::to_string(i) + " [";
+    for (int k = 0; k < 10; ++k) laughs += (k ? ", *l" : "*l") + std::to_string(i - 1);
+    laughs += "]\n";
+  }
+  expect_yaml_error(laughs, {"run.yaml", "expands to more than"});
+  expect_yaml_error(std::string(kGood) + "logging: {[a, b]: 1}\n",
+                    {"logging", "a key must be a name"});
+  expect_yaml_error(kGood, {"--set logging={{x: 1}: 2}", "a key must be a name"},
+                    {"logging={{x: 1}: 2}"});
+}
+
 TEST(Configs, EveryShippedConfigLoadsAndValidates) {
   int loaded = 0;
   for (std::string dir : {"configs", "configs/tiny"}) {
