@@ -7,7 +7,10 @@
 // period) and exits with the failing rank's code (128 + signal for a rank killed by one).
 // With --max-restarts K the whole group is restarted up to K times (the trainer resumes from
 // its last checkpoint). Each rank runs in its own process group, so a rank's children are
-// ended with it, and dies with the launcher (PR_SET_PDEATHSIG).
+// ended with it, and dies with the launcher (PR_SET_PDEATHSIG); a guardian process
+// (core/guardian.h) ends the ranks' children too when the launcher itself is SIGKILLed. A
+// stopped rank is reported and, when the group ends, continued so that it receives SIGTERM.
+// Node 0 checks its --master-addr and --master-port before starting a rank.
 //
 // Choices where torchrun is silent or differs: --master-port 0 picks a free port (single
 // node only); OMP_NUM_THREADS defaults to 1 when more than one rank shares the node, as
