@@ -163,9 +163,16 @@ class Wrapped : public Model {
 };
 
 // ",\"key\":<value with every digit>" for JSON lines (losses compared bitwise across runs).
-std::string json_number(const char* prefix, double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%s%.17g", prefix, v);
+// `prefix` then v in `format`; a non-finite v (a diverged loss) is JSON's null, since JSON
+// has no nan or inf.
+std::string json_number(const char* prefix, double v, const char* format = "%.17g") {
+  char buf[96];
+  int n = std::snprintf(buf, sizeof(buf), "%s", prefix);
+  if (std::isfinite(v)) {
+    std::snprintf(buf + n, sizeof(buf) - n, format, v);
+  } else {
+    std::snprintf(buf + n, sizeof(buf) - n, "null");
+  }
   return buf;
 }
 
@@ -604,15 +611,18 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                     " peak_rss ", logging::fixed(peak_rss_mb(), 0), " MB",
                     tty ? "" : "  " + progress_bar(step + 1, c.train.steps));
       if (metrics) {
-        char line[512];
-        std::snprintf(line, sizeof(line),
-                      "{\"step\":%lld,\"loss\":%.17g,\"scale\":%.17g,\"grad_norm\":%.6g,"
-                      "\"skipped\":%lld,\"lr\":%.6g,\"tokens_per_s\":%.1f,\"step_time_s\":%.6f,"
-                      "\"comm_hidden\":%.4f,\"peak_rss_mb\":%.1f%s}\n",
-                      static_cast<long long>(step + 1), loss, scaler.get_scale(), grad_norm,
-                      static_cast<long long>(result.skipped_steps), lr, tokens_per_s, avg_time,
-                      rs ? rs->hidden_fraction() : 1.0, peak_rss_mb(),
-                      val_loss ? json_number(",\"val_loss\":", *val_loss).c_str() : "");
+        std::string line = "{\"step\":" + std::to_string(step + 1) +
+                           json_number(",\"loss\":", loss) +
+                           json_number(",\"scale\":", scaler.get_scale()) +
+                           json_number(",\"grad_norm\":", grad_norm, "%.6g") +
+                           ",\"skipped\":" + std::to_string(result.skipped_steps) +
+                           json_number(",\"lr\":", lr, "%.6g") +
+                           json_number(",\"tokens_per_s\":", tokens_per_s, "%.1f") +
+                           json_number(",\"step_time_s\":", avg_time, "%.6f") +
+                           json_number(",\"comm_hidden\":", rs ? rs->hidden_fraction() : 1.0,
+                                       "%.4f") +
+                           json_number(",\"peak_rss_mb\":", peak_rss_mb(), "%.1f") +
+                           (val_loss ? json_number(",\"val_loss\":", *val_loss) : "") + "}\n";
         metrics << line << std::flush;
       }
       window_loss = window_time = 0;

@@ -242,6 +242,56 @@ TEST(UserMistakes, ADivergingRunStopsNamingTheStepInsteadOfPrintingNaN) {
          {"step 4: the loss is not finite", "for 2 consecutive step(s)"}});
 }
 
+// What a terminal shows for one line of output: "\r" returns to the start, "\033[K" erases to
+// the end, other text overwrites; colour sequences take no room.
+std::string as_shown(const std::string& line) {
+  std::string shown;
+  size_t cursor = 0;
+  for (size_t i = 0; i < line.size(); ++i) {
+    if (line[i] == '\r') {
+      cursor = 0;
+    } else if (line.compare(i, 3, "\033[K") == 0) {
+      shown.resize(cursor);
+      i += 2;
+    } else if (line[i] == '\033') {
+      while (i < line.size() && line[i] != 'm') ++i;  // a colour: ESC [ ... m
+    } else {
+      if (cursor < shown.size()) {
+        shown[cursor] = line[i];
+      } else {
+        shown += line[i];
+      }
+      ++cursor;
+    }
+  }
+  return shown;
+}
+
+// One process on a terminal: the progress bar gives way to every log line, which shows alone
+// on its line, with nothing of the bar before or after it. Runs under script(1), which gives
+// the run a terminal.
+TEST(UserMistakes, TheProgressBarNeverRunsIntoALogLine) {
+  Result r = run("script -qec \"" + train("--set train.steps=12 --set logging.every_steps=3 "
+                                          "--set logging.progress_bar=true") +
+                 "\" /dev/null");
+  ASSERT_EQ(r.code, 0) << r.output;
+  ASSERT_NE(r.output.find("\r[####"), std::string::npos) << "no progress bar drawn:\n" << r.output;
+  const std::regex log_line(R"(^\[rank 0\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ info step \d+/12 loss .* MB$)");
+  int log_lines = 0;
+  size_t start = 0;
+  while (start < r.output.size()) {
+    size_t end = r.output.find('\n', start);
+    if (end == std::string::npos) end = r.output.size();
+    std::string shown = as_shown(r.output.substr(start, end - start));
+    start = end + 1;
+    if (shown.find("/12 loss ") == std::string::npos) continue;
+    ++log_lines;
+    EXPECT_TRUE(std::regex_match(shown, log_line)) << "a log line shares its line with the bar: "
+                                                   << shown;
+  }
+  EXPECT_GE(log_lines, 4) << r.output;
+}
+
 // Loss-scale collapse, from an injected overflow source (rank 1's loss is NaN from step 3 on,
 // so every fp16 step is skipped on both ranks and the scale halves each time).
 TEST(UserMistakes, ACollapsingLossScaleStopsTheRunNamingTheUnitTheScalesAndTheFix) {

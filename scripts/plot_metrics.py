@@ -49,6 +49,26 @@ def describe(run, path):
             f"{run.get('ranks', '?')} rank(s) ({run.get('backend', '?')})")
 
 
+def choose_panels(runs):
+    """The panels for these runs: the loss scale only when a scaler changed it or skipped."""
+    scaled = any(r.get("scale", 1) != 1 or r.get("skipped", 0) for _, _, rows in runs
+                 for r in rows)
+    panels = [("loss", "loss (mean over ranks)"), ("grad_norm", "gradient norm"),
+              ("lr", "learning rate"), ("tokens_per_s", "tokens/s"),
+              ("comm_hidden", "communication hidden (%)")]
+    if scaled:
+        panels.append(("scale", "loss scale"))
+    return panels, scaled
+
+
+def title_of(runs, scaled):
+    if len(runs) == 1:
+        path, run, rows = runs[0]
+        skipped = rows[-1].get("skipped", 0)
+        return f"{describe(run, path)}" + (f", {skipped} skipped step(s)" if scaled else "")
+    return f"{len(runs)} runs of {runs[0][1].get('model', 'a model')}"
+
+
 def main():
     ap = argparse.ArgumentParser(
         prog="scripts/plot", description=__doc__.split("\n\n")[0],
@@ -59,13 +79,7 @@ def main():
     runs = [(path, *load(path)) for path in args.metrics]
     out = args.out or os.path.splitext(args.metrics[0])[0] + ".png"
 
-    scaled = any(r.get("scale", 1) != 1 or r.get("skipped", 0) for _, _, rows in runs
-                 for r in rows)
-    panels = [("loss", "loss (mean over ranks)"), ("grad_norm", "gradient norm"),
-              ("lr", "learning rate"), ("tokens_per_s", "tokens/s"),
-              ("comm_hidden", "communication hidden (%)")]
-    if scaled:
-        panels.append(("scale", "loss scale"))
+    panels, scaled = choose_panels(runs)
     cols = 2
     nrows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(nrows, cols, figsize=(12, 3.2 * nrows), sharex=True)
@@ -105,13 +119,7 @@ def main():
     for ax in axes[max(0, len(panels) - cols):len(panels)]:
         ax.set_xlabel("step")
     axes[0].legend(fontsize=8)
-    if len(runs) == 1:
-        path, run, rows = runs[0]
-        skipped = rows[-1].get("skipped", 0)
-        fig.suptitle(f"{describe(run, path)}" + (f", {skipped} skipped step(s)" if scaled else ""))
-    else:
-        first = runs[0][1]
-        fig.suptitle(f"{len(runs)} runs of {first.get('model', 'a model')}")
+    fig.suptitle(title_of(runs, scaled))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
