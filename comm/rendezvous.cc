@@ -1,6 +1,7 @@
 #include "comm/rendezvous.h"
 
 #include <c10/util/hash.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <unistd.h>
 
@@ -248,6 +249,8 @@ void handshake(c10d::Store& store, const RankInfo& info, std::chrono::millisecon
 
 c10::intrusive_ptr<c10d::Store> make_tcp_store(const RankInfo& info,
                                                std::chrono::milliseconds timeout) {
+  // One process has no one to meet: no port (two single-process runs never collide).
+  if (info.world_size == 1) return c10::make_intrusive<c10d::HashStore>();
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<uint16_t>(info.master_port);
   opts.isServer = info.rank == 0;

@@ -60,7 +60,8 @@ RankInfo detect_rank_info(const RendezvousOptions& options = {},
 
 // TCPStore on master_addr:master_port, served by rank 0 on that address only. Blocks until
 // every rank has joined and been admitted (see above), or throws CommError naming the
-// address and the ranks missing or refused.
+// address and the ranks missing or refused. A single process (world size 1) gets an
+// in-memory store and opens no port.
 c10::intrusive_ptr<c10d::Store> make_tcp_store(const RankInfo& info,
                                                std::chrono::milliseconds timeout);
 

@@ -11,6 +11,7 @@
 #include <future>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "comm/factory.h"
 #include "core/error.h"
@@ -244,27 +245,47 @@ TEST(RendezvousStore, NamesTheRanksThatNeverJoined) {
 // bound to 127.0.0.1, not 0.0.0.0 or ::.
 TEST(RendezvousStore, ListensOnTheMasterAddressOnly) {
   int port = free_port();
-  auto server = std::async(std::launch::async, [&] {
-    return make_tcp_store(rank_info(0, 1, port), std::chrono::milliseconds(3000));
+  // Rank 0 serves and waits for rank 1; the socket table is read meanwhile.
+  auto zero = std::async(std::launch::async, [&] {
+    return make_tcp_store(rank_info(0, 2, port), std::chrono::milliseconds(5000));
   });
-  auto store = server.get();
   std::vector<std::string> listening;  // local addresses of sockets on `port` in LISTEN
-  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
-    std::ifstream f(table);
-    std::string line;
-    std::getline(f, line);  // header
-    while (std::getline(f, line)) {
-      std::istringstream in(line);
-      std::string slot, local, remote, state;
-      in >> slot >> local >> remote >> state;
-      auto colon = local.rfind(':');
-      if (state == "0A" && std::stoi(local.substr(colon + 1), nullptr, 16) == port) {
-        listening.push_back(local.substr(0, colon));
+  for (int attempt = 0; attempt < 200 && listening.empty(); ++attempt) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+      std::ifstream f(table);
+      std::string line;
+      std::getline(f, line);  // header
+      while (std::getline(f, line)) {
+        std::istringstream in(line);
+        std::string slot, local, remote, state;
+        in >> slot >> local >> remote >> state;
+        auto colon = local.rfind(':');
+        if (state == "0A" && std::stoi(local.substr(colon + 1), nullptr, 16) == port) {
+          listening.push_back(local.substr(0, colon));
+        }
       }
     }
   }
+  auto one = make_tcp_store(rank_info(1, 2, port), std::chrono::milliseconds(5000));
+  auto store = zero.get();
   ASSERT_FALSE(listening.empty()) << "no listening socket on port " << port;
   for (const auto& a : listening) EXPECT_EQ(a, "0100007F") << "the store listens on " << a;
+}
+
+TEST(RendezvousStore, ASingleProcessOpensNoPort) {
+  int port = free_port();
+  auto store = make_tcp_store(rank_info(0, 1, port), std::chrono::milliseconds(1000));
+  store->set("k", std::vector<uint8_t>{1});
+  EXPECT_EQ(store->get("k"), std::vector<uint8_t>{1});
+  // The port is still free: binding it succeeds.
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ::close(fd);
 }
 
 TEST(RendezvousStore, APortInUseIsNamedWithTheFix) {
@@ -276,7 +297,7 @@ TEST(RendezvousStore, APortInUseIsNamedWithTheFix) {
   sa.sin_port = htons(static_cast<uint16_t>(port));
   ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
   ASSERT_EQ(::listen(fd, 1), 0);
-  auto errors = join({rank_info(0, 1, port)});
+  auto errors = join({rank_info(0, 2, port)});
   ::close(fd);
   EXPECT_NE(errors[0].find("port " + std::to_string(port) + " on 127.0.0.1 is already in use"),
             std::string::npos)
