@@ -4,9 +4,9 @@
 #include <ATen/ops/tensor.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <sstream>
-#include <cstdlib>
 
 #include "core/error.h"
 
@@ -33,9 +33,10 @@ Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
   }
   if (const char* v = std::getenv("DTRAIN_COMM_CHECK")) {
     const std::string value = v;
-    DTRAIN_CHECK_AS(ConfigError, value == "0" || value == "1" || value.empty(),
-                    "DTRAIN_COMM_CHECK must be 1 (verify every collective across ranks) or 0, got '",
-                    value, "'");
+    DTRAIN_CHECK_AS(
+        ConfigError, value == "0" || value == "1" || value.empty(),
+        "DTRAIN_COMM_CHECK must be 1 (verify every collective across ranks) or 0, got '", value,
+        "'");
     check_calls_ = value == "1";
   }
 }
@@ -210,7 +211,8 @@ std::string describe_call(const CallPrint& p, const CallPrint& mine) {
   if (kind == 1 || kind == 2) os << " (output " << p.f[4] << ")";
   if (p.f[5] >= 0) os << ", " << to_string(static_cast<ReduceOp>(p.f[5]));
   if (p.f[6] >= 0) os << " from root " << p.f[6];
-  if (p.f[7] != mine.f[7]) os << " as its collective #" << p.f[7] << " (this rank's #" << mine.f[7] << ")";
+  if (p.f[7] != mine.f[7])
+    os << " as its collective #" << p.f[7] << " (this rank's #" << mine.f[7] << ")";
   return os.str();
 }
 
@@ -227,8 +229,8 @@ void Communicator::verify_same_call(OpKind kind, const CollectiveInfo& info, int
   at::Tensor all;
   checking_ = true;
   try {
-    at::Tensor t = at::tensor(at::ArrayRef<int64_t>(mine.f, CallPrint::kFields), at::kLong)
-                       .to(device());
+    at::Tensor t =
+        at::tensor(at::ArrayRef<int64_t>(mine.f, CallPrint::kFields), at::kLong).to(device());
     all = at::empty({int64_t{size_} * CallPrint::kFields}, t.options());
     all_gather(t, all).wait();
   } catch (...) {

@@ -113,8 +113,8 @@ class Communicator {
   Work submit(OpKind kind, const char* name, const at::Tensor& input, const at::Tensor& output,
               ReduceOp op, int root);
   // DTRAIN_COMM_CHECK: throws CommError on every rank when the ranks' calls differ.
-  void verify_same_call(OpKind kind, const CollectiveInfo& info, int64_t output_numel,
-                        ReduceOp op, int root);
+  void verify_same_call(OpKind kind, const CollectiveInfo& info, int64_t output_numel, ReduceOp op,
+                        int root);
 
   int rank_;
   int size_;

@@ -97,7 +97,8 @@ TEST(CommCheck, EveryMismatchFailsOnEveryRankNamingTheCollectiveAndTheRank) {
                 std::string::npos)
           << what;
       if (r == 0) {
-        for (const auto& n : cases[i].needles) EXPECT_NE(what.find(n), std::string::npos) << n << "\n" << what;
+        for (const auto& n : cases[i].needles)
+          EXPECT_NE(what.find(n), std::string::npos) << n << "\n" << what;
       } else {
         EXPECT_NE(what.find("rank 0 issued"), std::string::npos) << what;
       }

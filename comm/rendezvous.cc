@@ -1,9 +1,9 @@
 #include "comm/rendezvous.h"
 
 #include <c10/util/hash.h>
+#include <unistd.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -117,8 +117,8 @@ int listen_on(const std::string& addr, int port) {
                 "another MASTER_PORT, or dtrain-launch --master-port 0 for a free one.");
   }
   if (l.error == EADDRNOTAVAIL) {
-    DTRAIN_FAIL(CommError, "rendezvous: MASTER_ADDR ", addr,
-                " is not an address of this machine (", l.detail,
+    DTRAIN_FAIL(CommError, "rendezvous: MASTER_ADDR ", addr, " is not an address of this machine (",
+                l.detail,
                 "), and rank 0 serves the store there. Set MASTER_ADDR to rank 0's host.");
   }
   DTRAIN_FAIL(CommError, "rendezvous: cannot listen on ", addr, ":", port, ": ", l.detail);
@@ -127,10 +127,8 @@ int listen_on(const std::string& addr, int port) {
 // What a rank says about itself in the handshake, and what the others expect of it.
 std::string entry(const RankInfo& i, int rank) {
   std::ostringstream os;
-  os << "world=" << i.world_size << "\nattempt=" << i.attempt << "\njob=" << i.job_id
-     << "\nproof=" << c10::sha1("dtrain-rdzv\n" + i.token + "\n" + i.job_id + "\n" +
-                                std::to_string(rank))
-                          .str();
+  os << "world=" << i.world_size << "\nattempt=" << i.attempt << "\njob=" << i.job_id << "\nproof="
+     << c10::sha1("dtrain-rdzv\n" + i.token + "\n" + i.job_id + "\n" + std::to_string(rank)).str();
   return os.str();
 }
 

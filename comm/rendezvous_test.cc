@@ -156,14 +156,25 @@ TEST(Timeout, FromOptionsThenEnvironmentThenDefault) {
   EXPECT_THROW(resolve_timeout(std::nullopt, fake({{"DTRAIN_COMM_TIMEOUT_S", "-1"}})), ConfigError);
 }
 
-// A free TCP port on the loopback.
-int free_port() {
+// A socket bound to 127.0.0.1:port (0: a free port), or -1 when the port is taken.
+int bind_loopback(int port) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// A free TCP port on the loopback.
+int free_port() {
+  int fd = bind_loopback(0);
+  sockaddr_in sa{};
   socklen_t len = sizeof(sa);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa));
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
   ::close(fd);
   return ntohs(sa.sin_port);
@@ -237,8 +248,7 @@ TEST(RendezvousStore, NamesTheRanksThatNeverJoined) {
   auto errors = join({rank_info(0, 3, port), rank_info(1, 3, port)}, 1500);
   EXPECT_NE(errors[0].find("ranks [2] of 3 did not join within 1 s"), std::string::npos)
       << errors[0];
-  EXPECT_NE(errors[1].find("refused: ranks [2] of 3 did not join"), std::string::npos)
-      << errors[1];
+  EXPECT_NE(errors[1].find("refused: ranks [2] of 3 did not join"), std::string::npos) << errors[1];
 }
 
 // The store listens on MASTER_ADDR only: the kernel's table of listening sockets shows it
@@ -279,23 +289,15 @@ TEST(RendezvousStore, ASingleProcessOpensNoPort) {
   store->set("k", std::vector<uint8_t>{1});
   EXPECT_EQ(store->get("k"), std::vector<uint8_t>{1});
   // The port is still free: binding it succeeds.
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  sa.sin_port = htons(static_cast<uint16_t>(port));
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  int fd = bind_loopback(port);
+  EXPECT_GE(fd, 0);
   ::close(fd);
 }
 
 TEST(RendezvousStore, APortInUseIsNamedWithTheFix) {
   int port = free_port();
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  sa.sin_port = htons(static_cast<uint16_t>(port));
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  int fd = bind_loopback(port);
+  ASSERT_GE(fd, 0);
   ASSERT_EQ(::listen(fd, 1), 0);
   auto errors = join({rank_info(0, 2, port)});
   ::close(fd);
@@ -315,9 +317,9 @@ TEST(Rendezvous, JobIdAttemptAndTokenComeFromTheLauncherSlurmOrMpirun) {
   EXPECT_EQ(l.attempt, 2);
   EXPECT_EQ(l.token, "t");
   EXPECT_EQ(detect_rank_info({}, fake({{"SLURM_PROCID", "0"},
-                                        {"SLURM_NTASKS", "2"},
-                                        {"SLURM_JOB_ID", "77"},
-                                        {"SLURM_STEP_ID", "3"}}))
+                                       {"SLURM_NTASKS", "2"},
+                                       {"SLURM_JOB_ID", "77"},
+                                       {"SLURM_STEP_ID", "3"}}))
                 .job_id,
             "slurm-77.3");
   EXPECT_EQ(detect_rank_info({}, fake({})).job_id, "none");

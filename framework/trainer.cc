@@ -305,7 +305,6 @@ void check_supported(const RunConfig& c, const comm::Communicator* comm) {
                   ": device: cuda, but this LibTorch has no CUDA device; use device: cpu");
 }
 
-
 // Loss-scale collapse: the scale keeps halving because the gradients overflow whatever it
 // is, so every step is skipped and the run trains nothing while looking alive. After the
 // first skipped step the numerics monitor is switched on (if it was off), so that the error
@@ -345,8 +344,9 @@ class ScaleCollapseGuard {
     DTRAIN_FAIL(Error, "step ", step + 1, ": the loss scale collapsed (",
                 too_small ? detail::str("scale ", scale, " is below precision.scaler.min_scale ",
                                         c_.min_scale)
-                          : detail::str(skips_, " steps skipped in a row, precision.scaler."
-                                                "max_consecutive_skips: ",
+                          : detail::str(skips_,
+                                        " steps skipped in a row, precision.scaler."
+                                        "max_consecutive_skips: ",
                                         c_.max_consecutive_skips),
                 "); stopping. The first unit with an inf/NaN: ",
                 last_unit_.empty() ? std::string("none recorded") : last_unit_,
@@ -611,18 +611,17 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                     " peak_rss ", logging::fixed(peak_rss_mb(), 0), " MB",
                     tty ? "" : "  " + progress_bar(step + 1, c.train.steps));
       if (metrics) {
-        std::string line = "{\"step\":" + std::to_string(step + 1) +
-                           json_number(",\"loss\":", loss) +
-                           json_number(",\"scale\":", scaler.get_scale()) +
-                           json_number(",\"grad_norm\":", grad_norm, "%.6g") +
-                           ",\"skipped\":" + std::to_string(result.skipped_steps) +
-                           json_number(",\"lr\":", lr, "%.6g") +
-                           json_number(",\"tokens_per_s\":", tokens_per_s, "%.1f") +
-                           json_number(",\"step_time_s\":", avg_time, "%.6f") +
-                           json_number(",\"comm_hidden\":", rs ? rs->hidden_fraction() : 1.0,
-                                       "%.4f") +
-                           json_number(",\"peak_rss_mb\":", peak_rss_mb(), "%.1f") +
-                           (val_loss ? json_number(",\"val_loss\":", *val_loss) : "") + "}\n";
+        std::string line =
+            "{\"step\":" + std::to_string(step + 1) + json_number(",\"loss\":", loss) +
+            json_number(",\"scale\":", scaler.get_scale()) +
+            json_number(",\"grad_norm\":", grad_norm, "%.6g") +
+            ",\"skipped\":" + std::to_string(result.skipped_steps) +
+            json_number(",\"lr\":", lr, "%.6g") +
+            json_number(",\"tokens_per_s\":", tokens_per_s, "%.1f") +
+            json_number(",\"step_time_s\":", avg_time, "%.6f") +
+            json_number(",\"comm_hidden\":", rs ? rs->hidden_fraction() : 1.0, "%.4f") +
+            json_number(",\"peak_rss_mb\":", peak_rss_mb(), "%.1f") +
+            (val_loss ? json_number(",\"val_loss\":", *val_loss) : "") + "}\n";
         metrics << line << std::flush;
       }
       window_loss = window_time = 0;

@@ -271,12 +271,14 @@ std::string as_shown(const std::string& line) {
 // on its line, with nothing of the bar before or after it. Runs under script(1), which gives
 // the run a terminal.
 TEST(UserMistakes, TheProgressBarNeverRunsIntoALogLine) {
-  Result r = run("script -qec \"" + train("--set train.steps=12 --set logging.every_steps=3 "
-                                          "--set logging.progress_bar=true") +
+  Result r = run("script -qec \"" +
+                 train("--set train.steps=12 --set logging.every_steps=3 "
+                       "--set logging.progress_bar=true") +
                  "\" /dev/null");
   ASSERT_EQ(r.code, 0) << r.output;
   ASSERT_NE(r.output.find("\r[####"), std::string::npos) << "no progress bar drawn:\n" << r.output;
-  const std::regex log_line(R"(^\[rank 0\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ info step \d+/12 loss .* MB$)");
+  const std::regex log_line(
+      R"(^\[rank 0\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ info step \d+/12 loss .* MB$)");
   int log_lines = 0;
   size_t start = 0;
   while (start < r.output.size()) {
@@ -286,8 +288,8 @@ TEST(UserMistakes, TheProgressBarNeverRunsIntoALogLine) {
     start = end + 1;
     if (shown.find("/12 loss ") == std::string::npos) continue;
     ++log_lines;
-    EXPECT_TRUE(std::regex_match(shown, log_line)) << "a log line shares its line with the bar: "
-                                                   << shown;
+    EXPECT_TRUE(std::regex_match(shown, log_line))
+        << "a log line shares its line with the bar: " << shown;
   }
   EXPECT_GE(log_lines, 4) << r.output;
 }
@@ -305,9 +307,8 @@ TEST(UserMistakes, ACollapsingLossScaleStopsTheRunNamingTheUnitTheScalesAndTheFi
          1,
          {"step 19: the loss scale collapsed (scale 0.5 is below precision.scaler.min_scale 1)",
           "The first unit with an inf/NaN: ddp.bucket0.grad",
-          "Recent scales: step 12: 64, step 13: 32", "step 19: 0.5",
-          "precision.policy: bf16", "precision.scaler.init_scale",
-          "the loss scale fell to 512, below 2^10"}});
+          "Recent scales: step 12: 64, step 13: 32", "step 19: 0.5", "precision.policy: bf16",
+          "precision.scaler.init_scale", "the loss scale fell to 512, below 2^10"}});
   Result r = run(launch + fp16);
   size_t first = r.output.find("below 2^10");
   ASSERT_NE(first, std::string::npos) << r.output;

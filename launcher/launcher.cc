@@ -185,7 +185,6 @@ void signal_all(std::vector<Rank>& ranks, int sig) {
   }
 }
 
-
 int exit_code_of(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
@@ -252,9 +251,10 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
       const Rank& r = *first_failed;
       result = {Outcome::kRankFailed, r.exit_code, r.global_rank};
       std::cerr << "[dtrain-launch] rank " << r.global_rank << " (pid " << r.pid << ") "
-                << (r.exit_code > 128 ? "was killed by signal " + std::to_string(r.exit_code - 128) +
-                                            " (exit code " + std::to_string(r.exit_code) + ")"
-                                      : "exited with code " + std::to_string(r.exit_code))
+                << (r.exit_code > 128
+                        ? "was killed by signal " + std::to_string(r.exit_code - 128) +
+                              " (exit code " + std::to_string(r.exit_code) + ")"
+                        : "exited with code " + std::to_string(r.exit_code))
                 << "; terminating the other ranks" << std::endl;
       start_termination(SIGTERM);
     }
@@ -447,7 +447,8 @@ std::string random_hex(size_t bytes) {
 int run(const LaunchOptions& given) {
   LaunchOptions options = given;
   if (options.run_id.empty()) options.run_id = options.nnodes == 1 ? random_hex(8) : "none";
-  if (options.job_token.empty() && options.nnodes == 1 && std::getenv("DTRAIN_JOB_TOKEN") == nullptr) {
+  if (options.job_token.empty() && options.nnodes == 1 &&
+      std::getenv("DTRAIN_JOB_TOKEN") == nullptr) {
     options.job_token = random_hex(16);
   }
   g_guardian.start(options.grace_period_s);  // first: it inherits nothing of what follows

@@ -52,6 +52,14 @@ bool alive(pid_t pid) {
 
 pid_t read_pid(const std::string& path) { return std::atoi(read_file(path).c_str()); }
 
+// Waits (up to 10 s) until both ranks of a "sleep" or "stubborn" child have started theirs.
+void wait_for_children(const std::string& dir) {
+  for (int i = 0; i < 200 && !(std::ifstream(dir + "/child.0") && std::ifstream(dir + "/child.1"));
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
 // Starts the launcher with `args`; stdout goes to `out_path` when given.
 pid_t start_launcher(const std::vector<std::string>& args, const std::string& out_path = "") {
   pid_t pid = ::fork();
@@ -157,10 +165,7 @@ TEST(Launcher, SigtermToTheLauncherEndsEveryRank) {
   std::string dir = make_dir();
   pid_t pid = start_launcher({"--nproc-per-node", "2", "--master-port", "0", "--grace-period", "5",
                               g_child, "sleep", dir});
-  for (int i = 0; i < 200 && !(std::ifstream(dir + "/child.0") && std::ifstream(dir + "/child.1"));
-       ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  wait_for_children(dir);
   ::kill(pid, SIGTERM);
   EXPECT_EQ(wait_exit(pid), 128 + SIGTERM);
   for (int r : {0, 1}) {
@@ -179,10 +184,7 @@ TEST(Launcher, SigkillOfTheLauncherLeavesNothingRunning) {
   std::string dir = make_dir();
   pid_t pid = start_launcher({"--nproc-per-node", "2", "--master-port", "0", "--grace-period", "1",
                               g_child, "stubborn", dir});
-  for (int i = 0; i < 200 && !(std::ifstream(dir + "/child.0") && std::ifstream(dir + "/child.1"));
-       ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  wait_for_children(dir);
   std::vector<pid_t> job;
   for (int r : {0, 1}) {
     for (const char* what : {"/pid.", "/child."}) {
@@ -236,7 +238,8 @@ TEST(Launcher, APortInUseOrAForeignMasterAddressIsAUsageError) {
       << r.output;
   EXPECT_EQ(r.output.find("RANK="), std::string::npos) << "a rank started:\n" << r.output;
   // TEST-NET-1 (RFC 5737): never an address of this machine.
-  r = dtrain::testing::run_command(g_launcher + " --master-addr 192.0.2.1 " + g_child + " env /tmp");
+  r = dtrain::testing::run_command(g_launcher + " --master-addr 192.0.2.1 " + g_child +
+                                   " env /tmp");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("--master-addr 192.0.2.1 cannot serve the rendezvous on this machine"),
             std::string::npos)
