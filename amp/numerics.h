@@ -30,6 +30,7 @@ struct TensorStats {
 constexpr double kFp16Max = 65504.0;
 constexpr double kFp16MinNormal = 6.103515625e-05;
 
+// The statistics above for one tensor (a few reductions; a host sync).
 TensorStats tensor_stats(const at::Tensor& t);
 
 class NumericsMonitor {
@@ -41,7 +42,9 @@ class NumericsMonitor {
 
   // Starts a new step: forgets the previous step's unit records.
   void begin_step(int64_t step);
+  // Records `t`'s statistics under `unit` (nothing when disabled).
   void record(const std::string& unit, const at::Tensor& t);
+  // Appends the loss scale after `step` to the scale history.
   void record_scale(int64_t step, double scale);
 
   int64_t step() const { return step_; }

@@ -19,8 +19,9 @@ def _venv_site_packages(ctx):
     return res.stdout.strip()
 
 def _libtorch_impl(ctx):
-    root = ctx.os.environ.get("DTRAIN_LIBTORCH", "")
-    if not root:
+    root = ctx.attr.path or ctx.os.environ.get("DTRAIN_LIBTORCH", "")
+    from_venv = not root
+    if from_venv:
         site = _venv_site_packages(ctx)
         root = site + "/torch" if site else ""
     if not root or not ctx.path(root + "/include/ATen/ATen.h").exists:
@@ -39,8 +40,9 @@ def _libtorch_impl(ctx):
 
     # The Python whose torch is this LibTorch: tests compare dtrain with PyTorch on the same
     # machine, in the same run ($DTRAIN_PYTHON, else this checkout's .venv).
+    # (A user's workspace that names its LibTorch has no .venv of dtrain's to look in.)
     python = ctx.os.environ.get("DTRAIN_PYTHON", "")
-    if not python:
+    if not python and from_venv:
         venv_python = str(_workspace_root(ctx)) + "/.venv/bin/python"
         python = venv_python if ctx.path(venv_python).exists else ""
     if python:
@@ -62,8 +64,11 @@ cc_library(
 exports_files(["python.sh"])
 """.format(root = root, defines = repr(defines), linkopts = repr(linkopts)))
 
+# path: a LibTorch folder holding include/ and lib/ (a pip torch package, or an unpacked
+# LibTorch archive); empty: $DTRAIN_LIBTORCH, else the torch in the main workspace's .venv.
 libtorch_repository = repository_rule(
     implementation = _libtorch_impl,
+    attrs = {"path": attr.string(default = "")},
     environ = ["DTRAIN_LIBTORCH", "DTRAIN_PYTHON"],
     local = True,
 )

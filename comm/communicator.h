@@ -48,6 +48,7 @@ class Communicator {
   int size() const { return size_; }
   // Members of this communicator as world ranks (identity for the world communicator).
   const std::vector<int>& world_ranks() const { return world_ranks_; }
+  // "mpi", "gloo" or "nccl".
   virtual std::string backend() const = 0;
   // The device this communicator's collectives run on: the CPU, or this rank's GPU for NCCL.
   // Tensors a library creates for its own collectives (flags, counts, signatures) belong
@@ -55,6 +56,7 @@ class Communicator {
   virtual c10::Device device() const { return c10::Device(c10::kCPU); }
   c10::DeviceType device_type() const { return device().type(); }
 
+  // How long a wait() on this communicator's work may block before TimeoutError.
   std::chrono::milliseconds timeout() const { return timeout_; }
 
   // In place: every rank ends with op(tensor over ranks).
@@ -66,6 +68,7 @@ class Communicator {
   Work all_gather(const at::Tensor& input_shard, const at::Tensor& output_flat);
   // In place: every rank ends with root's tensor.
   Work broadcast(const at::Tensor& tensor, int root);
+  // Completes once every rank has called it.
   Work barrier();
 
   // Collective over this communicator, like MPI_Comm_split: ranks passing the same color
@@ -76,6 +79,7 @@ class Communicator {
   // True after a collective timed out or failed: the ranks are out of step, so further
   // collectives fail at once instead of hanging.
   bool is_broken() const;
+  // What broke it (the failed collective's message); empty while it is healthy.
   std::string broken_reason() const;
 
  protected:

@@ -26,9 +26,12 @@ struct CommOptions {
   RendezvousOptions rendezvous;
 };
 
+// What `requested` means for this process (see above); never kAuto. create_world refuses a
+// backend this build lacks with ConfigError.
 Backend resolve_backend(Backend requested, c10::DeviceType device, const RankInfo& info,
                         const EnvLookup& env = process_env());
 
+// `t` if set, else DTRAIN_COMM_TIMEOUT_S, else 300 s.
 std::chrono::milliseconds resolve_timeout(const std::optional<std::chrono::milliseconds>& t,
                                           const EnvLookup& env = process_env());
 
@@ -37,6 +40,9 @@ bool has_nccl_backend();
 // Whether this build has the MPI backend (always in Bazel; CMake DTRAIN_WITH_MPI).
 bool has_mpi_backend();
 
+// The world communicator of this job, like init_process_group: rank, world size and the
+// rendezvous come from dtrain-launch/torchrun, mpirun or srun variables (detect_rank_info);
+// one process without any is a world of one. Collective: every rank calls it.
 std::shared_ptr<Communicator> create_world(const CommOptions& options = {},
                                            const EnvLookup& env = process_env());
 

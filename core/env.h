@@ -16,6 +16,7 @@ EnvLookup process_env();
 // Integer value of `name`, or `fallback` when unset; throws ConfigError naming the variable
 // when set to something that is not an integer.
 long env_int(const EnvLookup& env, const std::string& name, long fallback);
+// The same for a floating-point value.
 double env_double(const EnvLookup& env, const std::string& name, double fallback);
 
 }  // namespace dtrain

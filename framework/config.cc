@@ -209,7 +209,7 @@ void apply_override(YAML::Node& root, const std::string& text, Origin& origin) {
 }
 
 void read_model(Section s, ModelConfig& m) {
-  s.read_choice("type", m.type, {"transformer", "mlp"}, /*required=*/true);
+  s.read_choice("type", m.type, {"transformer", "mlp", "custom"}, /*required=*/true);
   s.read("vocab_size", m.vocab_size);
   s.read("seq_len", m.seq_len);
   s.read("d_model", m.d_model);

@@ -18,7 +18,7 @@
 namespace dtrain::framework {
 
 struct ModelConfig {
-  std::string type;  // transformer | mlp
+  std::string type;  // transformer | mlp | custom (a model given in code: framework/trainer.h)
   // transformer
   int64_t vocab_size = 256;
   int64_t seq_len = 128;

@@ -19,6 +19,7 @@ struct LowPrecisionSupport {
   std::string bf16_how, fp16_how;  // the feature that gives it, or why not
 };
 
+// What `device` (this machine's CPU, or its GPU) runs natively in bf16 and fp16.
 LowPrecisionSupport low_precision_support(c10::DeviceType device);
 
 }  // namespace dtrain::framework

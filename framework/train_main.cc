@@ -87,21 +87,7 @@ int main(int argc, char** argv) {
   start_test_child();
   try {
     auto config = dtrain::framework::load_config(config_path, overrides);
-    dtrain::comm::CommOptions co;
-    co.backend = dtrain::comm::parse_backend(config.parallel.backend);
-    co.device = config.device == "cuda" ? c10::kCUDA : c10::kCPU;
-    // DTRAIN_COMM_TIMEOUT_S, when set, wins over parallel.timeout_s (like DTRAIN_LOG_LEVEL):
-    // an operator's knob that needs no config edit.
-    if (std::getenv("DTRAIN_COMM_TIMEOUT_S") == nullptr) {
-      co.timeout =
-          std::chrono::milliseconds(static_cast<int64_t>(config.parallel.timeout_s * 1000));
-    }
-    auto info = dtrain::comm::detect_rank_info(co.rendezvous);
-    dtrain::logging::configure(info.rank, {config.logging.level, config.logging.all_ranks});
-    std::shared_ptr<dtrain::comm::Communicator> comm;
-    if (config.parallel.strategy != "none" || info.world_size > 1) {
-      comm = dtrain::comm::create_world(co);
-    }
+    std::shared_ptr<dtrain::comm::Communicator> comm = dtrain::framework::connect(config);
     dtrain::framework::train(config, comm);
     if (comm) comm->barrier().wait();
     comm.reset();

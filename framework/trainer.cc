@@ -23,6 +23,7 @@
 #include "amp/grad_scaler.h"
 #include "amp/numerics.h"
 #include "amp/sharded_grad_scaler.h"
+#include "comm/factory.h"
 #include "comm/rendezvous.h"
 #include "core/error.h"
 #include "core/logging.h"
@@ -39,6 +40,8 @@
 
 namespace dtrain::framework {
 namespace {
+
+using internal::Model;
 
 using Clock = std::chrono::steady_clock;
 
@@ -62,105 +65,6 @@ std::string progress_bar(int64_t done, int64_t total, int width = 30) {
   return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "] " +
          std::to_string(done) + "/" + std::to_string(total);
 }
-
-// The model behind a uniform forward and loss: plain, DDP or FSDP.
-class Model {
- public:
-  virtual ~Model() = default;
-  virtual at::Tensor loss(const Batch& b) = 0;
-  // What the optimizer steps: the module's parameters, or FSDP's fp32 master shards.
-  virtual std::vector<at::Tensor> parameters() = 0;
-  virtual std::optional<sharding::NoSyncGuard> no_sync() = 0;
-  virtual const sharding::ReducerStats* stats() const = 0;
-  // Clips to max_norm (> 0) or only measures; the norm of the whole model's gradients.
-  virtual double clip_grad_norm(double max_norm) = 0;
-  // DDP and plain modules compute in param_dtype under autocast; FSDP's parameters already
-  // have it.
-  virtual bool uses_autocast() const = 0;
-  // The unwrapped module, and FSDP's state when sharded (for checkpoints).
-  virtual torch::nn::Module& module() = 0;
-  virtual sharding::FSDPState* fsdp() = 0;
-  // Logits for `inputs` (no loss), through the wrapper: every rank must call it alike.
-  virtual at::Tensor logits(const at::Tensor& inputs) = 0;
-};
-
-// Losses in fp32 whatever the logits' dtype (autocast's fp32 list does the same).
-at::Tensor loss_of(const at::Tensor& out, const at::Tensor& targets) {
-  at::Tensor logits = out.to(at::kFloat);
-  if (logits.dim() == 3) {
-    return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
-  }
-  return at::cross_entropy_loss(logits, targets);
-}
-
-template <typename M>
-class Wrapped : public Model {
- public:
-  Wrapped(M module, std::shared_ptr<comm::Communicator> comm, const RunConfig& c,
-          amp::NumericsMonitor* monitor)
-      : monitor_(monitor) {
-    const auto& p = c.parallel;
-    if (comm && p.strategy == "ddp") {
-      sharding::DDPOptions o;
-      o.bucket_cap_mb(p.bucket_cap_mb)
-          .find_unused_parameters(p.find_unused_parameters)
-          .broadcast_buffers(p.broadcast_buffers)
-          .reduce_dtype(c.precision.mixed.effective_reduce_dtype())
-          .monitor(monitor);
-      ddp_.emplace(std::move(module), std::move(comm), o);
-    } else if (comm && p.strategy == "fsdp") {
-      sharding::FSDPOptions o;
-      o.sharding_strategy(sharding::parse_sharding_strategy(p.sharding_strategy))
-          .mixed_precision(c.precision.mixed)
-          .auto_wrap(
-              sharding::AutoWrapPolicy().module_types(p.wrap_modules).min_params(p.wrap_min_params))
-          .forward_prefetch(p.forward_prefetch)
-          .backward_prefetch(p.backward_prefetch)
-          .limit_all_gathers(p.limit_all_gathers)
-          .hybrid_group_size(p.hybrid_group_size)
-          .monitor(monitor);
-      fsdp_.emplace(std::move(module), std::move(comm), o);
-    } else {
-      plain_ = std::move(module);
-    }
-  }
-
-  at::Tensor logits(const at::Tensor& inputs) override {
-    return ddp_ ? ddp_->forward(inputs) : fsdp_ ? fsdp_->forward(inputs) : plain_->forward(inputs);
-  }
-  at::Tensor loss(const Batch& b) override {
-    at::Tensor out = logits(b.inputs);
-    if (monitor_ != nullptr) monitor_->record("model.output", out);
-    return loss_of(out, b.targets);
-  }
-  torch::nn::Module& module() override {
-    return ddp_ ? *ddp_->module() : fsdp_ ? *fsdp_->module() : *plain_;
-  }
-  sharding::FSDPState* fsdp() override { return fsdp_ ? &fsdp_->state() : nullptr; }
-  std::vector<at::Tensor> parameters() override {
-    return ddp_ ? ddp_->parameters() : fsdp_ ? fsdp_->parameters() : plain_->parameters();
-  }
-  std::optional<sharding::NoSyncGuard> no_sync() override {
-    if (ddp_) return ddp_->no_sync();
-    if (fsdp_) return fsdp_->no_sync();
-    return std::nullopt;
-  }
-  const sharding::ReducerStats* stats() const override {
-    return ddp_ ? &ddp_->last_stats() : fsdp_ ? &fsdp_->last_stats() : nullptr;
-  }
-  double clip_grad_norm(double max_norm) override {
-    comm::Communicator* shards = fsdp_ ? fsdp_->state().shard_group() : nullptr;
-    if (max_norm > 0) return sharding::clip_grad_norm_(parameters(), max_norm, 2.0, shards);
-    return sharding::grad_norm(parameters(), 2.0, shards).template item<double>();
-  }
-  bool uses_autocast() const override { return !fsdp_; }
-
- private:
-  amp::NumericsMonitor* monitor_;
-  std::optional<sharding::DistributedDataParallel<M>> ddp_;
-  std::optional<sharding::FullyShardedDataParallel<M>> fsdp_;
-  M plain_{nullptr};
-};
 
 // ",\"key\":<value with every digit>" for JSON lines (losses compared bitwise across runs).
 // `prefix` then v in `format`; a non-finite v (a diverged loss) is JSON's null, since JSON
@@ -219,19 +123,17 @@ double validation_loss(Model& model, BatchSource& data, comm::Communicator* comm
                        c10::DeviceType device, bool autocast, c10::ScalarType compute) {
   const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
   Batch b = data.validation(rank, world);
+  b.inputs = b.inputs.to(device);
+  b.targets = b.targets.to(device);
   c10::NoGradGuard no_grad;
-  at::Tensor logits;
+  std::pair<at::Tensor, double> sum;
   {
     amp::AutocastGuard ac(device, autocast ? std::optional<c10::ScalarType>(compute) : std::nullopt,
                           autocast);
-    logits = model.logits(b.inputs.to(device)).to(at::kFloat);
+    sum = model.loss_sum(b);
   }
-  at::Tensor targets = b.targets.to(device);
-  at::Tensor flat = logits.dim() == 3 ? logits.reshape({-1, logits.size(-1)}) : logits;
-  at::Tensor sum = at::cross_entropy_loss(flat, targets.reshape(-1), {}, at::Reduction::Sum);
-  at::Tensor t = at::stack(
-      {sum.to(at::kDouble),
-       at::scalar_tensor(static_cast<double>(targets.numel()), at::kDouble).to(sum.device())});
+  at::Tensor t = at::stack({sum.first.to(at::kDouble).reshape({}),
+                            at::scalar_tensor(sum.second, at::kDouble).to(sum.first.device())});
   if (comm != nullptr && world > 1) {
     t = t.to(comm->device());
     comm->all_reduce(t, comm::ReduceOp::kSum).wait();
@@ -369,30 +271,53 @@ class ScaleCollapseGuard {
 
 }  // namespace
 
+namespace internal {
+
+at::Tensor cross_entropy(const at::Tensor& output, const Batch& batch) {
+  at::Tensor logits = output.to(at::kFloat);  // fp32 whatever the output's dtype, as autocast
+  if (logits.dim() > 2) logits = logits.reshape({-1, logits.size(-1)});
+  return at::cross_entropy_loss(logits, batch.targets.reshape(-1));
+}
+
+}  // namespace internal
+
+std::shared_ptr<comm::Communicator> connect(const RunConfig& config) {
+  comm::CommOptions co;
+  co.backend = comm::parse_backend(config.parallel.backend);
+  co.device = config.device == "cuda" ? c10::kCUDA : c10::kCPU;
+  // DTRAIN_COMM_TIMEOUT_S, when set, wins over parallel.timeout_s (like DTRAIN_LOG_LEVEL): an
+  // operator's knob that needs no config edit.
+  if (std::getenv("DTRAIN_COMM_TIMEOUT_S") == nullptr) {
+    co.timeout = std::chrono::milliseconds(static_cast<int64_t>(config.parallel.timeout_s * 1000));
+  }
+  auto info = comm::detect_rank_info(co.rendezvous);
+  logging::configure(info.rank, {config.logging.level, config.logging.all_ranks});
+  if (config.parallel.strategy == "none" && info.world_size == 1) return nullptr;
+  return comm::create_world(co);
+}
+
 TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) {
-  check_supported(c, comm.get());
+  DTRAIN_CHECK_AS(ConfigError, c.model.type != "custom", c.source,
+                  ": model.type: custom is a model given in code, through "
+                  "framework::train(module, data, loss, config, comm) (examples/); dtrain-train "
+                  "trains transformer or mlp");
   const int rank = comm ? comm->rank() : 0;
   const int world = comm ? comm->size() : 1;
   const c10::DeviceType device = c.device == "cuda" ? c10::kCUDA : c10::kCPU;
-  if (rank == 0) {  // once per job, not once per rank
-    for (const auto& w : c.warnings) logging::warn(c.source, ": ", w);
-    if (!c.precision.chosen_by.empty()) logging::info(c.precision.chosen_by);
-  }
-
   // Before anything is allocated: refuse a run that cannot fit (a real OOM is the kernel's
   // killer). Host memory only; a CUDA run's device memory is not estimated here.
+  check_supported(c, comm.get());
   if (device == c10::kCPU) {
     check_memory_fits(c, world, comm::detect_rank_info().local_world_size,
                       available_memory_bytes());
     logging::info("memory: about ", estimate_memory(c, world).describe(), " per rank");
   }
   at::manual_seed(static_cast<uint64_t>(c.train.seed));  // identical init; DDP broadcasts anyway
-  amp::NumericsMonitor monitor(c.logging.numerics);
-  std::unique_ptr<Model> model;
   std::unique_ptr<BatchSource> data;
   const int64_t micro_batch = c.train.batch_size / c.train.micro_batches;
   const uint64_t data_seed = static_cast<uint64_t>(c.data.seed);
   std::string model_desc;
+  internal::ModelFactory make;
   if (c.model.type == "transformer") {
     auto o = TransformerLMOptions()
                  .vocab_size(c.model.vocab_size)
@@ -408,7 +333,10 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                   "M parameters");
     model_desc =
         "TransformerLM " + logging::fixed(transformer_lm_parameter_count(o) / 1e6, 1) + "M";
-    model = std::make_unique<Wrapped<TransformerLM>>(lm, comm, c, &monitor);
+    make = [lm, &comm, &c](amp::NumericsMonitor* monitor) -> std::unique_ptr<Model> {
+      return std::make_unique<internal::Wrapped<TransformerLM>>(lm, comm, c, monitor,
+                                                                internal::cross_entropy, true);
+    };
     if (c.data.source == "corpus") {
       DTRAIN_CHECK_AS(ConfigError, c.model.vocab_size >= 256, c.source,
                       ": model.vocab_size must be >= 256 for the byte corpus");
@@ -428,10 +356,29 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
     int64_t n = 0;
     for (const auto& p : mlp->parameters()) n += p.numel();
     model_desc = "MLP " + logging::fixed(n / 1e6, 2) + "M";
-    model = std::make_unique<Wrapped<MLP>>(mlp, comm, c, &monitor);
+    make = [mlp, &comm, &c](amp::NumericsMonitor* monitor) -> std::unique_ptr<Model> {
+      return std::make_unique<internal::Wrapped<MLP>>(mlp, comm, c, monitor,
+                                                      internal::cross_entropy, true);
+    };
     data = std::make_unique<SyntheticClassificationSource>(
         c.model.in_features, c.model.out_features, micro_batch, rank, data_seed);
   }
+  return internal::run(c, comm, make, std::move(data), model_desc);
+}
+
+TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator> comm,
+                          const ModelFactory& make_model, std::unique_ptr<BatchSource> data,
+                          const std::string& model_desc) {
+  check_supported(c, comm.get());
+  const int rank = comm ? comm->rank() : 0;
+  const int world = comm ? comm->size() : 1;
+  const c10::DeviceType device = c.device == "cuda" ? c10::kCUDA : c10::kCPU;
+  if (rank == 0) {  // once per job, not once per rank
+    for (const auto& w : c.warnings) logging::warn(c.source, ": ", w);
+    if (!c.precision.chosen_by.empty()) logging::info(c.precision.chosen_by);
+  }
+  amp::NumericsMonitor monitor(c.logging.numerics);
+  std::unique_ptr<Model> model = make_model(&monitor);
 
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (c.train.optimizer == "adamw") {
@@ -670,8 +617,10 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
       const double tensors = all[2 * r + 1].item<double>();
       if (tensors >= 0) os << " (tensors " << format_bytes(tensors) << ")";
     }
-    logging::info("peak memory per rank: ", os.str(), "; estimated ",
-                  format_bytes(estimate_memory(c, world).peak()));
+    logging::info("peak memory per rank: ", os.str(),
+                  c.model.type == "custom"
+                      ? std::string()
+                      : "; estimated " + format_bytes(estimate_memory(c, world).peak()));
   }
   logging::info("done: ", result.steps, " steps, loss ", logging::fixed(result.first_loss, 4),
                 " -> ", logging::fixed(result.last_loss, 4), ", ", result.skipped_steps,
