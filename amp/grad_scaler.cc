@@ -100,6 +100,28 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   OptimizerState& state = per_optimizer_[&optimizer];
   DTRAIN_CHECK_AS(UsageError, state.stage != Stage::kStepped,
                   "step() has already been called since the last update().");
+  if (auto* fused = dynamic_cast<ScalingAwareOptimizer*>(&optimizer)) {
+    // PyTorch's path for `_step_supports_amp_scaling`: the inf check without unscaling (an
+    // inverse scale of 1, as _check_inf_per_device), then the scale and the summed flag go to
+    // the optimizer, whose kernel unscales (unless unscale_ already did) and skips.
+    if (state.stage == Stage::kReady) {
+      state.found_inf_per_device =
+          unscale_grads(optimizer, at::full({}, 1.0, scale_.options().dtype(at::kFloat)));
+      sync_found_inf(state.found_inf_per_device, scale_);
+    }
+    DTRAIN_CHECK_AS(UsageError, !state.found_inf_per_device.empty(),
+                    "No inf checks were recorded for this optimizer.");
+    at::Tensor found;
+    for (auto& [device, f] : state.found_inf_per_device) {
+      at::Tensor here = f.to(scale_.device(), /*non_blocking=*/true);
+      found = found.defined() ? found + here : here;
+    }
+    fused->set_grad_scaling(state.stage == Stage::kUnscaled ? at::Tensor() : scale_.clone(), found);
+    optimizer.step();
+    fused->set_grad_scaling(at::Tensor(), at::Tensor());
+    state.stage = Stage::kStepped;
+    return found.item<double>() == 0;
+  }
   if (state.stage == Stage::kReady) unscale_(optimizer);
   DTRAIN_CHECK_AS(UsageError, !state.found_inf_per_device.empty(),
                   "No inf checks were recorded for this optimizer.");

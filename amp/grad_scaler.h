@@ -42,6 +42,20 @@ struct DeviceLess {
 };
 using PerDevice = std::map<c10::Device, at::Tensor, DeviceLess>;
 
+// An optimizer that unscales and skips inside its own step (PyTorch's
+// `_step_supports_amp_scaling`, which its fused AdamW and SGD set): GradScaler::step hands it
+// the scale and the found-inf flag and always calls step(), instead of unscaling the
+// gradients in a pass of its own and skipping the step on the host. dtrain::optim's fused
+// optimizers are such optimizers.
+class ScalingAwareOptimizer {
+ public:
+  virtual ~ScalingAwareOptimizer() = default;
+  // For the next step() only. grad_scale (0-d fp32): divide the gradients by it inside the
+  // step; undefined when unscale_() already did. found_inf (1-element fp32): non-zero leaves
+  // parameters and state as they are (the step is skipped); undefined: never skip.
+  virtual void set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) = 0;
+};
+
 struct GradScalerOptions {
   TORCH_ARG(double, init_scale) = 65536.0;
   TORCH_ARG(double, growth_factor) = 2.0;

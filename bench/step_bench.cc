@@ -33,6 +33,7 @@
 #include "core/cli.h"
 #include "framework/memory.h"
 #include "framework/models/transformer_lm.h"
+#include "optim/fused.h"
 #include "sharding/ddp.h"
 #include "sharding/fsdp.h"
 
@@ -67,6 +68,7 @@ int main(int argc, char** argv) {
   CLI::App app{"step_bench: TransformerLM step time and memory under dtrain's DDP or FSDP"};
   dtrain::cli::setup(app, "step_bench");
   std::string strategy = "ddp", sharding = "full_shard", precision = "fp32";
+  std::string optimizer = "fused";
   int64_t steps = 8, warmup = 2, d_model = 512, layers = 6, heads = 8, d_ff = 2048, seq = 64,
           batch = 4, vocab = 256, limit = 2;
   double bucket_cap_mb = 25;
@@ -76,6 +78,10 @@ int main(int argc, char** argv) {
   app.add_option("--sharding", sharding, "FSDP: full_shard, shard_grad_op, no_shard")
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}));
   app.add_option("--precision", precision, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--optimizer", optimizer,
+                 "AdamW's implementation: fused (dtrain::optim, ATen's fused kernel, what the "
+                 "trainer uses) or libtorch (torch::optim::AdamW's per-parameter loop)")
+      ->check(CLI::IsMember({"fused", "libtorch"}));
   app.add_option("--steps", steps, "timed steps");
   app.add_option("--warmup", warmup, "untimed steps first");
   app.add_option("--d-model", d_model);
@@ -129,7 +135,13 @@ int main(int argc, char** argv) {
     local = TransformerLM(opts);
     params = local->parameters();
   }
-  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-4));
+  std::unique_ptr<torch::optim::Optimizer> opt_ptr;
+  if (optimizer == "fused") {
+    opt_ptr = std::make_unique<dtrain::optim::AdamW>(params, torch::optim::AdamWOptions(1e-4));
+  } else {
+    opt_ptr = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-4));
+  }
+  torch::optim::Optimizer& opt = *opt_ptr;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
   std::vector<double> step_s, forward_s, backward_s, comm_s, exposed_s, opt_s;
   double steady_mb = 0, peak_tracked_mb = 0;
@@ -176,14 +188,15 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     const double c = median(comm_s), e = median(exposed_s);
     std::printf(
-        "{\"impl\":\"dtrain\",\"strategy\":\"%s\",\"sharding\":\"%s\",\"precision\":\"%s\","
+        "{\"impl\":\"dtrain\",\"optimizer\":\"%s\",\"strategy\":\"%s\",\"sharding\":\"%s\","
+        "\"precision\":\"%s\","
         "\"backend\":\"%s\",\"world\":%d,\"params\":%lld,\"median_step_s\":%.4f,"
         "\"median_forward_s\":%.4f,\"median_backward_s\":%.4f,\"median_optimizer_s\":%.4f,\"comm_"
         "s\":%.4f,"
         "\"exposed_s\":%.4f,\"hidden\":%.3f,\"peak_rss_mb\":%.1f,\"peak_tracked_mb\":%.1f,"
         "\"steady_tracked_mb\":%.1f}\n",
-        strategy.c_str(), strategy == "fsdp" ? sharding.c_str() : "", precision.c_str(),
-        comm ? comm->backend().c_str() : "none", comm ? comm->size() : 1,
+        optimizer.c_str(), strategy.c_str(), strategy == "fsdp" ? sharding.c_str() : "",
+        precision.c_str(), comm ? comm->backend().c_str() : "none", comm ? comm->size() : 1,
         static_cast<long long>(dtrain::framework::transformer_lm_parameter_count(opts)),
         median(step_s), median(forward_s), median(backward_s), median(opt_s), c, e,
         c > 0 ? std::max(0.0, 1 - e / c) : 1.0, peak_rss_mb, peak_tracked_mb, steady_mb);

@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <sys/resource.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +32,7 @@
 #include "framework/memory_estimate.h"
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
+#include "optim/fused.h"
 #include "sharding/clip_grad.h"
 #include "sharding/ddp.h"
 #include "sharding/fsdp.h"
@@ -380,16 +379,18 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
   amp::NumericsMonitor monitor(c.logging.numerics);
   std::unique_ptr<Model> model = make_model(&monitor);
 
+  // ATen's fused kernels, as Python's AdamW(fused=True) and SGD(fused=True): one pass per
+  // step, PyTorch's rounding, and the GradScaler's skip inside the kernel (optim/fused.h).
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (c.train.optimizer == "adamw") {
-    opt = std::make_unique<torch::optim::AdamW>(
+    opt = std::make_unique<optim::AdamW>(
         model->parameters(),
         torch::optim::AdamWOptions(c.train.lr).weight_decay(c.train.weight_decay));
   } else {
-    opt = std::make_unique<torch::optim::SGD>(model->parameters(),
-                                              torch::optim::SGDOptions(c.train.lr)
-                                                  .momentum(c.train.momentum)
-                                                  .weight_decay(c.train.weight_decay));
+    opt =
+        std::make_unique<optim::SGD>(model->parameters(), torch::optim::SGDOptions(c.train.lr)
+                                                              .momentum(c.train.momentum)
+                                                              .weight_decay(c.train.weight_decay));
   }
   const auto& sc = c.precision.scaler;
   const auto scaler_options = amp::GradScalerOptions()

@@ -17,12 +17,12 @@
 #include <dtrain/amp/sharded_grad_scaler.h>
 #include <dtrain/comm/factory.h>
 #include <dtrain/core/logging.h>
+#include <dtrain/optim/fused.h>
 #include <dtrain/sharding/fsdp.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
-#include <torch/optim/adamw.h>
 
 #include <cmath>
 #include <cstdio>
@@ -111,8 +111,10 @@ int main(int argc, char** argv) try {
       FSDPOptions()
           .mixed_precision(dtrain::amp::MixedPrecisionPolicy::fp16())  // params, grads in fp16
           .auto_wrap(AutoWrapPolicy().module_types({"BlockImpl"})));
-  // The optimizer steps this rank's fp32 master shards.
-  torch::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(3e-3));
+  // The optimizer steps this rank's fp32 master shards: dtrain::optim::AdamW is LibTorch's
+  // AdamW on ATen's fused kernel (Python's fused=True), which also unscales and skips for the
+  // scaler inside its one pass.
+  dtrain::optim::AdamW opt(model.parameters(), torch::optim::AdamWOptions(3e-3));
   // fp16 gradients can overflow: the scaler skips such steps, and its inf verdict is agreed
   // over the ranks, since each holds only a shard.
   dtrain::amp::ShardedGradScaler scaler(comm, dtrain::amp::GradScalerOptions().init_scale(1024));

@@ -1,0 +1,197 @@
+#include "optim/fused.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "core/error.h"
+
+namespace dtrain::optim {
+namespace {
+
+using torch::optim::OptimizerParamGroup;
+
+// PyTorch's _group_tensors_by_device_and_dtype: one kernel call per (device, dtype), in the
+// order of first appearance.
+using GroupKey = std::pair<std::string, c10::ScalarType>;
+
+GroupKey key_of(const at::Tensor& p) { return {p.device().str(), p.scalar_type()}; }
+
+void check_fusable(const at::Tensor& p, const at::Tensor& g, const char* who) {
+  DTRAIN_CHECK_AS(UsageError, !g.is_sparse(), who, ": sparse gradients are not supported");
+  DTRAIN_CHECK_AS(UsageError, at::isFloatingType(p.scalar_type()), who,
+                  ": the fused kernel needs floating-point parameters, got ",
+                  c10::toString(p.scalar_type()));
+  DTRAIN_CHECK_AS(UsageError, g.device() == p.device() && g.scalar_type() == p.scalar_type(), who,
+                  ": a gradient's device and dtype must be its parameter's (", p.device().str(),
+                  " ", c10::toString(p.scalar_type()), "), got ", g.device().str(), " ",
+                  c10::toString(g.scalar_type()));
+}
+
+// The found-inf flag's value (a host read): whether this step is skipped. Python's kernel
+// call with found_inf set is a no-op when it is non-zero, and the step count it added is
+// subtracted again; dtrain skips the call and never adds it.
+bool skipped(const at::Tensor& found_inf) {
+  return found_inf.defined() && found_inf.item<double>() != 0;
+}
+
+std::optional<at::Tensor> on(const at::Tensor& t, const c10::Device& d) {
+  if (!t.defined()) return std::nullopt;
+  return t.to(d, /*non_blocking=*/true);
+}
+
+}  // namespace
+
+AdamW::AdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults)
+    : torch::optim::AdamW(std::move(params), std::move(defaults)) {}
+
+AdamW::AdamW(const std::vector<OptimizerParamGroup>& groups, torch::optim::AdamWOptions defaults)
+    : torch::optim::AdamW(groups, std::move(defaults)) {}
+
+void AdamW::set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) {
+  grad_scale_ = std::move(grad_scale);
+  found_inf_ = std::move(found_inf);
+}
+
+at::Tensor AdamW::step(LossClosure closure) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  // A skipped step (found_inf) still creates missing state, as Python's does, and changes
+  // nothing.
+  const bool skip = skipped(found_inf_);
+  for (auto& group : param_groups_) {
+    auto& o = static_cast<torch::optim::AdamWOptions&>(group.options());
+    struct Lists {
+      std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+    };
+    std::vector<std::pair<GroupKey, Lists>> by_key;
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      check_fusable(p, p.grad(), "dtrain::optim::AdamW");
+      auto& slot = state_[p.unsafeGetTensorImpl()];
+      if (!slot) {
+        auto st = std::make_unique<torch::optim::AdamWParamState>();
+        st->step(0);
+        st->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+        st->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        if (o.amsgrad()) st->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+        slot = std::move(st);
+      }
+      if (skip) continue;
+      auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
+      st.step(st.step() + 1);
+      const GroupKey k = key_of(p);
+      auto it = std::find_if(by_key.begin(), by_key.end(), [&](auto& e) { return e.first == k; });
+      if (it == by_key.end()) it = by_key.insert(by_key.end(), {k, Lists{}});
+      Lists& l = it->second;
+      l.params.push_back(p);
+      l.grads.push_back(p.grad());
+      l.exp_avgs.push_back(st.exp_avg());
+      l.exp_avg_sqs.push_back(st.exp_avg_sq());
+      if (o.amsgrad()) l.max_exp_avg_sqs.push_back(st.max_exp_avg_sq());
+      // Python keeps the step as a 0-d fp32 tensor on the parameter's device.
+      l.steps.push_back(at::full({}, static_cast<double>(st.step()),
+                                 at::TensorOptions(at::kFloat).device(p.device())));
+    }
+    const auto [beta1, beta2] = o.betas();
+    for (auto& [k, l] : by_key) {
+      const c10::Device d = l.params.front().device();
+      at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps,
+                        o.lr(), beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(),
+                        /*maximize=*/false, on(grad_scale_, d), on(found_inf_, d));
+    }
+  }
+  return loss;
+}
+
+SGD::SGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults)
+    : torch::optim::SGD(std::move(params), std::move(defaults)) {}
+
+SGD::SGD(const std::vector<OptimizerParamGroup>& groups, torch::optim::SGDOptions defaults)
+    : torch::optim::SGD(groups, std::move(defaults)) {}
+
+void SGD::set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) {
+  grad_scale_ = std::move(grad_scale);
+  found_inf_ = std::move(found_inf);
+}
+
+at::Tensor SGD::step(LossClosure closure) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  for (auto& group : param_groups_) {
+    auto& o = static_cast<torch::optim::SGDOptions&>(group.options());
+    const bool momentum = o.momentum() != 0;
+    std::vector<at::Tensor> params, grads, buffers;
+    std::vector<torch::optim::SGDParamState*> states;
+    bool first_step = momentum;  // Python: every buffer absent, and momentum on
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      check_fusable(p, p.grad(), "dtrain::optim::SGD");
+      params.push_back(p);
+      grads.push_back(p.grad());
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      auto* st = it == state_.end() ? nullptr
+                                    : static_cast<torch::optim::SGDParamState*>(it->second.get());
+      states.push_back(st);
+      if (st != nullptr && st->momentum_buffer().defined()) first_step = false;
+    }
+    if (params.empty()) continue;
+    if (momentum) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        // On the first step the kernel fills empty buffers with the gradient; PyTorch then
+        // stores them, even when found_inf skipped the step.
+        const bool has = states[i] != nullptr && states[i]->momentum_buffer().defined();
+        // Python's fused SGD cannot step a parameter that joins after the first step either.
+        DTRAIN_CHECK_AS(UsageError, first_step || has, "dtrain::optim::SGD: parameter ", i,
+                        " of its group has a gradient but "
+                        "no momentum buffer after the first step (the fused kernel initializes "
+                        "every buffer on the first step only)");
+        buffers.push_back(first_step ? at::empty_like(grads[i]) : states[i]->momentum_buffer());
+      }
+    }
+    std::vector<std::pair<GroupKey, std::vector<size_t>>> by_key;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const GroupKey k = key_of(params[i]);
+      auto it = std::find_if(by_key.begin(), by_key.end(), [&](auto& e) { return e.first == k; });
+      if (it == by_key.end()) it = by_key.insert(by_key.end(), {k, {}});
+      it->second.push_back(i);
+    }
+    for (auto& [k, idx] : by_key) {
+      std::vector<at::Tensor> ps, gs, bs;
+      for (size_t i : idx) {
+        ps.push_back(params[i]);
+        gs.push_back(grads[i]);
+        if (momentum) bs.push_back(buffers[i]);
+      }
+      const c10::Device d = ps.front().device();
+      at::_fused_sgd_(ps, gs, bs, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
+                      o.nesterov(), /*maximize=*/false, first_step, on(grad_scale_, d),
+                      on(found_inf_, d));
+    }
+    if (momentum) {
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto& slot = state_[params[i].unsafeGetTensorImpl()];
+        if (!slot) slot = std::make_unique<torch::optim::SGDParamState>();
+        static_cast<torch::optim::SGDParamState&>(*slot).momentum_buffer(buffers[i]);
+      }
+    }
+  }
+  return loss;
+}
+
+}  // namespace dtrain::optim
