@@ -1,48 +1,75 @@
 #!/usr/bin/env bash
-# DDP step time: PyTorch 2.13's DDP (Gloo) beside dtrain's DDP over Gloo and over MPI, same
-# TransformerLM (~19M parameters), batch, sequence length and threads per rank, 2 ranks.
-# The three run in alternation for ROUNDS rounds (noisy machines); the table shows medians
-# over rounds of each run's median step time, and the ratios dtrain / PyTorch.
+# DDP step time beside the local step: PyTorch 2.13's DDP (Gloo) and dtrain's DDP over Gloo and
+# over MPI, and the same model and per-rank batch in one process without communication (the
+# local step, the limit of data parallelism), for PyTorch and dtrain. TransformerLM (~19M
+# parameters), 2 ranks x 1 thread (the local step: 1 process x 1 thread). The runs alternate
+# for ROUNDS rounds (noisy machines); the tables show medians over rounds of each run's median.
 #   bench/run_ddp_bench.sh [ROUNDS] [extra step_bench/ddp_reference args...]
+# Tables: step, backward, optimizer and communication per implementation with step / local
+# step; and the optimizer's share of the step: dtrain's fused AdamW (the trainer's), LibTorch's
+# torch::optim::AdamW, PyTorch's default (foreach) and fused=True.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 shift || true
 args=("--steps" "8" "--warmup" "2" "$@")
 scripts/bootstrap >/dev/null
-bazel build //bench:step_bench //launcher:dtrain-launch >/dev/null 2>&1
+bazel build --config=ci //bench:step_bench //launcher:dtrain-launch >/dev/null 2>&1
 launch=bazel-bin/launcher/dtrain-launch
 export OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_mpi_yield_when_idle=1
 out=$(mktemp)
+ref=bench/reference/ddp_reference.py
 for r in $(seq "$rounds"); do
   PYTHONPATH=bench/reference $launch --nproc-per-node 2 --master-port 0 -- \
-    .venv/bin/python bench/reference/ddp_reference.py "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
+    .venv/bin/python $ref "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
   $launch --nproc-per-node 2 --master-port 0 --backend gloo -- bazel-bin/bench/step_bench \
-    --strategy ddp "${args[@]}" \
-    | sed 's/^\[rank 0\] //' >>"$out"
+    --strategy ddp "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
   mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi bazel-bin/bench/step_bench \
     --strategy ddp "${args[@]}" >>"$out"
+  PYTHONPATH=bench/reference .venv/bin/python $ref --local "${args[@]}" >>"$out"
+  PYTHONPATH=bench/reference .venv/bin/python $ref --local --fused "${args[@]}" >>"$out"
+  bazel-bin/bench/step_bench --strategy local "${args[@]}" >>"$out"
+  bazel-bin/bench/step_bench --strategy local --optimizer libtorch "${args[@]}" >>"$out"
 done
 .venv/bin/python - "$out" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-def key(r): return r["impl"] + "/" + r["backend"]
+def key(r):
+    return "/".join([r["impl"], r.get("strategy", "ddp"), r.get("backend", ""),
+                     r.get("optimizer", "default")])
 groups = {}
 for r in rows: groups.setdefault(key(r), []).append(r)
 med = lambda k, f: statistics.median(r[f] for r in groups[k])
-pt = med("pytorch/gloo", "median_step_s")
 p = rows[0]["params"]
-print(f"DDP step time, TransformerLM {p/1e6:.1f}M parameters, 2 ranks x 1 thread, "
-      f"{len(groups['pytorch/gloo'])} alternating rounds (median of per-run medians)\n")
-print("| implementation | step (s) | backward (s) | ratio vs PyTorch | all-reduce (s) | exposed (s) | hidden behind backward |")
+n = len(groups["pytorch/ddp/gloo/default"])
+print(f"DDP step time beside the local step, TransformerLM {p/1e6:.1f}M parameters, 2 ranks x 1 "
+      f"thread (local: 1 process x 1 thread), {n} alternating rounds (median of per-run medians)\n")
+print("| implementation | step (s) | backward (s) | optimizer (s) | all-reduce (s) | exposed (s) | step / its local step |")
 print("|---|---|---|---|---|---|---|")
-for k, label in [("pytorch/gloo", "PyTorch 2.13 DDP, Gloo"), ("dtrain/gloo", "dtrain DDP, Gloo"),
-                 ("dtrain/mpi", "dtrain DDP, MPI")]:
+local_pt = med("pytorch/local/none/default", "median_step_s")
+local_dt = med("dtrain/local/none/fused", "median_step_s")
+for k, label, local in [
+        ("pytorch/ddp/gloo/default", "PyTorch 2.13 DDP, Gloo", local_pt),
+        ("dtrain/ddp/gloo/fused", "dtrain DDP, Gloo", local_dt),
+        ("dtrain/ddp/mpi/fused", "dtrain DDP, MPI", local_dt),
+        ("pytorch/local/none/default", "PyTorch, local step", local_pt),
+        ("dtrain/local/none/fused", "dtrain, local step", local_dt)]:
     if k not in groups: continue
-    s = med(k, "median_step_s"); b = med(k, "median_backward_s")
-    extra = (f"{med(k,'comm_s'):.4f} | {med(k,'exposed_s'):.4f} | {100*med(k,'hidden'):.0f}%"
-             if "comm_s" in groups[k][0] else "n/a | n/a | n/a")
-    print(f"| {label} | {s:.4f} | {b:.4f} | {s/pt:.3f} | {extra} |")
+    s = med(k, "median_step_s")
+    comm = (f"{med(k,'comm_s'):.4f} | {med(k,'exposed_s'):.4f}"
+            if "comm_s" in groups[k][0] and "ddp" in k else "n/a | n/a")
+    print(f"| {label} | {s:.4f} | {med(k,'median_backward_s'):.4f} | "
+          f"{med(k,'median_optimizer_s'):.4f} | {comm} | {s/local:.3f} |")
+print("\nAdamW's share of the local step\n")
+print("| optimizer | optimizer (s) | step (s) | share |")
+print("|---|---|---|---|")
+for k, label in [("dtrain/local/none/fused", "dtrain::optim::AdamW (fused kernel; the trainer's)"),
+                 ("dtrain/local/none/libtorch", "torch::optim::AdamW (LibTorch's loop)"),
+                 ("pytorch/local/none/fused", "PyTorch AdamW(fused=True)"),
+                 ("pytorch/local/none/default", "PyTorch AdamW (default, foreach)")]:
+    if k not in groups: continue
+    o, s = med(k, "median_optimizer_s"), med(k, "median_step_s")
+    print(f"| {label} | {o:.4f} | {s:.4f} | {100*o/s:.1f}% |")
 PY
 rm -f "$out"

@@ -4,11 +4,13 @@
 #include <ATen/ops/tensor.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <numeric>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace dtrain::comm {
 namespace {
@@ -25,6 +27,8 @@ std::exception_ptr abandoned_error(const detail::WorkState& state, const std::st
 Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
                            std::chrono::milliseconds timeout)
     : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), timeout_(timeout) {
+  static std::atomic<int64_t> next_id{0};
+  id_ = next_id++;
   DTRAIN_CHECK_AS(CommError, size_ > 0 && rank_ >= 0 && rank_ < size_, "invalid rank ", rank_,
                   " for a communicator of size ", size_);
   if (world_ranks_.empty()) {
@@ -171,6 +175,8 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
     verify_same_call(kind, info, output.defined() ? output.numel() : 0, op, root);
   }
   info.seq = next_seq_++;
+  info.comm_id = id_;
+  if (trace::enabled()) info.label = trace::current_label();
   // Zero-element collectives are no-ops on every rank alike (shapes agree across ranks).
   if (kind != OpKind::kBarrier && info.numel == 0) return Work();
 

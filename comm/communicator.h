@@ -124,6 +124,7 @@ class Communicator {
   int size_;
   std::vector<int> world_ranks_;
   std::chrono::milliseconds timeout_;
+  int64_t id_ = 0;  // this process's communicators, numbered in creation order
   int64_t next_seq_ = 1;
   int64_t next_split_ = 1;
   bool check_calls_ = false;  // DTRAIN_COMM_CHECK=1

@@ -1,5 +1,7 @@
 #include "comm/factory.h"
 
+#include <csignal>
+
 #include "comm/gloo_communicator.h"
 #include "core/error.h"
 #include "core/guardian.h"
@@ -49,6 +51,14 @@ bool has_nccl_backend() {
 }
 
 std::shared_ptr<Communicator> create_world(const CommOptions& options, const EnvLookup& env) {
+  // A write to the socket of a peer that died must fail with EPIPE, which the backend reports
+  // naming the collective, not kill this rank with SIGPIPE (whose death would then be taken
+  // for the cause). Python ignores SIGPIPE at startup for the same reason; a program that set
+  // its own handler keeps it.
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
   RankInfo info = detect_rank_info(options.rendezvous, env);
   Backend backend = resolve_backend(options.backend, options.device, info, env);
   auto timeout = resolve_timeout(options.timeout, env);

@@ -4,6 +4,7 @@
 
 #include "comm/types.h"
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace dtrain::comm {
 
@@ -19,7 +20,32 @@ std::string describe(const CollectiveInfo& info) {
 namespace detail {
 
 WorkState::WorkState(CollectiveInfo info, std::chrono::milliseconds timeout)
-    : info_(std::move(info)), timeout_(timeout) {}
+    : info_(std::move(info)), timeout_(timeout), traced_(trace::enabled()) {
+  if (traced_) enqueued_ = std::chrono::steady_clock::now();
+}
+
+void WorkState::record_trace() {
+  auto us = [](std::chrono::steady_clock::time_point t) {
+    return trace::to_us(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+  };
+  const int64_t enqueued = us(enqueued_);
+  const int64_t started =
+      started_ == std::chrono::steady_clock::time_point{} ? enqueued : us(started_);
+  const int64_t finished = us(finished_);
+  const int track =
+      trace::track("comm " + std::to_string(info_.comm_id) + " (" + info_.backend + ")");
+  const int64_t bytes = info_.numel * static_cast<int64_t>(c10::elementSize(info_.dtype));
+  std::string name = info_.op + " #" + std::to_string(info_.seq);
+  if (!info_.label.empty()) name = info_.label + ": " + name;
+  trace::complete(
+      name, "comm", track, started, finished,
+      "\"op\":\"" + info_.op + "\",\"dtype\":\"" + dtype_name(info_.dtype) +
+          "\",\"elements\":" + std::to_string(info_.numel) + ",\"bytes\":" + std::to_string(bytes) +
+          ",\"queued_us\":" + std::to_string(started - enqueued) +
+          ",\"enqueued_ts\":" + std::to_string(enqueued) + ",\"seq\":" + std::to_string(info_.seq));
+  trace::flow((info_.comm_id << 40) | info_.seq, trace::kMain, enqueued, track, started);
+}
 
 void WorkState::mark_started() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -32,6 +58,8 @@ void WorkState::finish() {
     finished_ = std::chrono::steady_clock::now();
     done_ = true;
   }
+  // Before waking the waiters: a trainer that waits for its last collective finds it recorded.
+  if (traced_) record_trace();
   cv_.notify_all();
 }
 

@@ -29,6 +29,10 @@ struct CollectiveInfo {
   std::string backend;
   int rank = 0;            // this process's rank in the communicator
   std::vector<int> ranks;  // members, as world ranks
+  // For the step timeline (core/trace.h): which communicator of this process, and what issued
+  // the collective ("ddp bucket 3"; empty when not traced or unlabelled).
+  int64_t comm_id = 0;
+  std::string label;
 };
 
 // "all_reduce #17 (bf16, 1048576 elements) on ranks [0,1,2,3] (mpi)"
@@ -81,6 +85,10 @@ class WorkState {
   std::exception_ptr error_;
   std::chrono::steady_clock::time_point started_{}, finished_{};
   double device_seconds_ = -1;
+  // Submitted while the step timeline was recording: finish() records the op.
+  bool traced_ = false;
+  std::chrono::steady_clock::time_point enqueued_{};
+  void record_trace();
 };
 
 }  // namespace detail

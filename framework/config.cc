@@ -419,7 +419,12 @@ void read_logging(Section s, LoggingConfig& l) {
   s.read("metrics_file", l.metrics_file);
   s.read("progress_bar", l.progress_bar);
   s.read("numerics", l.numerics);
+  s.read("trace", l.trace);
+  s.read("trace_start", l.trace_start);
+  s.read("trace_steps", l.trace_steps);
   s.check(l.every_steps >= 1, "every_steps", "must be >= 1");
+  s.check(l.trace_start >= 1, "trace_start", "must be >= 1 (the first step is 1)");
+  s.check(l.trace_steps >= 1, "trace_steps", "must be >= 1");
   s.finish();
 }
 

@@ -112,6 +112,11 @@ struct LoggingConfig {
   std::string metrics_file;  // JSON lines; empty: none
   bool progress_bar = true;
   bool numerics = false;  // per-unit numerics monitor (amp/numerics.h), reported on skipped steps
+  // Step timeline (core/trace.h): a Chrome trace-event JSON of steps trace_start ..
+  // trace_start + trace_steps - 1 (1-based), all ranks in one file written by rank 0; empty: off.
+  std::string trace;
+  int64_t trace_start = 2;
+  int64_t trace_steps = 2;
 };
 
 struct RunConfig {

@@ -117,6 +117,8 @@ TEST(ConfigError, OutOfRangeValuesNamePathAndLine) {
                     {"run.yaml:5:", "model.n_heads", "divisible"});
   expect_yaml_error(replace(kGood, "strategy: ddp", "strategy: zero3"),
                     {"run.yaml:11:", "parallel.strategy", "expected one of none, ddp, fsdp"});
+  expect_yaml_error(kGood, {"--set logging.trace_start=0", "logging.trace_start", "must be >= 1"},
+                    {"logging.trace=t.json", "logging.trace_start=0"});
 }
 
 TEST(ConfigError, ImpossibleCombinationsNamePathAndLine) {

@@ -25,6 +25,7 @@
 #include "comm/rendezvous.h"
 #include "core/error.h"
 #include "core/logging.h"
+#include "core/trace.h"
 #include "framework/checkpoint.h"
 #include "framework/checkpoint_io.h"
 #include "framework/data.h"
@@ -107,6 +108,48 @@ std::ofstream open_metrics(const RunConfig& c, int rank, int64_t resumed_at,
   metrics << "{\"run\":" << run_json << "}\n";
   for (const auto& line : kept) metrics << line << "\n";
   return metrics;
+}
+
+// The step timeline: every rank's events gathered to rank 0, which writes one Chrome
+// trace-event file (core/trace.h). Collective: every rank calls it.
+void write_trace(const RunConfig& c, comm::Communicator* comm, int rank, int world) {
+  const std::string mine = trace::take_events_json();
+  std::vector<std::string> all{mine};
+  if (comm != nullptr && world > 1) {
+    const auto on = [&](at::ScalarType t) { return at::TensorOptions(t).device(comm->device()); };
+    at::Tensor lens = at::empty({world}, on(at::kLong));
+    comm->all_gather(at::full({1}, static_cast<int64_t>(mine.size()), on(at::kLong)), lens).wait();
+    lens = lens.cpu();
+    const int64_t longest = lens.max().item<int64_t>();
+    at::Tensor buf = at::zeros({std::max<int64_t>(1, longest)}, at::kByte);
+    std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+    at::Tensor out = at::empty({buf.numel() * world}, on(at::kByte));
+    comm->all_gather(buf.to(comm->device()), out).wait();
+    out = out.cpu();
+    all.clear();
+    for (int r = 0; r < world; ++r) {
+      all.emplace_back(static_cast<const char*>(out.data_ptr()) + r * buf.numel(),
+                       lens[r].item<int64_t>());
+    }
+  }
+  if (rank != 0) return;
+  const std::string& path = c.logging.trace;
+  std::error_code ec;
+  auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  std::ofstream f(path, std::ios::trunc);
+  DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(f), c.source, ": logging.trace: cannot write '",
+                  path, "': ", std::strerror(errno), "; choose a writable place");
+  f << "{\"traceEvents\":[";
+  for (int r = 0; r < world; ++r) f << (r ? "," : "") << all[r];
+  f << "],\"displayTimeUnit\":\"ms\",\"otherData\":{\"config\":\"" << trace::json_escape(c.source)
+    << "\",\"strategy\":\"" << c.parallel.strategy << "\",\"precision\":\"" << c.precision.policy
+    << "\",\"ranks\":" << world << ",\"first_step\":" << c.logging.trace_start
+    << ",\"steps\":" << c.logging.trace_steps << "}}\n";
+  f.close();
+  logging::info("trace: ", path, " (steps ", c.logging.trace_start, "-",
+                c.logging.trace_start + c.logging.trace_steps - 1,
+                ", every rank; open it in Perfetto or chrome://tracing, or scripts/plot it)");
 }
 
 double mean_over_ranks(comm::Communicator* comm, double v) {
@@ -468,8 +511,18 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
   bool first_logged = false;
   int64_t nonfinite_run = 0;
   ScaleCollapseGuard collapse(sc);
+  const bool trace_on = !c.logging.trace.empty();
+  if (trace_on) {
+    // The time origin of every rank's timeline, taken as they leave a barrier.
+    if (comm && world > 1) comm->barrier().wait();
+    trace::configure(rank);
+  }
   for (int64_t step = first_step; step < c.train.steps; ++step) {
     auto t0 = Clock::now();
+    const bool tracing = trace_on && step + 1 >= c.logging.trace_start &&
+                         step + 1 < c.logging.trace_start + c.logging.trace_steps;
+    trace::set_recording(tracing);
+    const int64_t step_start_us = tracing ? trace::now_us() : 0;
     monitor.begin_step(step);
     const double lr = lr_at(c.train, step);
     for (auto& g : opt->param_groups()) g.options().set_lr(lr);
@@ -483,6 +536,8 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
           m + 1 < c.train.micro_batches ? model->no_sync() : std::nullopt;
       at::Tensor loss;
       {
+        std::optional<trace::Scope> span;
+        if (tracing) span.emplace("forward " + std::to_string(m), "compute");
         amp::AutocastGuard ac(
             device, autocast ? std::optional<c10::ScalarType>(compute) : std::nullopt, autocast);
         loss = model->loss(b) / static_cast<double>(c.train.micro_batches);
@@ -490,14 +545,26 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
           loss = loss * std::numeric_limits<double>::quiet_NaN();
         }
       }
-      scaler.scale(loss).backward();
+      {
+        std::optional<trace::Scope> span;
+        if (tracing) span.emplace("backward " + std::to_string(m), "compute");
+        scaler.scale(loss).backward();
+      }
       loss_sum += loss.item<double>();
     }
+    std::optional<trace::Scope> optimizer_span;
+    if (tracing) optimizer_span.emplace("optimizer", "compute");
     scaler.unscale_(*opt);
     double grad_norm = model->clip_grad_norm(c.train.clip_grad_norm);
     const double scale_used = scaler.get_scale();
     bool stepped = scaler.step(*opt);
     scaler.update();
+    optimizer_span.reset();
+    if (tracing) {
+      trace::complete("step " + std::to_string(step + 1), "step", trace::kMain, step_start_us,
+                      trace::now_us());
+      trace::set_recording(false);
+    }
     if (!sc.enabled) {
       // Without loss scaling nothing skips a step whose loss is inf/NaN: the parameters are
       // now corrupt on every rank. Every rank takes the same decision.
@@ -592,6 +659,7 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
     }
   }
   if (tty) std::fprintf(stderr, "\n");
+  if (trace_on) write_trace(c, comm.get(), rank, world);
   result.steps = c.train.steps;
   check_parameters_agree(*model, comm.get());
   if (c.model.type == "transformer" && c.model.vocab_size >= 256 && first_step < c.train.steps) {

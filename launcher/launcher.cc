@@ -222,7 +222,8 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
   };
   while (true) {
     // Reap exited ranks. Of the ranks that failed in one sweep, the one a signal killed is
-    // the likely cause (the others saw it die), so it is the one reported.
+    // the likely cause (the others saw it die), so it is the one reported; SIGPIPE, what a
+    // write to a dead peer gives, least of all.
     int status = 0;
     pid_t pid;
     Rank* first_failed = nullptr;
@@ -241,8 +242,11 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
         r.exit_code = exit_code_of(status);
         ::kill(-r.pid, SIGKILL);  // leftovers in the rank's process group
         g_guardian.remove(r.pid);
+        // A rank killed by SIGPIPE wrote to a dead peer's socket: a symptom, like a rank that
+        // exited with an error, so any other signal in the same sweep is the one reported.
+        auto weight = [](int code) { return code <= 128 ? 0 : code == 128 + SIGPIPE ? 1 : 2; };
         if (r.exit_code != 0 && result.outcome == Outcome::kSuccess &&
-            (first_failed == nullptr || (WIFSIGNALED(status) && first_failed->exit_code < 128))) {
+            (first_failed == nullptr || weight(r.exit_code) > weight(first_failed->exit_code))) {
           first_failed = &r;
         }
       }

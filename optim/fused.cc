@@ -47,7 +47,19 @@ std::optional<at::Tensor> on(const at::Tensor& t, const c10::Device& d) {
   return t.to(d, /*non_blocking=*/true);
 }
 
+// The closure's loss, computed with gradients on (as torch::optim's step does).
+at::Tensor run(const torch::optim::Optimizer::LossClosure& closure) {
+  if (closure == nullptr) return at::Tensor();
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
 }  // namespace
+
+void GradScaling::set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) {
+  grad_scale_ = std::move(grad_scale);
+  found_inf_ = std::move(found_inf);
+}
 
 AdamW::AdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults)
     : torch::optim::AdamW(std::move(params), std::move(defaults)) {}
@@ -55,18 +67,9 @@ AdamW::AdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults
 AdamW::AdamW(const std::vector<OptimizerParamGroup>& groups, torch::optim::AdamWOptions defaults)
     : torch::optim::AdamW(groups, std::move(defaults)) {}
 
-void AdamW::set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) {
-  grad_scale_ = std::move(grad_scale);
-  found_inf_ = std::move(found_inf);
-}
-
 at::Tensor AdamW::step(LossClosure closure) {
+  at::Tensor loss = run(closure);
   at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
   // A skipped step (found_inf) still creates missing state, as Python's does, and changes
   // nothing.
   const bool skip = skipped(found_inf_);
@@ -121,18 +124,9 @@ SGD::SGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults)
 SGD::SGD(const std::vector<OptimizerParamGroup>& groups, torch::optim::SGDOptions defaults)
     : torch::optim::SGD(groups, std::move(defaults)) {}
 
-void SGD::set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) {
-  grad_scale_ = std::move(grad_scale);
-  found_inf_ = std::move(found_inf);
-}
-
 at::Tensor SGD::step(LossClosure closure) {
+  at::Tensor loss = run(closure);
   at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
   for (auto& group : param_groups_) {
     auto& o = static_cast<torch::optim::SGDOptions&>(group.options());
     const bool momentum = o.momentum() != 0;

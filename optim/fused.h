@@ -31,30 +31,31 @@
 
 namespace dtrain::optim {
 
-class AdamW : public torch::optim::AdamW, public amp::ScalingAwareOptimizer {
+// The GradScaler's hand-off, kept for the next step (both optimizers below).
+class GradScaling : public amp::ScalingAwareOptimizer {
+ public:
+  void set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) override;
+
+ protected:
+  at::Tensor grad_scale_, found_inf_;
+};
+
+class AdamW : public torch::optim::AdamW, public GradScaling {
  public:
   explicit AdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults = {});
   explicit AdamW(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                  torch::optim::AdamWOptions defaults = {});
 
   at::Tensor step(LossClosure closure = nullptr) override;
-  void set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) override;
-
- private:
-  at::Tensor grad_scale_, found_inf_;
 };
 
-class SGD : public torch::optim::SGD, public amp::ScalingAwareOptimizer {
+class SGD : public torch::optim::SGD, public GradScaling {
  public:
   explicit SGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults);
   explicit SGD(const std::vector<torch::optim::OptimizerParamGroup>& groups,
                torch::optim::SGDOptions defaults);
 
   at::Tensor step(LossClosure closure = nullptr) override;
-  void set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) override;
-
- private:
-  at::Tensor grad_scale_, found_inf_;
 };
 
 }  // namespace dtrain::optim

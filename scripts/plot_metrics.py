@@ -1,8 +1,14 @@
 #!/usr/bin/env python3
-"""Plots one or several runs from their metrics files (logging.metrics_file, JSON lines).
+"""Plots one or several runs from their metrics files (logging.metrics_file, JSON lines), or a
+step timeline (logging.trace, Chrome trace-event JSON).
 
     scripts/plot runs/default/metrics.jsonl                      # -> runs/default/metrics.png
     scripts/plot runs/fp32/m.jsonl runs/bf16/m.jsonl runs/fp16/m.jsonl -o compare.png
+    scripts/plot runs/default/trace.json                         # -> runs/default/trace.png
+
+A timeline shows, per rank, the trainer's forward, backward and optimizer, FSDP units'
+forward and backward, and each communicator's collectives as bars, with the traced steps
+shaded.
 
 Panels: training loss (validation loss dashed, where logged), gradient norm, learning rate,
 tokens/s, the share of communication hidden behind compute, and, when a loss scaler ran, the
@@ -69,13 +75,83 @@ def title_of(runs, scaled):
     return f"{len(runs)} runs of {runs[0][1].get('model', 'a model')}"
 
 
+def is_trace(path):
+    try:
+        with open(path) as f:
+            head = f.read(64)
+    except OSError as e:
+        sys.exit(f"plot: cannot read {path}: {e.strerror}")
+    return head.lstrip().startswith('{"traceEvents"')
+
+
+def plot_trace(path, out):
+    try:
+        doc = json.load(open(path))
+    except json.JSONDecodeError as e:
+        sys.exit(f"plot: {path} is not JSON ({e})")
+    events = doc.get("traceEvents", [])
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    if not spans:
+        sys.exit(f"plot: {path} holds no events (were the traced steps run?)")
+    t0 = min(e["ts"] for e in spans)
+    ranks = sorted({e["pid"] for e in spans})
+    rows = []  # (rank, label, events)
+    for r in ranks:
+        mine = [e for e in spans if e["pid"] == r]
+        rows.append((r, "compute", [e for e in mine if e["cat"] == "compute"]))
+        units = [e for e in mine if e["cat"] == "unit"]
+        if units:
+            rows.append((r, "units", units))
+        for tid in sorted({e["tid"] for e in mine if e["cat"] == "comm"}):
+            name = tracks.get((r, tid), f"track {tid}")
+            rows.append((r, name, [e for e in mine if e["cat"] == "comm" and e["tid"] == tid]))
+    colors = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
+              "unit": "#8172b3", "comm": "#c44e52"}
+    fig, ax = plt.subplots(figsize=(13, 0.55 * len(rows) + 1.6))
+    for y, (r, label, evs) in enumerate(rows):
+        for e in evs:
+            kind = e["cat"] if e["cat"] in ("unit", "comm") else e["name"].split()[0]
+            ax.broken_barh([((e["ts"] - t0) / 1000, max(e["dur"], 1) / 1000)], (y - 0.4, 0.8),
+                           color=colors.get(kind, "#999999"), alpha=0.85 if kind != "unit" else 0.6)
+    for r in ranks:
+        for e in spans:
+            if e["pid"] == r and e["cat"] == "step":
+                ax.axvspan((e["ts"] - t0) / 1000, (e["ts"] + e["dur"] - t0) / 1000,
+                           color="#000000", alpha=0.04)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {r}: {label}" for r, label, _ in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    ax.grid(axis="x", alpha=0.3)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], fontsize=8,
+              loc="upper right", ncol=5)
+    other = doc.get("otherData", {})
+    ax.set_title(f"step timeline: {other.get('strategy', '?')} {other.get('precision', '')}, "
+                 f"{len(ranks)} rank(s), steps {other.get('first_step', '?')}.."
+                 f"{other.get('first_step', 0) + other.get('steps', 1) - 1} (shaded); "
+                 f"{other.get('config', '')}", fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(
         prog="scripts/plot", description=__doc__.split("\n\n")[0],
         epilog="Example: scripts/plot runs/default/metrics.jsonl")
-    ap.add_argument("metrics", nargs="+", help="metrics files (JSON lines) of one or more runs")
+    ap.add_argument("metrics", nargs="+",
+                    help="metrics files (JSON lines) of one or more runs, or one trace")
     ap.add_argument("-o", "--out", help="the PNG to write (default: beside the first file)")
     args = ap.parse_args()
+    if is_trace(args.metrics[0]):
+        if len(args.metrics) > 1:
+            sys.exit("plot: a trace is plotted alone")
+        plot_trace(args.metrics[0], args.out or os.path.splitext(args.metrics[0])[0] + ".png")
+        return
     runs = [(path, *load(path)) for path in args.metrics]
     out = args.out or os.path.splitext(args.metrics[0])[0] + ".png"
 

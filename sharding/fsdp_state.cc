@@ -12,6 +12,7 @@
 #include "comm/types.h"
 #include "core/error.h"
 #include "core/logging.h"
+#include "core/trace.h"
 
 namespace dtrain::sharding {
 
@@ -133,6 +134,8 @@ FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
     if (it != where.end()) order_.push_back(it->second);
   }
   ready_.assign(units_.size(), false);
+  trace_forward_start_.assign(units_.size(), -1);
+  trace_backward_start_.assign(units_.size(), -1);
   int64_t total = 0, shard = 0;
   for (const auto& u : units_) {
     total += u->numel();
@@ -210,7 +213,17 @@ void FSDPState::root_pre_forward() {
   if (!forward_order_.empty()) previous_order_ = forward_order_;
   forward_order_.clear();
   exposed_s_ = 0;
-  if (root_ >= 0) gather(root_);
+  if (root_ >= 0) {
+    if (trace::enabled()) trace_forward_start_[root_] = trace::now_us();
+    gather(root_);
+  }
+}
+
+void FSDPState::trace_forward_end(int64_t unit) {
+  if (unit < 0 || !trace::enabled() || trace_forward_start_[unit] < 0) return;
+  trace::complete("forward " + units_[unit]->name(), "unit", trace::kMain,
+                  trace_forward_start_[unit], trace::now_us());
+  trace_forward_start_[unit] = -1;
 }
 
 void FSDPState::root_post_forward(const std::vector<at::Tensor>& outputs) {
@@ -221,11 +234,13 @@ void FSDPState::root_post_forward(const std::vector<at::Tensor>& outputs) {
   if (!grad_forward_) {
     for (size_t u = 0; u < units_.size(); ++u) units_[u]->reshard();
   }
+  trace_forward_end(root_);
 }
 
 void FSDPState::unit_pre_forward(int64_t unit) {
   std::lock_guard<std::mutex> lock(mu_);
   if (grad_forward_) forward_order_.push_back(unit);
+  if (trace::enabled()) trace_forward_start_[unit] = trace::now_us();
   gather(unit);
   if (options_.forward_prefetch()) {
     auto it = std::find(previous_order_.begin(), previous_order_.end(), unit);
@@ -241,11 +256,13 @@ void FSDPState::unit_post_forward(int64_t unit, const std::vector<at::Tensor>& o
     }
   }
   if (!grad_forward_ || reshards_after_forward(unit)) units_[unit]->reshard();
+  trace_forward_end(unit);
 }
 
 void FSDPState::ensure_backward_started() {
   if (in_backward_) return;
   in_backward_ = true;
+  if (trace::enabled()) trace_backward_begin_ = trace_last_backward_end_ = trace::now_us();
   // Reductions run in reverse forward order, the root's last.
   backward_order_.assign(forward_order_.rbegin(), forward_order_.rend());
   if (root_ >= 0) backward_order_.push_back(root_);
@@ -259,6 +276,7 @@ void FSDPState::pre_backward(int64_t unit) {
   std::lock_guard<std::mutex> lock(mu_);
   ensure_backward_started();
   if (unit < 0) return;
+  if (trace::enabled()) trace_backward_start_[unit] = trace::now_us();
   gather(unit);
   if (options_.backward_prefetch()) {
     auto it = std::find(backward_order_.begin(), backward_order_.end(), unit);
@@ -273,6 +291,18 @@ void FSDPState::on_grad_ready(int64_t unit, int64_t param) {
   const bool all = require_sync_ ? u.grad_ready(param) : u.count_ready(param);
   if (!all) return;
   ready_[unit] = true;
+  if (trace::enabled()) {
+    // On a track of its own, each unit's backward from its pre-backward hook to its last
+    // gradient, starting no earlier than the previous unit's ended (so the track nests).
+    const int64_t end = trace::now_us();
+    const int64_t began =
+        trace_backward_start_[unit] >= 0 ? trace_backward_start_[unit] : trace_backward_begin_;
+    const int64_t start = std::max(began, trace_last_backward_end_);
+    trace::complete("backward " + u.name(), "unit", trace::track("backward units"), start,
+                    std::max(start, end));
+    trace_last_backward_end_ = std::max(start, end);
+    trace_backward_start_[unit] = -1;
+  }
   if (require_sync_) launch_ready();
   if (reshards_after_backward(unit)) u.reshard();
 }

@@ -201,6 +201,11 @@ class FSDPState : public GradientSync {
   size_t next_launch_ = 0, next_finish_ = 0;  // into backward_order_
   double exposed_s_ = 0;
   int64_t peak_gathered_ = 0;
+  // Step timeline (core/trace.h), while it records: when each unit's forward and backward
+  // began (-1: not this step), when the backward began, and the end of the last unit's.
+  std::vector<int64_t> trace_forward_start_, trace_backward_start_;
+  int64_t trace_backward_begin_ = 0, trace_last_backward_end_ = 0;
+  void trace_forward_end(int64_t unit);
   mutable ReducerStats stats_;
   mutable std::vector<comm::Work> stats_works_;
 };

@@ -5,8 +5,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
+#include <string>
 
 #include "core/error.h"
+#include "core/trace.h"
 #include "sharding/flat.h"
 
 namespace dtrain::sharding {
@@ -140,6 +143,8 @@ void FlatUnit::unshard() {
   // The all-gather input in param_dtype exists only while the gather runs (the collective
   // keeps it alive): a persistent copy would add param_dtype bytes / N to the steady state.
   at::Tensor input = param_dtype_ == at::kFloat ? shard_ : shard_.to(param_dtype_);
+  std::optional<trace::Label> label;
+  if (trace::enabled()) label.emplace("fsdp unit " + name_);
   gather_ = groups_.shard->all_gather(input, full_);
   works_.push_back(gather_);
   state_ = State::kGathering;
@@ -215,6 +220,8 @@ void FlatUnit::launch_reduce() {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!filled_[i]) reduce_full_.narrow(0, params_[i].offset, params_[i].numel).zero_();
   }
+  std::optional<trace::Label> label;
+  if (trace::enabled()) label.emplace("fsdp unit " + name_);
   if (n_ > 1) {
     reduce_shard_ = at::empty({shard_size_}, reduce_full_.options());
     reduce_ = (groups_.reduce ? groups_.reduce : groups_.shard)

@@ -9,13 +9,16 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <sstream>
+#include <string>
 #include <unordered_set>
 
 #include "amp/numerics.h"
 #include "comm/types.h"
 #include "core/error.h"
 #include "core/logging.h"
+#include "core/trace.h"
 #include "sharding/flat.h"
 
 namespace dtrain::sharding {
@@ -305,6 +308,8 @@ void Reducer::launch_ready_buckets() {
          buckets_[next_bucket_].pending == 0) {
     Bucket& b = buckets_[next_bucket_++];
     if (!b.comm_buffer.is_same(b.contents)) b.comm_buffer.copy_(b.contents);
+    std::optional<trace::Label> label;
+    if (trace::enabled()) label.emplace("ddp bucket " + std::to_string(next_bucket_ - 1));
     b.work = comm_->all_reduce(b.comm_buffer, comm::ReduceOp::kSum);
     b.launched = true;
   }

@@ -35,6 +35,13 @@ namespace {
 
 constexpr int64_t kVocab = 32, kSeq = 16, kModel = 64, kHeads = 4, kLayers = 2;
 
+// A Linear's forward through at::linear, which fuses the bias into the matrix multiply for
+// inputs of any rank, as Python's F.linear does. LibTorch's Linear::forward computes a 3-D
+// input as matmul then += bias, which rounds twice in fp16/bf16.
+at::Tensor lin(const torch::nn::Linear& l, const at::Tensor& x) {
+  return at::linear(x, l->weight, l->bias);
+}
+
 // One pre-norm block: causal self-attention and an MLP.
 class BlockImpl : public torch::nn::Module {
  public:
@@ -48,12 +55,12 @@ class BlockImpl : public torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     const int64_t b = x.size(0), t = x.size(1);
-    auto heads = qkv->forward(ln1->forward(x)).view({b, t, 3, kHeads, kModel / kHeads});
+    auto heads = lin(qkv, ln1->forward(x)).view({b, t, 3, kHeads, kModel / kHeads});
     at::Tensor q = heads.select(2, 0).transpose(1, 2), k = heads.select(2, 1).transpose(1, 2),
                v = heads.select(2, 2).transpose(1, 2);
     at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
-    at::Tensor h = x + proj->forward(a.transpose(1, 2).reshape({b, t, kModel}));
-    return h + fc2->forward(at::gelu(fc1->forward(ln2->forward(h))));
+    at::Tensor h = x + lin(proj, a.transpose(1, 2).reshape({b, t, kModel}));
+    return h + lin(fc2, at::gelu(lin(fc1, ln2->forward(h))));
   }
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
@@ -77,7 +84,7 @@ class TinyLMImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& tokens) {
     at::Tensor x = tok->forward(tokens) + pos->forward(at::arange(tokens.size(1), at::kLong));
     for (auto& block : blocks) x = block->forward(x);
-    return head->forward(ln_f->forward(x));
+    return lin(head, ln_f->forward(x));
   }
 
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
