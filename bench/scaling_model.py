@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""A scaling model of dtrain's DDP and FSDP: step time and weak-scaling efficiency from 8 to
+1024 GPUs, from a measured step profile and alpha-beta costs of NCCL's collectives.
+
+    bench/scaling_model.py table                        # GPT-2 small and 7B presets, H200 nodes
+    bench/scaling_model.py table --nvlink-gbps 450 --ib-gbps 50 --gpus-per-node 8 ...
+    bench/scaling_model.py validate --measured M.json   # against runs on this machine
+                                                       # (bench/run_scaling_validation.sh)
+
+The model
+- Collectives, as NCCL implements them, with latency alpha and per-GPU bandwidth B of the
+  slowest link the collective crosses (NVLink inside a node, InfiniBand between nodes):
+    ring all-reduce      2(p-1) alpha + 2 (p-1)/p n / B
+    tree all-reduce      2 log2(p) alpha + 2 n / B          (NCCL's double binary tree)
+    all-reduce           the cheaper of the two, as NCCL's tuner picks
+    ring all-gather,
+    ring reduce-scatter  (p-1) alpha + (p-1)/p n / B        (n: the full, unsharded bytes)
+- Overlap, the way dtrain schedules it:
+  DDP: gradients are bucketed (bucket_cap_mb, in the order backward produces them); a bucket
+  is all-reduced once all its gradients are ready, in bucket order, one at a time on the
+  communicator's queue. step = forward + max(end of backward, end of the last all-reduce) +
+  optimizer.
+  FSDP (FULL_SHARD): forward: unit k's all-gather is issued once at most `prefetch`
+  all-gathers are outstanding (limit_all_gathers) and runs on the queue; unit k computes after
+  its gather and unit k-1. Backward, in reverse: each unit is gathered again (prefetched the
+  same way), computes, then its gradient is reduce-scattered on a second queue (dtrain's
+  separate reduce group). step = max(end of backward, end of the last reduce-scatter) +
+  optimizer.
+- Weak scaling: the per-GPU batch is fixed, so compute is the same at every scale;
+  efficiency = step without communication / modelled step.
+- The step profile (forward, backward, optimizer, when each bucket's gradients are ready, each
+  unit's compute) comes from measured traces (logging.trace: one process for the compute, a
+  DDP run for the buckets) or, for the presets, from FLOPs:
+  6 x parameters x tokens per GPU at a stated fraction (MFU) of the GPU's peak, split 1:2
+  between forward and backward.
+
+Validation on this machine (`validate`): the DDP step of a TransformerLM measured at 2, 3 and 4
+ranks over MPI and Gloo, against the model fed with the same model's profile (a one-process
+trace for compute, a 2-rank trace for the buckets) and the alpha-beta of each backend fitted
+to comm_bench's all-reduce times at that rank count. A CPU machine has one more effect a GPU cluster does not: ranks share cores, so the
+compute of p ranks x t threads on c cores is stretched by max(1, p t / c), and the
+communication thread competes with it (its busy time is added to the critical path while it
+overlaps compute, a factor --cpu-share). Both are stated inputs.
+"""
+import argparse
+import json
+import math
+import sys
+
+
+# --- collectives -------------------------------------------------------------------------------
+
+class Links:
+    """Latency (s) and per-GPU bandwidth (bytes/s) inside a node and between nodes."""
+
+    def __init__(self, intra_alpha, intra_bw, inter_alpha, inter_bw, gpus_per_node):
+        self.intra_alpha, self.intra_bw = intra_alpha, intra_bw
+        self.inter_alpha, self.inter_bw = inter_alpha, inter_bw
+        self.gpus_per_node = gpus_per_node
+
+    def of(self, p):
+        if p <= self.gpus_per_node:
+            return self.intra_alpha, self.intra_bw
+        return max(self.intra_alpha, self.inter_alpha), min(self.intra_bw, self.inter_bw)
+
+
+def all_reduce(n, p, links):
+    if p == 1:
+        return 0.0
+    a, b = links.of(p)
+    ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n / b
+    tree = 2 * math.log2(p) * a + 2 * n / b
+    return min(ring, tree)
+
+
+def gather_or_scatter(n, p, links):
+    if p == 1:
+        return 0.0
+    a, b = links.of(p)
+    return (p - 1) * a + (p - 1) / p * n / b
+
+
+# --- profiles ----------------------------------------------------------------------------------
+
+class Profile:
+    """One GPU's step: forward, backward, optimizer seconds; DDP: gradient bytes in the order
+    backward produces them with the fraction of backward at which each is ready; FSDP: per
+    unit, its parameter bytes (as gathered) and forward/backward seconds."""
+
+    def __init__(self, name, forward, backward, optimizer, grads, units):
+        self.name, self.forward, self.backward, self.optimizer = name, forward, backward, optimizer
+        self.grads = grads  # [(bytes, ready_fraction)], backward order
+        self.units = units  # [(bytes, forward_s, backward_s)], forward order
+
+    @property
+    def compute(self):
+        return self.forward + self.backward + self.optimizer
+
+
+def transformer_preset(name, params, layers, tokens_per_gpu, tflops, mfu, grad_bytes=2):
+    """A decoder-only transformer on a GPU: FLOPs = 6 N T at `mfu` of `tflops`; parameters
+    evenly over `layers` blocks (embeddings with the first); gradients (bf16) ready evenly
+    over backward, last layer first."""
+    total = 6 * params * tokens_per_gpu / (tflops * 1e12 * mfu)
+    forward, backward = total / 3, 2 * total / 3
+    optimizer = params * 16 / 3.0e12  # fused AdamW: ~16 bytes/parameter through HBM
+    per_layer = params * grad_bytes / layers
+    grads = [(per_layer, (i + 1) / layers) for i in range(layers)]
+    units = [(per_layer, forward / layers, backward / layers) for _ in range(layers)]
+    return Profile(name, forward, backward, optimizer, grads, units)
+
+
+def _events(path, rank):
+    doc = json.load(open(path))
+    ev = [e for e in doc["traceEvents"] if e.get("ph") == "X" and e.get("pid") == rank]
+    steps = sorted((e for e in ev if e["cat"] == "step"), key=lambda e: e["ts"])
+    if not steps:
+        sys.exit(f"scaling_model: {path} has no traced step for rank {rank}")
+    return ev, steps
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def profile_from_traces(local_path, ddp_path, rank=0):
+    """Compute from a one-process trace (strategy none: no communication, no competition for
+    the cores), the median of its traced steps; the gradient buckets (bytes, and when in
+    backward each was ready) from a DDP trace."""
+    ev, steps = _events(local_path, rank)
+    per = {"forward": [], "backward": [], "optimizer": []}
+    for s in steps:
+        inside = [e for e in ev if e["cat"] == "compute" and s["ts"] <= e["ts"] <= s["ts"] + s["dur"]]
+        for k in per:
+            per[k].append(sum(e["dur"] for e in inside if e["name"].split()[0] == k) / 1e6)
+    ev, steps = _events(ddp_path, rank)
+    grads = []
+    for s in steps[-1:]:
+        bwd = sorted((e for e in ev if e["cat"] == "compute" and e["name"].startswith("backward")
+                      and s["ts"] <= e["ts"] <= s["ts"] + s["dur"]), key=lambda e: e["ts"])[-1]
+        buckets = sorted((e for e in ev if e["cat"] == "comm" and e["name"].startswith("ddp bucket")
+                          and bwd["ts"] <= e["args"]["enqueued_ts"] <= bwd["ts"] + bwd["dur"]),
+                         key=lambda e: e["args"]["enqueued_ts"])
+        span = max(1, buckets[-1]["args"]["enqueued_ts"] - bwd["ts"]) if buckets else 1
+        grads = [(e["args"]["bytes"], (e["args"]["enqueued_ts"] - bwd["ts"]) / span)
+                 for e in buckets]
+    return Profile(f"{local_path} + {ddp_path}", _median(per["forward"]),
+                   _median(per["backward"]), _median(per["optimizer"]), grads, [])
+
+
+# --- schedules ---------------------------------------------------------------------------------
+
+def ddp_step(prof, p, links, bucket_bytes=25e6, stretch=1.0, cpu_share=0.0):
+    """Step time and exposed communication of DDP at p GPUs."""
+    fwd, bwd, opt = prof.forward * stretch, prof.backward * stretch, prof.optimizer * stretch
+    # Re-bucket the gradients: consecutive gradients up to bucket_bytes.
+    buckets, size, ready = [], 0.0, 0.0
+    for nbytes, frac in prof.grads:
+        size, ready = size + nbytes, frac
+        if size >= bucket_bytes:
+            buckets.append((size, ready))
+            size = 0.0
+    if size > 0:
+        buckets.append((size, ready))
+    t, busy_in_backward = fwd, 0.0
+    end_bwd = fwd + bwd
+    queue = 0.0
+    for nbytes, frac in buckets:
+        start = max(fwd + frac * bwd, queue)
+        queue = start + all_reduce(nbytes, p, links)
+        busy_in_backward += max(0.0, min(queue, end_bwd) - start)
+    # On a CPU machine the communication thread takes cycles from backward.
+    end_bwd += cpu_share * busy_in_backward
+    t = max(end_bwd, queue) + opt
+    return t, max(0.0, queue - end_bwd)
+
+
+def fsdp_step(prof, p, links, prefetch=2, stretch=1.0):
+    """Step time and exposed communication of FSDP (FULL_SHARD) at p GPUs."""
+    units = prof.units
+    if not units:
+        sys.exit("scaling_model: an FSDP model needs per-unit figures (a preset)")
+
+    def phase(order, compute_of, start, reduce_after):
+        gather_q = start
+        done = []  # compute end per position
+        t = start
+        reduce_q, reduce_end = start, start
+        for k, u in enumerate(order):
+            # At most `prefetch` gathers outstanding: gather k waits for unit k - prefetch.
+            issue = max(gather_q, done[k - prefetch] if k >= prefetch else start)
+            gather_q = issue + gather_or_scatter(u[0], p, links)
+            t = max(t, gather_q) + compute_of(u) * stretch
+            done.append(t)
+            if reduce_after:
+                reduce_q = max(reduce_q, t) + gather_or_scatter(u[0], p, links)
+                reduce_end = reduce_q
+        return t, reduce_end
+
+    fwd_end, _ = phase(units, lambda u: u[1], 0.0, False)
+    bwd_end, red_end = phase(list(reversed(units)), lambda u: u[2], fwd_end, True)
+    t = max(bwd_end, red_end) + prof.optimizer * stretch
+    return t, t - prof.compute * stretch
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+SCALES = [8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def table(args):
+    links = Links(args.nvlink_us * 1e-6, args.nvlink_gbps * 1e9, args.ib_us * 1e-6,
+                  args.ib_gbps * 1e9, args.gpus_per_node)
+    presets = [
+        transformer_preset("GPT-2 small (124M), 8 x 1024 tokens/GPU", 124e6, 12, 8 * 1024,
+                           args.tflops, args.mfu),
+        transformer_preset("7B, 4 x 4096 tokens/GPU", 6.7e9, 32, 4 * 4096, args.tflops, args.mfu),
+    ]
+    print(f"Links: NVLink {args.nvlink_gbps} GB/s/GPU, {args.nvlink_us} us; InfiniBand "
+          f"{args.ib_gbps} GB/s/GPU, {args.ib_us} us; {args.gpus_per_node} GPUs/node; compute "
+          f"{args.tflops} TFLOP/s x MFU {args.mfu}\n")
+    curves = []
+    for prof in presets:
+        curves.append((prof.name, [prof.compute / ddp_step(prof, p, links, args.bucket_mb * 1e6)[0]
+                                   for p in SCALES],
+                       [prof.compute / fsdp_step(prof, p, links, args.prefetch)[0]
+                        for p in SCALES]))
+        print(f"### {prof.name}: compute {prof.compute * 1e3:.1f} ms/step\n")
+        print("| GPUs | DDP step (ms) | DDP exposed (ms) | DDP efficiency | "
+              "FSDP step (ms) | FSDP exposed (ms) | FSDP efficiency |")
+        print("|---|---|---|---|---|---|---|")
+        stop = {"DDP": None, "FSDP": None}
+        for p in SCALES:
+            d, de = ddp_step(prof, p, links, args.bucket_mb * 1e6)
+            f, fe = fsdp_step(prof, p, links, args.prefetch)
+            for k, exposed, step in (("DDP", de, d), ("FSDP", fe, f)):
+                if stop[k] is None and exposed > 0.05 * step:
+                    stop[k] = p
+            print(f"| {p} | {d * 1e3:.1f} | {de * 1e3:.1f} | {prof.compute / d:.1%} | "
+                  f"{f * 1e3:.1f} | {fe * 1e3:.1f} | {prof.compute / f:.1%} |")
+        print()
+        for k in ("DDP", "FSDP"):
+            if stop[k] is None:
+                print(f"- {k}: communication stays hidden (exposed <= 5% of the step) up to "
+                      f"{SCALES[-1]} GPUs.")
+                continue
+            p = stop[k]
+            fixes = []
+            if k == "DDP":
+                for mb in (1, 5, 10, 25, 50, 100, 200, 400):
+                    s, e = ddp_step(prof, p, links, mb * 1e6)
+                    if e <= 0.05 * s:
+                        fixes.append(f"bucket_cap_mb {mb}")
+            else:
+                for depth in (1, 2, 3, 4, 8):
+                    s, e = fsdp_step(prof, p, links, depth)
+                    if e <= 0.05 * s:
+                        fixes.append(f"prefetch depth (limit_all_gathers) {depth}")
+            print(f"- {k}: communication stops hiding at {p} GPUs (exposed > 5% of the step); "
+                  + (f"hidden again there with: {', '.join(fixes)}." if fixes else
+                     "no bucket size or prefetch depth hides it there: the link is the limit."))
+        print()
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for (name, ddp, fsdp), color in zip(curves, ("#4c72b0", "#dd8452")):
+            ax.plot(SCALES, [100 * e for e in ddp], marker="o", color=color, label=f"DDP, {name}")
+            ax.plot(SCALES, [100 * e for e in fsdp], marker="s", linestyle="--", color=color,
+                    label=f"FSDP, {name}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("weak-scaling efficiency (%)")
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"dtrain's schedule, modelled: {args.gpus_per_node} GPUs/node, NVLink "
+                     f"{args.nvlink_gbps:g} GB/s, IB {args.ib_gbps:g} GB/s per GPU", fontsize=10)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+        print(f"wrote {args.plot}")
+
+
+def fit_alpha_beta(points):
+    """Least squares t = a + b n over (n, t)."""
+    n = len(points)
+    sx = sum(x for x, _ in points)
+    sy = sum(y for _, y in points)
+    sxx = sum(x * x for x, _ in points)
+    sxy = sum(x * y for x, y in points)
+    b = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    a = (sy - b * sx) / n
+    return max(a, 0.0), b
+
+
+def validate(args):
+    """measured JSON: {"local_trace": PATH, "ddp_trace": PATH, "cores": 2, "threads": 1,
+    "runs": [{"backend": "mpi", "ranks": 2, "step_s": 0.35,
+              "all_reduce": [[bytes, seconds], ...]}, ...]}"""
+    m = json.load(open(args.measured))
+    prof = profile_from_traces(m["local_trace"], m["ddp_trace"])
+    print(f"profile: one process (median of its traced steps) forward {prof.forward:.4f} s, "
+          f"backward {prof.backward:.4f} s, optimizer {prof.optimizer:.4f} s; "
+          f"{len(prof.grads)} bucket(s) of {sum(b for b, _ in prof.grads) / 1e6:.1f} MB, ready "
+          f"at {', '.join(f'{f:.2f}' for _, f in prof.grads)} of backward (2-rank trace)\n")
+    print("| backend | ranks | alpha (us) | bandwidth (GB/s) | predicted step (s) | "
+          "measured step (s) | error |")
+    print("|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for r in m["runs"]:
+        p = r["ranks"]
+        # t = a + b n for the whole all-reduce: per ring step alpha, bus bandwidth B.
+        a, b = fit_alpha_beta(r["all_reduce"])
+        alpha = a / (2 * (p - 1))
+        bw = 2 * (p - 1) / p / b
+        links = Links(alpha, bw, alpha, bw, p)
+        # The profile is one process's; p ranks of t threads on c cores stretch it.
+        stretch = max(1.0, p * m["threads"] / m["cores"])
+        pred, _ = ddp_step(prof, p, links, bucket_bytes=m.get("bucket_bytes", 25e6),
+                           stretch=stretch, cpu_share=args.cpu_share)
+        err = (pred - r["step_s"]) / r["step_s"]
+        worst = max(worst, abs(err))
+        print(f"| {r['backend']} | {p} | {alpha * 1e6:.1f} | {bw / 1e9:.2f} | {pred:.4f} | "
+              f"{r['step_s']:.4f} | {err:+.1%} |")
+    print(f"\nlargest error: {worst:.1%} (target: within 15%)")
+    return 0 if worst <= 0.15 else 1
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("table", help="GPT-2 small and 7B at 8 to 1024 GPUs")
+    t.add_argument("--nvlink-gbps", type=float, default=450, help="per GPU, one direction")
+    t.add_argument("--nvlink-us", type=float, default=3)
+    t.add_argument("--ib-gbps", type=float, default=50, help="per GPU (one 400 Gb/s NIC each)")
+    t.add_argument("--ib-us", type=float, default=8)
+    t.add_argument("--gpus-per-node", type=int, default=8)
+    t.add_argument("--tflops", type=float, default=989, help="bf16 dense peak (H100/H200)")
+    t.add_argument("--mfu", type=float, default=0.4)
+    t.add_argument("--bucket-mb", type=float, default=25)
+    t.add_argument("--prefetch", type=int, default=2)
+    t.add_argument("--plot", help="also draw the efficiencies into this PNG")
+    v = sub.add_parser("validate", help="predicted against measured on this machine")
+    v.add_argument("--measured", required=True)
+    v.add_argument("--cpu-share", type=float, default=1.0,
+                   help="fraction of the communication thread's busy time during backward "
+                        "that backward loses (1: it takes a core backward needed)")
+    a = ap.parse_args()
+    if a.cmd == "table":
+        table(a)
+        return 0
+    return validate(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
