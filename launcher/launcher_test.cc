@@ -52,7 +52,7 @@ bool alive(pid_t pid) {
 
 pid_t read_pid(const std::string& path) { return std::atoi(read_file(path).c_str()); }
 
-// Waits (up to 10 s) until both ranks of a "sleep" or "stubborn" child have started theirs.
+// Waits (up to 10 s) until both ranks of a "sleep" or "ignore-term" child have started theirs.
 void wait_for_children(const std::string& dir) {
   for (int i = 0; i < 200 && !(std::ifstream(dir + "/child.0") && std::ifstream(dir + "/child.1"));
        ++i) {
@@ -183,7 +183,7 @@ TEST(Launcher, SigtermToTheLauncherEndsEveryRank) {
 TEST(Launcher, SigkillOfTheLauncherLeavesNothingRunning) {
   std::string dir = make_dir();
   pid_t pid = start_launcher({"--nproc-per-node", "2", "--master-port", "0", "--grace-period", "1",
-                              g_child, "stubborn", dir});
+                              g_child, "ignore-term", dir});
   wait_for_children(dir);
   std::vector<pid_t> job;
   for (int r : {0, 1}) {

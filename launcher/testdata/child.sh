@@ -17,7 +17,7 @@ case "$mode" in
     echo $! > "$dir/child.$RANK"
     wait
     ;;
-  stubborn)  # every rank starts a child that ignores SIGTERM, then sleeps
+  ignore-term)  # every rank starts a child that ignores SIGTERM, then sleeps
     echo $$ > "$dir/pid.$RANK"
     (trap '' TERM; exec sleep 1000) &
     echo $! > "$dir/child.$RANK"
