@@ -135,6 +135,28 @@ TEST_F(Test, ManyOutstandingCollectivesCompleteInOrder) {
   world().barrier().wait();
 }
 
+// Once wait() returns, the caller holds the only references to the tensors: a buffer it lets
+// go is freed then (FSDP's peak memory depends on it), not when the worker thread gets to it.
+// Gloo's own threads hold a finished c10d work (and its tensors) a moment longer, out of reach.
+TEST_F(Test, AfterWaitTheCollectiveHoldsNoReferenceToItsTensors) {
+  if (world().backend() == "gloo") GTEST_SKIP() << "ProcessGroupGloo releases its works late";
+  const int s = world().size();
+  for (int k = 0; k < 200; ++k) {
+    at::Tensor x = at::full({64}, 1.0, at::kFloat);
+    world().all_reduce(x).wait();
+    ASSERT_EQ(x.use_count(), 1u) << "all_reduce, round " << k;
+    at::Tensor full = at::full({8 * s}, 1.0, at::kFloat);
+    at::Tensor shard = at::empty({8}, at::kFloat);
+    world().reduce_scatter(full, shard).wait();
+    ASSERT_EQ(full.use_count(), 1u) << "reduce_scatter input, round " << k;
+    ASSERT_EQ(shard.use_count(), 1u) << "reduce_scatter output, round " << k;
+    world().all_gather(shard, full).wait();
+    ASSERT_EQ(shard.use_count(), 1u) << "all_gather input, round " << k;
+    ASSERT_EQ(full.use_count(), 1u) << "all_gather output, round " << k;
+    EXPECT_EQ(full[0].item<float>(), float(s));
+  }
+}
+
 // fp16/bf16: the result is the fp32 sum of each pair rounded once per pairwise step.
 TEST_F(Test, HalfAndBFloat16SumsRoundOncePerPairwiseStep) {
   const int size = world().size();

@@ -95,6 +95,16 @@ class Communicator {
     ReduceOp op = ReduceOp::kSum;
     int root = 0;
     std::shared_ptr<detail::WorkState> state;
+
+    // A synchronous backend drops its references before completing `state`: a caller whose
+    // wait() has returned then holds the only ones, so the memory of a buffer it lets go is
+    // freed (or pooled) at once, not whenever the worker thread gets to it. FSDP's peak
+    // memory would otherwise depend on thread timing. (ProcessGroupGloo's threads drop a
+    // finished work's tensors just after completing it, which dtrain cannot reach.)
+    void release_tensors() {
+      input = at::Tensor();
+      output = at::Tensor();
+    }
   };
 
   // Runs `c` asynchronously and completes c.state (finish or fail). Called in issue order.

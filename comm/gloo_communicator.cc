@@ -141,13 +141,14 @@ class GlooCommunicator : public Communicator {
 
  protected:
   void enqueue(Collective c) override {
-    worker_.post([pg = pg_, size = size(), rank = rank(), c = std::move(c)] {
+    worker_.post([pg = pg_, size = size(), rank = rank(), c = std::move(c)]() mutable {
       // Failed already: the communicator broke while this waited in the queue. Issuing it
       // now would pair it with a different collective on the ranks still in step.
       if (c.state->is_completed()) return;
       c.state->mark_started();
       try {
         run(*pg, size, rank, c);
+        c.release_tensors();  // before the waiter wakes (see Collective)
         c.state->finish();
       } catch (const dtrain::Error&) {
         c.state->fail(std::current_exception());

@@ -231,13 +231,14 @@ class MpiCommunicator : public Communicator {
       if (on_break) on_break(why);
     };
     // Capture values, not `this`: the task may outlive a communicator destroyed early.
-    worker_->post([comm = comm_, size = size(), c = std::move(c), &runtime] {
+    worker_->post([comm = comm_, size = size(), c = std::move(c), &runtime]() mutable {
       // Failed already: the communicator broke while this waited in the queue. Issuing it
       // now would pair it with a different collective on the ranks still in step.
       if (c.state->is_completed()) return;
       c.state->mark_started();
       try {
         run(runtime, comm, size, c);
+        c.release_tensors();  // before the waiter wakes (see Collective)
         c.state->finish();
       } catch (...) {
         c.state->fail(std::current_exception());
