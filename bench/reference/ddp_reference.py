@@ -8,6 +8,13 @@ Prints one JSON line on rank 0.
     --local   one process, no DDP and no communication: the local step, the limit of data
               parallelism (run it without a launcher)
     --fused   AdamW(fused=True) instead of PyTorch's default (foreach)
+
+Parity (sharding/ddp_parity_test.sh): with --init DIR/init.pt, train the small TransformerLM
+of sharding/ddp_parity.cc from dtrain's initial weights on the same data, as a PyTorch user
+would: DDP (with bf16_compress_hook / fp16_compress_hook for those precisions), the forward
+and the loss under torch.autocast, AdamW(fused=True), torch.amp.GradScaler for fp16. Rank 0
+then compares the losses, scales and final weights with dtrain's (DIR/dtrain.json,
+DIR/final.pt) bit for bit and exits 1 on any difference.
 """
 import argparse
 import json
@@ -22,6 +29,90 @@ import torch.nn.functional as F
 from model import TransformerLM
 
 
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parity(a):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab, seq, d_model, layers, heads, batch = 64, 16, 32, 2, 4, 4
+    out = os.path.dirname(os.path.abspath(a.init))
+    model = TransformerLM(vocab, seq, d_model, layers, heads, 2 * d_model)
+    keys = model.load_state_dict(torch.load(a.init, weights_only=False), strict=True)
+    assert not keys.missing_keys and not keys.unexpected_keys, keys
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    dtype = DTYPES[a.precision]
+    if dtype == torch.float16:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif dtype == torch.bfloat16:
+        # DDP refuses bf16_compress_hook by name without NCCL or XCCL: the same hook, renamed.
+        def bf16_hook(process_group, bucket):
+            buffer = bucket.buffer()
+            compressed = buffer.to(torch.bfloat16).div_(world)
+            fut = dist.all_reduce(compressed, async_op=True).get_future()
+
+            def decompress(fut):
+                buffer.copy_(fut.value()[0])
+                return buffer
+            return fut.then(decompress)
+        ddp.register_comm_hook(None, bf16_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=a.init_scale,
+                                  growth_interval=a.growth_interval,
+                                  enabled=a.precision == "fp16")
+    losses, scales, skipped = [], [], 0
+    for s in range(a.steps):
+        gen = torch.Generator().manual_seed(1000 + s * world + rank)
+        x = torch.randint(0, vocab, (batch, seq), generator=gen)
+        y = torch.randint(0, vocab, (batch, seq), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            logits = ddp(x).float()
+            loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
+        scaler.scale(loss).backward()
+        before = scaler.get_scale() if scaler.is_enabled() else 1.0
+        scaler.step(opt)
+        scaler.update()
+        if scaler.is_enabled() and scaler.get_scale() < before:
+            skipped += 1
+        mean = loss.detach().double().reshape(1)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        scales.append(scaler.get_scale() if scaler.is_enabled() else 1.0)
+    dist.barrier()
+    if rank != 0:
+        return 0
+    with open(os.path.join(out, "dtrain.json")) as f:
+        theirs = json.load(f)
+    final = torch.load(os.path.join(out, "final.pt"), weights_only=False)
+    ours = dict(model.named_parameters())
+    bad = []
+    if sorted(final) != sorted(ours):
+        bad.append(f"parameter names differ: dtrain {sorted(final)}, pytorch {sorted(ours)}")
+    for name in sorted(set(final) & set(ours)):
+        d, p = final[name], ours[name].detach()
+        if d.dtype != p.dtype or d.shape != p.shape:
+            bad.append(f"{name}: dtrain {d.dtype} {tuple(d.shape)}, pytorch {p.dtype} "
+                       f"{tuple(p.shape)}")
+        elif not torch.equal(d, p):
+            diff = (d != p)
+            bad.append(f"{name}: {int(diff.sum())} of {d.numel()} elements differ, largest by "
+                       f"{float((d.double() - p.double()).abs().max()):.3e}")
+    for what, mine in (("loss", losses), ("scale", scales)):
+        if theirs[what] != mine:
+            first = next(i for i, (u, v) in enumerate(zip(theirs[what], mine)) if u != v) \
+                if len(theirs[what]) == len(mine) else -1
+            bad.append(f"{what} trajectories differ (first at step {first}): dtrain "
+                       f"{theirs[what]}, pytorch {mine}")
+    print(f"{a.precision}: {len(ours)} parameters ({sum(p.numel() for p in ours.values())} "
+          f"elements), {a.steps} steps, {skipped} skipped, final loss {losses[-1]:.6f}, "
+          f"scales {scales if scaler.is_enabled() else 'off'}")
+    for line in bad:
+        print("  DIFFERS " + line)
+    print(f"{a.precision}: " + ("bitwise equal" if not bad else "NOT bitwise equal"), flush=True)
+    return 1 if bad else 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     for name, default in [("steps", 8), ("warmup", 2), ("d-model", 512), ("layers", 6), ("heads", 8),
@@ -30,8 +121,20 @@ def main():
     ap.add_argument("--bucket-cap-mb", type=float, default=25)
     ap.add_argument("--local", action="store_true")
     ap.add_argument("--fused", action="store_true")
+    ap.add_argument("--init", help="parity: dtrain's initial weights (DIR/init.pt)")
+    ap.add_argument("--precision", choices=DTYPES, default="fp32")
+    ap.add_argument("--init-scale", type=float, default=16777216.0)
+    ap.add_argument("--growth-interval", type=int, default=4)
     a = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if a.init:
+        dist.init_process_group("gloo")
+        try:
+            status = parity(a)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+        raise SystemExit(status)
     if not a.local:
         dist.init_process_group("gloo")
     rank = 0 if a.local else dist.get_rank()
