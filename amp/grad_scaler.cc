@@ -91,7 +91,15 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   state.stage = Stage::kUnscaled;
 }
 
-bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+bool GradScaler::step(torch::optim::Optimizer& optimizer) { return step_impl(optimizer, nullptr); }
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf) {
+  DTRAIN_CHECK_AS(UsageError, !found_inf.defined() || found_inf.numel() == 1,
+                  "GradScaler::step: found_inf must hold one element, got ", found_inf.numel());
+  return step_impl(optimizer, found_inf.defined() ? &found_inf : nullptr);
+}
+
+bool GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::Tensor* found_inf) {
   if (!enabled_) {
     optimizer.step();
     return true;
@@ -104,7 +112,13 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
     // PyTorch's path for `_step_supports_amp_scaling`: the inf check without unscaling (an
     // inverse scale of 1, as _check_inf_per_device), then the scale and the summed flag go to
     // the optimizer, whose kernel unscales (unless unscale_ already did) and skips.
-    if (state.stage == Stage::kReady) {
+    if (state.stage == Stage::kReady && found_inf != nullptr) {
+      // The verdict is in: no pass over the gradients here.
+      state.found_inf_per_device.clear();
+      state.found_inf_per_device.emplace(
+          scale_.device(), found_inf->reshape({1}).to(scale_.device(), at::kFloat, true, true));
+      sync_found_inf(state.found_inf_per_device, scale_);
+    } else if (state.stage == Stage::kReady) {
       state.found_inf_per_device =
           unscale_grads(optimizer, at::full({}, 1.0, scale_.options().dtype(at::kFloat)));
       sync_found_inf(state.found_inf_per_device, scale_);

@@ -81,6 +81,13 @@ class GradScaler {
   // Unscales if not done yet, then steps unless a gradient was inf/NaN. Returns whether
   // the optimizer stepped (disabled: always steps and returns true).
   bool step(torch::optim::Optimizer& optimizer);
+  // The same, with the inf/NaN verdict over every gradient of `optimizer` already made
+  // (`found_inf`: 1 element, nonzero when some gradient is inf/NaN), e.g. by DDP's
+  // check_finite in the pass that writes its reduced buckets back. A fused optimizer
+  // (ScalingAwareOptimizer) then steps without the scaler's own pass over the gradients;
+  // any other optimizer, or one unscale_()d already, steps as step(optimizer) does. The
+  // flag must come from this iteration's gradients, as they are now.
+  bool step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf);
 
   // Backs the scale off after a skipped step, grows it after growth_interval clean ones.
   void update();
@@ -130,6 +137,7 @@ class GradScaler {
   void check_initialized(const char* funcname) const;
   void lazy_init(const c10::Device& device);
   PerDevice unscale_grads(torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale);
+  bool step_impl(torch::optim::Optimizer& optimizer, const at::Tensor* found_inf);
 
   bool enabled_;
   double init_scale_;

@@ -1,7 +1,9 @@
 // comm_bench: collective bandwidth, nccl-tests style, for dtrain's MPI backend beside raw MPI
 // on the same bytes in the same run, and for the Gloo backend.
 //
-//   mpirun -np 2 bazel-bin/bench/comm_bench [--max-mib 64] [--reps 5]
+//   mpirun -np 2 bazel-bin/bench/comm_bench [--min-kib 4] [--max-mib 64 | --max-kib K] [--reps 5]
+//                                           [--op all_gather]... [--no-gloo]
+// (bench/run_comm_bench.sh repeats it and reports each row's median and minimum ratio.)
 //
 // Sizes are the total buffer (all_reduce: the tensor; reduce_scatter: the input; all_gather:
 // the output), 4 KiB to 64 MiB. Each measurement issues `iters` collectives back to back and
@@ -9,6 +11,9 @@
 // runs the same loop of blocking calls on the MPI thread itself. Time is the slowest rank's,
 // the reported figure the median of --reps repetitions. algbw = size / time;
 // busbw = algbw x 2(n-1)/n for all_reduce, x (n-1)/n for reduce_scatter and all_gather.
+// "dtrain extra us/op" is dtrain's time per collective less raw MPI's: the cost of handing
+// the call to the worker thread and completing its Work, which a message of a few KiB cannot
+// hide (raw MPI moves 4 KiB between two ranks in well under a microsecond).
 // Every result is checked against the buffer each rank computes; a wrong element on any
 // rank fails the run.
 #include <ATen/ATen.h>
@@ -151,9 +156,19 @@ int main(int argc, char** argv) {
   dtrain::cli::setup(app, "comm_bench");
   int64_t max_mib = 64;
   int reps = 5;
+  int64_t min_kib = 4, max_kib = 0;
+  std::vector<std::string> ops_wanted = {"all_reduce", "reduce_scatter", "all_gather"};
+  bool with_gloo = true;
   app.add_option("--max-mib", max_mib, "largest message, MiB")->check(CLI::Range(1, 4096));
   app.add_option("--reps", reps, "repetitions per size; the median is reported")
       ->check(CLI::Range(1, 1000));
+  app.add_option("--min-kib", min_kib, "smallest message, KiB (a power of 4 times 4)")
+      ->check(CLI::Range(4, 4 * 1024 * 1024));
+  app.add_option("--max-kib", max_kib, "largest message, KiB (instead of --max-mib)")
+      ->check(CLI::Range(4, 4 * 1024 * 1024));
+  app.add_option("--op", ops_wanted, "collectives to run (repeatable)")
+      ->check(CLI::IsMember({"all_reduce", "reduce_scatter", "all_gather"}));
+  app.add_flag("!--no-gloo", with_gloo, "skip the Gloo column (c10d's; slow at large sizes)");
   dtrain::cli::parse(app, argc, argv);
   at::set_num_threads(1);
   CommOptions mo;
@@ -161,24 +176,29 @@ int main(int argc, char** argv) {
   auto mpi = create_world(mo);
   CommOptions go;
   go.backend = Backend::kGloo;
-  auto gloo = create_world(go);
+  const int64_t max_bytes = max_kib > 0 ? max_kib * 1024 : max_mib * 1024 * 1024;
+  std::shared_ptr<Communicator> gloo = with_gloo ? create_world(go) : nullptr;
   const int world = mpi->size(), rank = mpi->rank();
   if (rank == 0) {
     std::printf("# comm_bench: %d ranks, median of %d reps, GB/s (1e9 bytes/s)\n", world, reps);
     std::printf(
         "| op | dtype | size | dtrain-mpi algbw | busbw | raw MPI algbw | busbw | "
-        "dtrain/raw | gloo algbw | busbw |\n|---|---|---|---|---|---|---|---|---|---|\n");
+        "dtrain/raw | raw us/op | dtrain extra us/op | gloo algbw | busbw |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   }
   int failures = 0;
   for (Op op : {Op::kAllReduce, Op::kReduceScatter, Op::kAllGather}) {
+    if (std::find(ops_wanted.begin(), ops_wanted.end(), name(op)) == ops_wanted.end()) continue;
     for (auto t : {at::kFloat, at::kBFloat16}) {
-      for (int64_t bytes = 4096; bytes <= max_mib * 1024 * 1024; bytes *= 4) {
+      for (int64_t bytes = min_kib * 1024; bytes <= max_bytes; bytes *= 4) {
         int64_t elems = bytes / c10::elementSize(t);
         elems -= elems % world;
         const int iters = static_cast<int>(std::clamp<int64_t>((256LL << 20) / bytes, 3, 200));
         double per[3];
         Communicator* comms[3] = {mpi.get(), nullptr, gloo.get()};
         for (int k = 0; k < 3; ++k) {
+          per[k] = 0;
+          if (k == 2 && !gloo) continue;
           std::vector<double> samples;
           Buffers b = make_buffers(op, elems, world, rank, t);
           for (int r = 0; r < reps + 1; ++r) {  // the first repetition warms up
@@ -204,13 +224,19 @@ int main(int argc, char** argv) {
         if (rank == 0) {
           double size = double(elems) * c10::elementSize(t);
           auto alg = [&](double s) { return size / s / 1e9; };
-          std::printf("| %s | %s | %s | %.3f | %.3f | %.3f | %.3f | %.2f | %.3f | %.3f |\n",
-                      name(op), t == at::kFloat ? "fp32" : "bf16",
+          char gloo_cols[64] = "- | -";
+          if (gloo) {
+            std::snprintf(gloo_cols, sizeof gloo_cols, "%.3f | %.3f", alg(per[2]),
+                          alg(per[2]) * bus_factor(op, world));
+          }
+          std::printf("| %s | %s | %s | %.3f | %.3f | %.3f | %.3f | %.2f | %.2f | %.2f | %s |\n",
+                      name(op),
+                      t == at::kFloat ? "fp32" : "bf16",
                       bytes >= (1 << 20) ? (std::to_string(bytes >> 20) + " MiB").c_str()
                                          : (std::to_string(bytes >> 10) + " KiB").c_str(),
                       alg(per[0]), alg(per[0]) * bus_factor(op, world), alg(per[1]),
-                      alg(per[1]) * bus_factor(op, world), per[1] / per[0], alg(per[2]),
-                      alg(per[2]) * bus_factor(op, world));
+                      alg(per[1]) * bus_factor(op, world), per[1] / per[0], per[1] * 1e6,
+                      (per[0] - per[1]) * 1e6, gloo_cols);
           std::fflush(stdout);
         }
       }

@@ -7,7 +7,8 @@
 #   bench/run_ddp_bench.sh [ROUNDS] [extra step_bench/ddp_reference args...]
 # Tables: step, backward, optimizer and communication per implementation with step / local
 # step; and the optimizer's share of the step: dtrain's fused AdamW (the trainer's), LibTorch's
-# torch::optim::AdamW, PyTorch's default (foreach) and fused=True.
+# torch::optim::AdamW, PyTorch's default (foreach) and fused=True; and what a GradScaler adds
+# to dtrain's DDP step over MPI, with DDP's inf/NaN verdict and with the scaler's own check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -31,13 +32,20 @@ for r in $(seq "$rounds"); do
   PYTHONPATH=bench/reference .venv/bin/python $ref --local --fused "${args[@]}" >>"$out"
   bazel-bin/bench/step_bench --strategy local "${args[@]}" >>"$out"
   bazel-bin/bench/step_bench --strategy local --optimizer libtorch "${args[@]}" >>"$out"
+  for scaler in on own-check off; do
+    mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
+      bazel-bin/bench/step_bench --strategy ddp --precision bf16 --scaler $scaler "${args[@]}" \
+      >>"$out"
+  done
 done
 .venv/bin/python - "$out" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 def key(r):
-    return "/".join([r["impl"], r.get("strategy", "ddp"), r.get("backend", ""),
-                     r.get("optimizer", "default")])
+    k = "/".join([r["impl"], r.get("strategy", "ddp"), r.get("backend", ""),
+                  r.get("optimizer", "default")])
+    return k + ("/scaler-" + r["scaler"] if r.get("scaler", "off") != "off" or
+                r.get("precision") == "bf16" else "")
 groups = {}
 for r in rows: groups.setdefault(key(r), []).append(r)
 med = lambda k, f: statistics.median(r[f] for r in groups[k])
@@ -71,5 +79,25 @@ for k, label in [("dtrain/local/none/fused", "dtrain::optim::AdamW (fused kernel
     if k not in groups: continue
     o, s = med(k, "median_optimizer_s"), med(k, "median_step_s")
     print(f"| {label} | {o:.4f} | {s:.4f} | {100*o/s:.1f}% |")
+print("\nWhat a GradScaler adds to the DDP step (MPI, bf16 autocast and buckets, the scaler on\n"
+      "top: its work is the same as with fp16, whose CPU matmuls are too slow to be a fair\n"
+      "denominator). scaler: scale(), step() less the fused AdamW inside it, update();\n"
+      "write-back: DDP's end-of-backward copy of reduced buckets into the gradients, which\n"
+      "with check_finite also finds inf/NaN; added = scaler + write-back - write-back without\n"
+      "a scaler.\n")
+print("| inf/NaN check | scaler (s) | write-back (s) | step (s) | added (s) | added / step |")
+print("|---|---|---|---|---|---|")
+base = "dtrain/ddp/mpi/fused/scaler-off"
+if base in groups:
+    wb0 = med(base, "median_write_back_s")
+    for k, label in [("dtrain/ddp/mpi/fused/scaler-on", "DDP's write-back (check_finite)"),
+                     ("dtrain/ddp/mpi/fused/scaler-own-check", "the scaler's own pass"),
+                     (base, "no scaler")]:
+        if k not in groups: continue
+        sc, wb, st = (med(k, f) for f in ("median_scaler_s", "median_write_back_s",
+                                          "median_step_s"))
+        added = sc + wb - wb0
+        print(f"| {label} | {sc:.4f} | {wb:.4f} | {st:.4f} | {added:.4f} | "
+              f"{100 * added / med(base, 'median_step_s'):.2f}% |")
 PY
 rm -f "$out"

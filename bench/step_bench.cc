@@ -7,7 +7,13 @@
 //   dtrain-launch --nproc-per-node 2 -- step_bench --strategy fsdp --precision bf16
 //
 // Step = zero_grad -> forward -> cross-entropy (fp32) -> backward (gradients reduced) ->
-// AdamW step; DDP and local steps compute under autocast in bf16, FSDP in bf16 parameters.
+// AdamW step; DDP and local steps compute under autocast in bf16 (or fp16), FSDP in bf16
+// parameters. fp16 (DDP and local) adds the GradScaler (--scaler adds it to any precision):
+// the loss is scaled, the gradients are checked for inf/NaN (by DDP's write-back with
+// --scaler on, by the scaler itself with own-check) and the scale and the flag go to the
+// fused AdamW. `scaler_s` is the scaler's own time: scale(), step() less the optimizer's step
+// inside it, and update(); `write_back_s` is DDP's write-back of reduced buckets (with the
+// check under --scaler on), to set against a run without it.
 // Memory: the process's RSS high-water mark, and the bytes CPU tensors held at the peak
 // (framework/memory.h), each the largest over ranks. The steady state (parameters,
 // gradients, optimizer state between steps) is reported too, so a table can set the peak
@@ -25,10 +31,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "amp/autocast.h"
+#include "amp/grad_scaler.h"
 #include "comm/factory.h"
 #include "core/cli.h"
 #include "framework/memory.h"
@@ -53,6 +61,19 @@ double seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+// The fused AdamW, timing its own steps (the part of scaler.step that is the optimizer's).
+class TimedAdamW : public dtrain::optim::AdamW {
+ public:
+  using dtrain::optim::AdamW::AdamW;
+  at::Tensor step(LossClosure closure = nullptr) override {
+    auto t0 = Clock::now();
+    at::Tensor out = dtrain::optim::AdamW::step(std::move(closure));
+    last_s = seconds(t0, Clock::now());
+    return out;
+  }
+  double last_s = 0;
+};
+
 // The largest value over ranks (or this one's, without a communicator).
 double max_over_ranks(dtrain::comm::Communicator* comm, double v) {
   if (comm == nullptr) return v;
@@ -68,7 +89,7 @@ int main(int argc, char** argv) {
   CLI::App app{"step_bench: TransformerLM step time and memory under dtrain's DDP or FSDP"};
   dtrain::cli::setup(app, "step_bench");
   std::string strategy = "ddp", sharding = "full_shard", precision = "fp32";
-  std::string optimizer = "fused";
+  std::string optimizer = "fused", scaler_mode;
   int64_t steps = 8, warmup = 2, d_model = 512, layers = 6, heads = 8, d_ff = 2048, seq = 64,
           batch = 4, vocab = 256, limit = 2;
   double bucket_cap_mb = 25;
@@ -77,7 +98,14 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"ddp", "fsdp", "local"}));
   app.add_option("--sharding", sharding, "FSDP: full_shard, shard_grad_op, no_shard")
       ->check(CLI::IsMember({"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"}));
-  app.add_option("--precision", precision, "fp32 or bf16")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--precision", precision, "fp32, bf16, or fp16 (DDP and local: with a GradScaler)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+  app.add_option("--scaler", scaler_mode,
+                 "on (a GradScaler; DDP hands it the inf/NaN verdict of its write-back, "
+                 "DDPOptions::check_finite), own-check (the scaler checks the gradients "
+                 "itself), or off; default: on for fp16, else off. Any precision takes one, "
+                 "to measure its cost beside a step whose compute is fast on a CPU")
+      ->check(CLI::IsMember({"on", "own-check", "off"}));
   app.add_option("--optimizer", optimizer,
                  "AdamW's implementation: fused (dtrain::optim, ATen's fused kernel, what the "
                  "trainer uses) or libtorch (torch::optim::AdamW's per-parameter loop)")
@@ -109,7 +137,19 @@ int main(int argc, char** argv) {
                   .n_layers(layers)
                   .n_heads(heads)
                   .d_ff(d_ff);
-  const bool bf16 = precision == "bf16";
+  const bool bf16 = precision == "bf16", fp16 = precision == "fp16";
+  if (fp16 && strategy == "fsdp") {
+    std::fprintf(stderr, "step_bench: --precision fp16 is for ddp and local\n");
+    return 2;
+  }
+  if (scaler_mode.empty()) scaler_mode = fp16 ? "on" : "off";
+  if (scaler_mode != "off" && strategy == "fsdp") {
+    std::fprintf(stderr, "step_bench: --scaler is for ddp and local\n");
+    return 2;
+  }
+  const std::optional<c10::ScalarType> low = bf16   ? std::optional<c10::ScalarType>(at::kBFloat16)
+                                             : fp16 ? std::optional<c10::ScalarType>(at::kHalf)
+                                                    : std::nullopt;
   std::unique_ptr<dtrain::sharding::DistributedDataParallel<TransformerLM>> ddp;
   std::unique_ptr<dtrain::sharding::FullyShardedDataParallel<TransformerLM>> fsdp;
   TransformerLM local{nullptr};
@@ -119,7 +159,8 @@ int main(int argc, char** argv) {
         TransformerLM(opts), comm,
         dtrain::sharding::DDPOptions()
             .bucket_cap_mb(bucket_cap_mb)
-            .reduce_dtype(bf16 ? std::optional<c10::ScalarType>(at::kBFloat16) : std::nullopt));
+            .reduce_dtype(low)
+            .check_finite(scaler_mode == "on"));
     params = ddp->parameters();
   } else if (strategy == "fsdp") {
     fsdp = std::make_unique<dtrain::sharding::FullyShardedDataParallel<TransformerLM>>(
@@ -136,14 +177,19 @@ int main(int argc, char** argv) {
     params = local->parameters();
   }
   std::unique_ptr<torch::optim::Optimizer> opt_ptr;
+  TimedAdamW* timed = nullptr;
   if (optimizer == "fused") {
-    opt_ptr = std::make_unique<dtrain::optim::AdamW>(params, torch::optim::AdamWOptions(1e-4));
+    auto o = std::make_unique<TimedAdamW>(params, torch::optim::AdamWOptions(1e-4));
+    timed = o.get();
+    opt_ptr = std::move(o);
   } else {
     opt_ptr = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-4));
   }
   torch::optim::Optimizer& opt = *opt_ptr;
+  dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions().enabled(scaler_mode != "off"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
-  std::vector<double> step_s, forward_s, backward_s, comm_s, exposed_s, opt_s;
+  std::vector<double> step_s, forward_s, backward_s, comm_s, exposed_s, opt_s, scaler_s,
+      write_back_s;
   double steady_mb = 0, peak_tracked_mb = 0;
   for (int64_t s = 0; s < warmup + steps; ++s) {
     at::Tensor x = at::randint(0, vocab, {batch, seq}, gen);
@@ -158,24 +204,39 @@ int main(int argc, char** argv) {
     at::Tensor loss;
     {
       // DDP and local steps compute under autocast; FSDP's parameters are bf16 already.
-      dtrain::amp::AutocastGuard autocast(at::kCPU, at::kBFloat16, bf16 && !fsdp);
+      dtrain::amp::AutocastGuard autocast(at::kCPU, low.value_or(at::kBFloat16),
+                                          low.has_value() && !fsdp);
       at::Tensor logits = ddp ? (*ddp)(x) : fsdp ? (*fsdp)(x) : local->forward(x);
       loss = at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), y.reshape(-1));
     }
     auto tb = Clock::now();
-    loss.backward();
+    at::Tensor scaled = scaler.scale(loss);
+    double in_scaler = seconds(tb, Clock::now());
+    scaled.backward();
     auto te = Clock::now();
-    opt.step();
+    if (scaler.is_enabled()) {
+      if (ddp && ddp->found_inf().defined()) {
+        scaler.step(opt, ddp->found_inf());
+      } else {
+        scaler.step(opt);
+      }
+      scaler.update();
+      in_scaler += seconds(te, Clock::now()) - (timed ? timed->last_s : 0.0);
+    } else {
+      opt.step();
+    }
     auto t1 = Clock::now();
     if (s < warmup) continue;
     step_s.push_back(seconds(t0, t1));
     forward_s.push_back(seconds(t0, tb));
     backward_s.push_back(seconds(tb, te));
     opt_s.push_back(seconds(te, t1));
+    scaler_s.push_back(scaler.is_enabled() ? in_scaler : 0.0);
     if (ddp || fsdp) {
       const auto& st = ddp ? ddp->last_stats() : fsdp->last_stats();
       comm_s.push_back(st.comm_seconds);
       exposed_s.push_back(st.exposed_seconds);
+      write_back_s.push_back(st.write_back_seconds);
     }
     steady_mb = std::max(steady_mb, steady);
     peak_tracked_mb = std::max(peak_tracked_mb, TrackedCpuMemory::peak_bytes() / 1e6);
@@ -194,12 +255,14 @@ int main(int argc, char** argv) {
         "\"median_forward_s\":%.4f,\"median_backward_s\":%.4f,\"median_optimizer_s\":%.4f,\"comm_"
         "s\":%.4f,"
         "\"exposed_s\":%.4f,\"hidden\":%.3f,\"peak_rss_mb\":%.1f,\"peak_tracked_mb\":%.1f,"
-        "\"steady_tracked_mb\":%.1f}\n",
+        "\"steady_tracked_mb\":%.1f,\"scaler\":\"%s\",\"median_scaler_s\":%.5f,\"median_write_back_"
+        "s\":%.5f}\n",
         optimizer.c_str(), strategy.c_str(), strategy == "fsdp" ? sharding.c_str() : "",
         precision.c_str(), comm ? comm->backend().c_str() : "none", comm ? comm->size() : 1,
         static_cast<long long>(dtrain::framework::transformer_lm_parameter_count(opts)),
         median(step_s), median(forward_s), median(backward_s), median(opt_s), c, e,
-        c > 0 ? std::max(0.0, 1 - e / c) : 1.0, peak_rss_mb, peak_tracked_mb, steady_mb);
+        c > 0 ? std::max(0.0, 1 - e / c) : 1.0, peak_rss_mb, peak_tracked_mb, steady_mb,
+        scaler.is_enabled() ? scaler_mode.c_str() : "off", median(scaler_s), median(write_back_s));
   }
   if (comm) comm->barrier().wait();
   return 0;

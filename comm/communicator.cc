@@ -35,6 +35,9 @@ Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
     world_ranks_.resize(size_);
     std::iota(world_ranks_.begin(), world_ranks_.end(), 0);
   }
+  shared_ranks_ = std::make_shared<const std::vector<int>>(world_ranks_);
+  on_break_ = std::make_shared<const detail::WorkState::BreakHandler>(
+      [health = health_](const std::string& why) { health->mark(why); });
   if (const char* v = std::getenv("DTRAIN_COMM_CHECK")) {
     const std::string value = v;
     DTRAIN_CHECK_AS(
@@ -46,7 +49,7 @@ Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
 }
 
 void Communicator::Health::mark(const std::string& why) {
-  std::vector<std::weak_ptr<detail::WorkState>> abandoned;
+  std::deque<std::weak_ptr<detail::WorkState>> abandoned;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (broken.exchange(true)) return;
@@ -63,13 +66,13 @@ void Communicator::Health::track(const std::shared_ptr<detail::WorkState>& state
   {
     std::lock_guard<std::mutex> lock(mu);
     if (!broken) {
-      // Forget finished ops first, so the list holds only what is in flight.
-      pending.erase(std::remove_if(pending.begin(), pending.end(),
-                                   [](const std::weak_ptr<detail::WorkState>& w) {
-                                     auto s = w.lock();
-                                     return !s || s->is_completed();
-                                   }),
-                    pending.end());
+      // Forget finished ops first, so the list holds what is in flight (and O(1) per op:
+      // scanning it all made issuing N queued collectives cost N^2).
+      while (!pending.empty()) {
+        auto s = pending.front().lock();
+        if (s && !s->is_completed()) break;
+        pending.pop_front();
+      }
       pending.push_back(state);
       return;
     }
@@ -141,7 +144,7 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
   info.op = name;
   info.backend = backend();
   info.rank = rank_;
-  info.ranks = world_ranks_;
+  info.ranks = shared_ranks_;
   if (kind != OpKind::kBarrier) {
     check_tensor(name, kind == OpKind::kAllGather ? "input shard" : "input", input, device_type());
     info.dtype = input.scalar_type();
@@ -181,7 +184,7 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
   if (kind != OpKind::kBarrier && info.numel == 0) return Work();
 
   auto state = std::make_shared<detail::WorkState>(std::move(info), timeout_);
-  state->on_break = [health = health_](const std::string& why) { health->mark(why); };
+  state->on_break = on_break_;
   health_->track(state);
   Collective c{kind, input, output, op, root, state};
   enqueue(std::move(c));

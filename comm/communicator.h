@@ -28,6 +28,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -146,11 +147,18 @@ class Communicator {
     std::atomic<bool> broken{false};
     std::mutex mu;
     std::string reason;
-    std::vector<std::weak_ptr<detail::WorkState>> pending;
+    // In issue order; ops complete in order, so finished ones are dropped from the front.
+    std::deque<std::weak_ptr<detail::WorkState>> pending;
     void mark(const std::string& why);
     void track(const std::shared_ptr<detail::WorkState>& state);
   };
   std::shared_ptr<Health> health_ = std::make_shared<Health>();
+  std::shared_ptr<const std::vector<int>> shared_ranks_;  // world_ranks_, for CollectiveInfo
+
+ protected:
+  // What a collective's late wait calls: marks this communicator broken. Set once at
+  // construction (a backend may wrap it there); each collective shares it.
+  std::shared_ptr<const detail::WorkState::BreakHandler> on_break_;
 };
 
 }  // namespace dtrain::comm

@@ -198,7 +198,14 @@ class MpiCommunicator : public Communicator {
       : Communicator(rank, size, std::move(world_ranks), timeout),
         comm_(comm),
         own_worker_(own_worker ? std::make_unique<OrderedWorker>() : nullptr),
-        worker_(own_worker ? own_worker_.get() : &MpiRuntime::get().worker()) {}
+        worker_(own_worker ? own_worker_.get() : &MpiRuntime::get().worker()) {
+    // A late collective also abandons the runtime's finalize (a stuck MPI call never returns).
+    on_break_ = std::make_shared<const detail::WorkState::BreakHandler>(
+        [mark = on_break_, &runtime = MpiRuntime::get()](const std::string& why) {
+          runtime.abandon();
+          (*mark)(why);
+        });
+  }
 
   ~MpiCommunicator() override {
     if (is_broken()) {
@@ -224,12 +231,6 @@ class MpiCommunicator : public Communicator {
  protected:
   void enqueue(Collective c) override {
     auto& runtime = MpiRuntime::get();
-    // Abandon the runtime's finalize if this collective times out.
-    auto on_break = c.state->on_break;
-    c.state->on_break = [on_break, &runtime](const std::string& why) {
-      runtime.abandon();
-      if (on_break) on_break(why);
-    };
     // Capture values, not `this`: the task may outlive a communicator destroyed early.
     worker_->post([comm = comm_, size = size(), c = std::move(c), &runtime]() mutable {
       // Failed already: the communicator broke while this waited in the queue. Issuing it
@@ -261,6 +262,11 @@ class MpiCommunicator : public Communicator {
   }
 
  private:
+  // A CPU tensor goes to MPI as it is (submit() checked it is contiguous): no view is made
+  // per call, which costs as much as a small collective. A CUDA tensor is staged on the host.
+  static at::Tensor host_input(const at::Tensor& t) { return t.is_cpu() ? t : to_host_flat(t); }
+  static at::Tensor host_output(const at::Tensor& t) { return t.is_cpu() ? t : host_flat_like(t); }
+
   static void run(const MpiRuntime& rt, MPI_Comm comm, int size, const Collective& c) {
     if (c.kind == OpKind::kBarrier) {
       DTRAIN_MPI(MPI_Barrier(comm));
@@ -271,7 +277,7 @@ class MpiCommunicator : public Communicator {
     const int64_t elem = c.input.element_size();
     switch (c.kind) {
       case OpKind::kAllReduce: {
-        at::Tensor host = to_host_flat(c.input);
+        at::Tensor host = host_input(c.input);
         char* p = static_cast<char*>(host.data_ptr());
         for (int64_t off = 0; off < host.numel(); off += kMaxCount) {
           int n = static_cast<int>(std::min(kMaxCount, host.numel() - off));
@@ -282,7 +288,7 @@ class MpiCommunicator : public Communicator {
         break;
       }
       case OpKind::kBroadcast: {
-        at::Tensor host = to_host_flat(c.input);
+        at::Tensor host = host_input(c.input);
         char* p = static_cast<char*>(host.data_ptr());
         for (int64_t off = 0; off < host.numel(); off += kMaxCount) {
           int n = static_cast<int>(std::min(kMaxCount, host.numel() - off));
@@ -295,8 +301,8 @@ class MpiCommunicator : public Communicator {
         DTRAIN_CHECK_AS(CommError, c.output.numel() <= kMaxCount, "mpi reduce_scatter: a shard of ",
                         c.output.numel(),
                         " elements exceeds MPI's int count; use more ranks or smaller units");
-        at::Tensor in = to_host_flat(c.input);
-        at::Tensor out = host_flat_like(c.output);
+        at::Tensor in = host_input(c.input);
+        at::Tensor out = host_output(c.output);
         DTRAIN_MPI(MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(),
                                             static_cast<int>(out.numel()), dt, rt.op(dtype, c.op),
                                             comm));
@@ -308,8 +314,8 @@ class MpiCommunicator : public Communicator {
         DTRAIN_CHECK_AS(CommError, c.input.numel() <= kMaxCount, "mpi all_gather: a shard of ",
                         c.input.numel(),
                         " elements exceeds MPI's int count; use more ranks or smaller units");
-        at::Tensor in = to_host_flat(c.input);
-        at::Tensor out = host_flat_like(c.output);
+        at::Tensor in = host_input(c.input);
+        at::Tensor out = host_output(c.output);
         int n = static_cast<int>(in.numel());
         DTRAIN_MPI(MPI_Allgather(in.data_ptr(), n, dt, out.data_ptr(), n, dt, comm));
         copy_back(c.output, out);

@@ -234,7 +234,7 @@ class NcclGroup {
         } else {
           culprit.state->fail(std::make_exception_ptr(
               CommError(describe(culprit.state->info()) + " failed: " + error)));
-          if (culprit.state->on_break) culprit.state->on_break(error);
+          culprit.state->notify_break(error);
         }
         for (auto& p : failed) {
           if (!p.state->is_completed()) {

@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "comm/types.h"
+#include "comm/worker.h"
 #include "core/error.h"
 #include "core/trace.h"
 
@@ -12,7 +13,9 @@ std::string describe(const CollectiveInfo& info) {
   std::ostringstream os;
   os << info.op << " #" << info.seq << " (" << dtype_name(info.dtype) << ", " << info.numel
      << " elements) on ranks [";
-  for (size_t i = 0; i < info.ranks.size(); ++i) os << (i ? "," : "") << info.ranks[i];
+  if (info.ranks) {
+    for (size_t i = 0; i < info.ranks->size(); ++i) os << (i ? "," : "") << (*info.ranks)[i];
+  }
   os << "] (" << info.backend << ")";
   return os.str();
 }
@@ -60,6 +63,7 @@ void WorkState::finish() {
   }
   // Before waking the waiters: a trainer that waits for its last collective finds it recorded.
   if (traced_) record_trace();
+  completed_.store(true, std::memory_order_release);
   cv_.notify_all();
 }
 
@@ -70,6 +74,7 @@ void WorkState::fail(std::exception_ptr error) {
     finished_ = std::chrono::steady_clock::now();
     done_ = true;
   }
+  completed_.store(true, std::memory_order_release);
   cv_.notify_all();
 }
 
@@ -80,7 +85,7 @@ void WorkState::time_out(const std::string& message) {
     timed_out_ = true;
   }
   fail(std::make_exception_ptr(TimeoutError(message)));
-  if (on_break) on_break(message);
+  notify_break(message);
 }
 
 namespace {
@@ -112,6 +117,7 @@ void WorkState::wait(std::chrono::milliseconds timeout) {
 }
 
 void WorkState::synchronize(std::chrono::milliseconds timeout) {
+  spin_until([&] { return completed_.load(std::memory_order_acquire); }, spin_budget());
   std::unique_lock<std::mutex> lock(mu_);
   bool ok = cv_.wait_for(lock, timeout, [&] { return done_; });
   if (!ok) {
@@ -123,17 +129,14 @@ void WorkState::synchronize(std::chrono::milliseconds timeout) {
       // This op fails for good (a later wait rethrows at once); then the communicator fails
       // every other pending op, since the ranks are out of step.
       fail(std::make_exception_ptr(TimeoutError(msg)));
-      if (on_break) on_break(msg);
+      notify_break(msg);
     }
     DTRAIN_FAIL(TimeoutError, msg);
   }
   if (error_) std::rethrow_exception(error_);
 }
 
-bool WorkState::is_completed() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return done_;
-}
+bool WorkState::is_completed() const { return completed_.load(std::memory_order_acquire); }
 
 double WorkState::busy_seconds() const {
   std::lock_guard<std::mutex> lock(mu_);

@@ -2,6 +2,9 @@
 // Gloo: an ordered worker; NCCL: a watchdog polling CUDA events); `wait()` blocks the caller
 // until then and rethrows the backend's failure.
 //
+// A waiter polls for completion for up to DTRAIN_COMM_SPIN_US (default 50 us) before it
+// sleeps, so a small collective's result is seen without a thread wake-up (worker.h).
+//
 // A wait never hangs: past its timeout it throws TimeoutError naming the collective, its
 // sequence number on the communicator, dtype, element count and the ranks involved, and it
 // tells the communicator, which then refuses further collectives (the ranks are out of step).
@@ -9,6 +12,7 @@
 
 #include <c10/core/ScalarType.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -27,8 +31,9 @@ struct CollectiveInfo {
   c10::ScalarType dtype = c10::kFloat;
   int64_t numel = 0;
   std::string backend;
-  int rank = 0;            // this process's rank in the communicator
-  std::vector<int> ranks;  // members, as world ranks
+  int rank = 0;  // this process's rank in the communicator
+  // Members, as world ranks (the communicator's list, shared by all its collectives).
+  std::shared_ptr<const std::vector<int>> ranks;
   // For the step timeline (core/trace.h): which communicator of this process, and what issued
   // the collective ("ddp bucket 3"; empty when not traced or unlabelled).
   int64_t comm_id = 0;
@@ -68,8 +73,13 @@ class WorkState {
   // the host-clock figure.
   void set_busy_seconds(double seconds);
 
-  // Called once if a wait times out (the communicator marks itself broken).
-  std::function<void(const std::string&)> on_break;
+  // Called once if a wait times out (the communicator marks itself broken). One handler per
+  // communicator, shared by its collectives (no allocation per collective).
+  using BreakHandler = std::function<void(const std::string&)>;
+  std::shared_ptr<const BreakHandler> on_break;
+  void notify_break(const std::string& why) const {
+    if (on_break && *on_break) (*on_break)(why);
+  }
   // NCCL: instead of blocking the host, make the caller's current stream wait for the op
   // (c10d's semantics). Called by wait() while the op is still running on the device; once
   // completed, wait() returns at once.
@@ -81,6 +91,7 @@ class WorkState {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
+  std::atomic<bool> completed_{false};  // done_, readable without the lock (polling, is_completed)
   bool timed_out_ = false;
   std::exception_ptr error_;
   std::chrono::steady_clock::time_point started_{}, finished_{};

@@ -1,26 +1,37 @@
 #include "comm/worker.h"
 
+#include <algorithm>
 #include <exception>
 #include <future>
 
+#include "core/env.h"
 #include "core/error.h"
 
 namespace dtrain::comm {
+
+std::chrono::microseconds spin_budget() {
+  static const std::chrono::microseconds budget{
+      std::max(0L, env_int(process_env(), "DTRAIN_COMM_SPIN_US", 50))};
+  return budget;
+}
 
 OrderedWorker::OrderedWorker()
     : shared_(std::make_shared<Shared>()), thread_([s = shared_] { loop(s); }) {}
 
 OrderedWorker::~OrderedWorker() { shutdown(std::chrono::hours(24 * 365)); }
 
-void OrderedWorker::post(std::function<void()> task) {
+void OrderedWorker::post(Task task) {
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     DTRAIN_CHECK_AS(CommError, !shared_->stop,
                     "a communicator's worker thread was used after it shut down (at process "
                     "exit?); create communicators before, and use them while, the program runs");
     shared_->queue.push_back(std::move(task));
+    shared_->queued.fetch_add(1, std::memory_order_release);
+    wake = shared_->sleeping;
   }
-  shared_->cv.notify_one();
+  if (wake) shared_->cv.notify_one();  // a polling thread finds the task itself
 }
 
 void OrderedWorker::run_sync(std::function<void()> task) {
@@ -53,14 +64,24 @@ bool OrderedWorker::shutdown(std::chrono::milliseconds grace) {
 }
 
 void OrderedWorker::loop(std::shared_ptr<Shared> s) {
+  const std::chrono::microseconds spin = spin_budget();
   std::unique_lock<std::mutex> lock(s->mu);
   while (true) {
-    s->cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
+    if (s->queue.empty() && !s->stop) {
+      lock.unlock();
+      spin_until([&] { return s->queued.load(std::memory_order_acquire) > 0; }, spin);
+      lock.lock();
+      s->sleeping = true;
+      s->cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
+      s->sleeping = false;
+    }
     if (s->queue.empty()) break;
     auto task = std::move(s->queue.front());
     s->queue.pop_front();
+    s->queued.fetch_sub(1, std::memory_order_relaxed);
     lock.unlock();
-    task();  // tasks report their own failures through their WorkState
+    task();        // tasks report their own failures through their WorkState
+    task.reset();  // its captures (tensors) go before the next poll
     lock.lock();
   }
   s->running = false;

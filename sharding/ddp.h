@@ -89,6 +89,9 @@ class DistributedDataParallel {
 
   Reducer& reducer() { return *reducer_; }
   const ReducerStats& last_stats() const { return reducer_->last_stats(); }
+  // DDPOptions::check_finite: whether the last synchronizing backward reduced an inf/NaN
+  // gradient, for GradScaler::step(optimizer, ddp.found_inf()).
+  const at::Tensor& found_inf() const { return reducer_->found_inf(); }
 
  private:
   ModuleHolder module_;

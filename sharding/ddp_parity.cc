@@ -7,8 +7,9 @@
 // everywhere), DistributedDataParallel with the precision preset's reduce dtype (bf16 and
 // fp16 buckets for those presets), the forward and the loss under autocast in the preset's
 // dtype, dtrain::optim::AdamW (the fused kernel) and, for fp16, the GradScaler handing its
-// scale and found-inf flag to the kernel. PyTorch's side: DDP with bf16_compress_hook /
-// fp16_compress_hook, torch.autocast, AdamW(fused=True) and torch.amp.GradScaler.
+// scale and DDP's found-inf flag (DDPOptions::check_finite) to the kernel. PyTorch's side: DDP with
+// bf16_compress_hook / fp16_compress_hook, torch.autocast, AdamW(fused=True) and
+// torch.amp.GradScaler.
 //
 // Rank 0 writes the initial weights (DIR/init.pt, a dict PyTorch's torch.load reads), the
 // weights after the last step (DIR/final.pt) and, per step, the loss averaged over ranks and
@@ -80,7 +81,10 @@ int main(int argc, char** argv) {
   const auto policy = dtrain::amp::MixedPrecisionPolicy::preset(precision);
   // DDP broadcasts rank 0's weights: the start both sides train from.
   dtrain::sharding::DistributedDataParallel<TransformerLM> ddp(
-      model, world, dtrain::sharding::DDPOptions().reduce_dtype(policy.effective_reduce_dtype()));
+      model, world,
+      dtrain::sharding::DDPOptions()
+          .reduce_dtype(policy.effective_reduce_dtype())
+          .check_finite(policy.needs_grad_scaler()));
   if (rank == 0) save_parameters(model, out_dir + "/init.pt");
 
   dtrain::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-3));
@@ -105,7 +109,8 @@ int main(int argc, char** argv) {
       loss = at::cross_entropy_loss(logits.reshape({-1, vocab}), y.reshape(-1));
     }
     scaler.scale(loss).backward();
-    if (!scaler.step(opt)) ++skipped;
+    // fp16: DDP's inf/NaN verdict from its write-back, so the scaler does not check again.
+    if (!(scaler.is_enabled() ? scaler.step(opt, ddp.found_inf()) : scaler.step(opt))) ++skipped;
     scaler.update();
     at::Tensor mean = loss.detach().reshape({1}).to(at::kDouble);
     world->all_reduce(mean, dtrain::comm::ReduceOp::kSum).wait();

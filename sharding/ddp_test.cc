@@ -11,12 +11,16 @@
 #include <torch/optim/sgd.h>
 
 #include <limits>
+#include <optional>
+#include <utility>
+#include <vector>
 
 #include "amp/grad_scaler.h"
 #include "amp/numerics.h"
 #include "core/error.h"
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
+#include "optim/fused.h"
 #include "tests/multirank.h"
 
 namespace dtrain::sharding {
@@ -363,6 +367,65 @@ TEST_F(Test, GradScalerSkipsOnEveryRankWhenOneRankProducesInf) {
     EXPECT_EQ(s.item<double>(), s0.item<double>())
         << "scale differs from rank 0's at step " << step;
   }
+}
+
+// check_finite: DDP's verdict from its write-back equals the scaler's own pass, in fp32,
+// bf16 and fp16 buckets, for an inf or a NaN in one element of one rank's gradient, in the
+// last chunk of a bucket larger than one chunk (the write-back checks 131072 at a time); and a
+// fused optimizer stepped with it ends bitwise where the scaler's own check takes it.
+TEST_F(Test, CheckFiniteFindsWhatTheScalersOwnCheckFinds) {
+  if (dev().is_cuda()) GTEST_SKIP() << "the chunked check reads host buffers";
+  for (auto reduce : {std::optional<at::ScalarType>(), std::optional<at::ScalarType>(at::kBFloat16),
+                      std::optional<at::ScalarType>(at::kHalf)}) {
+    for (double bad :
+         {0.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+      at::manual_seed(3);
+      torch::nn::Linear lin(600, 400);  // 240k weights: two chunks in one bucket
+      DistributedDataParallel<torch::nn::Linear> ddp(
+          lin, world_ptr(), DDPOptions().reduce_dtype(reduce).check_finite(true));
+      const int victim = world().size() - 1;
+      if (bad != 0 && world().rank() == victim) {
+        ddp.module()->weight.register_hook([bad](at::Tensor g) {
+          g = g.clone();
+          g.view(-1)[g.numel() - 1] = bad;  // the last element: the last chunk
+          return g;
+        });
+      }
+      at::Tensor x = at::randn({4, 600}, at::kFloat);
+      ddp(x).pow(2).mean().backward();
+      ASSERT_TRUE(ddp.found_inf().defined());
+      const bool own = !at::isfinite(ddp.module()->weight.grad()).all().item<bool>() ||
+                       !at::isfinite(ddp.module()->bias.grad()).all().item<bool>();
+      EXPECT_EQ(ddp.found_inf().item<float>() != 0, own)
+          << "reduce " << (reduce ? c10::toString(*reduce) : "fp32") << ", bad " << bad;
+      EXPECT_EQ(own, bad != 0) << "the injected value did not survive the reduction";
+    }
+  }
+  // Stepping with the verdict matches stepping with the scaler's own check, bit for bit.
+  auto train = [](bool use_verdict) {
+    at::manual_seed(5);
+    torch::nn::Linear lin(300, 200);
+    DistributedDataParallel<torch::nn::Linear> ddp(
+        lin, world_ptr(), DDPOptions().reduce_dtype(at::kHalf).check_finite(true));
+    optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(65536.0 * 64).growth_interval(2));
+    std::vector<bool> stepped;
+    for (int step = 0; step < 6; ++step) {
+      auto gen =
+          at::make_generator<at::CPUGeneratorImpl>(40 + step * world().size() + world().rank());
+      at::Tensor x = at::randn({4, 300}, gen) * (step == 0 ? 1e3 : 1.0);  // step 0 overflows
+      opt.zero_grad();
+      scaler.scale(ddp(x).pow(2).mean()).backward();
+      stepped.push_back(use_verdict ? scaler.step(opt, ddp.found_inf()) : scaler.step(opt));
+      scaler.update();
+    }
+    return std::make_pair(stepped, ddp.module()->weight.detach().clone());
+  };
+  auto [with, w_with] = train(true);
+  auto [own, w_own] = train(false);
+  EXPECT_EQ(with, own);
+  EXPECT_FALSE(own.front()) << "step 0 should overflow fp16 and be skipped";
+  EXPECT_TRUE(at::equal(w_with, w_own));
 }
 
 TEST_F(Test, MismatchedParametersRaiseNamingTheFirstDifference) {

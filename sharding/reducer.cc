@@ -7,7 +7,9 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -335,6 +337,7 @@ void Reducer::finalize_backward() {
     local_used_.zero_();
   }
   bool all_done = true;
+  bool found_inf = false;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];
     if (!b.launched) {
@@ -342,7 +345,9 @@ void Reducer::finalize_backward() {
       continue;
     }
     if (b.finished) continue;
-    if (!b.comm_buffer.is_same(b.contents)) b.contents.copy_(b.comm_buffer);
+    const auto w0 = Clock::now();
+    found_inf = write_back(b) || found_inf;
+    stats.write_back_seconds += std::chrono::duration<double>(Clock::now() - w0).count();
     if (divide_.post != 1) b.contents.div_(divide_.post);
     for (size_t s = 0; s < b.params.size(); ++s) {
       at::Tensor& p = params_[b.params[s]].second;
@@ -367,6 +372,10 @@ void Reducer::finalize_backward() {
     b.finished = true;
   }
   stats_ = stats;
+  if (options_.check_finite()) {
+    if (!found_inf_.defined()) found_inf_ = at::zeros({1}, at::kFloat);
+    found_inf_.fill_(found_inf ? 1.0 : 0.0);
+  }
   if (all_done) {
     expect_hooks_ = false;
     unfinished_ = false;
@@ -376,6 +385,57 @@ void Reducer::finalize_backward() {
   } else {
     unfinished_ = true;  // reported by the next forward (another backward may still come)
   }
+}
+
+namespace {
+
+// Whether any of n values has an all-ones exponent (inf or NaN), `exponent` being the mask of
+// the format's exponent bits. Branch-free, so it vectorizes; reads from cache when the data
+// was just written.
+template <typename Bits>
+bool any_non_finite(const Bits* p, int64_t n, Bits exponent) {
+  Bits hit = 0;
+  for (int64_t i = 0; i < n; ++i) hit |= static_cast<Bits>((p[i] & exponent) == exponent);
+  return hit != 0;
+}
+
+bool any_non_finite(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kHalf:
+      return any_non_finite(static_cast<const uint16_t*>(t.data_ptr()), t.numel(),
+                            uint16_t{0x7c00});
+    case at::kBFloat16:
+      return any_non_finite(static_cast<const uint16_t*>(t.data_ptr()), t.numel(),
+                            uint16_t{0x7f80});
+    case at::kFloat:
+      return any_non_finite(static_cast<const uint32_t*>(t.data_ptr()), t.numel(),
+                            uint32_t{0x7f800000});
+    default:
+      return !at::isfinite(t).all().item<bool>();
+  }
+}
+
+}  // namespace
+
+bool Reducer::write_back(Bucket& b) {
+  const bool check = options_.check_finite();
+  if (b.comm_buffer.is_same(b.contents)) return check && any_non_finite(b.contents.cpu());
+  if (!check || !b.comm_buffer.is_cpu()) {
+    b.contents.copy_(b.comm_buffer);
+    return check && any_non_finite(b.comm_buffer.cpu());
+  }
+  // Chunk by chunk, each checked right after the copy read it (in cache): the check adds
+  // no pass over memory. inf/NaN in the 16-bit buffer are exactly those of the widened one.
+  constexpr int64_t kChunk = 131072;  // 256 KiB of fp16 and 512 KiB of fp32: in L2
+  bool found = false;
+  const int64_t n = b.comm_buffer.numel();
+  for (int64_t off = 0; off < n; off += kChunk) {
+    const int64_t len = std::min(kChunk, n - off);
+    at::Tensor src = b.comm_buffer.narrow(0, off, len);
+    b.contents.narrow(0, off, len).copy_(src);
+    found = any_non_finite(src) || found;
+  }
+  return found;
 }
 
 void Reducer::drain_in_flight() noexcept {

@@ -66,6 +66,11 @@ struct DDPOptions {
   TORCH_ARG(std::optional<c10::ScalarType>, reduce_dtype) = std::nullopt;
   // When set and enabled, records each bucket's reduced gradients ("ddp.bucket<i>.grad").
   TORCH_ARG(MonitorPtr, monitor) = nullptr;
+  // Whether any reduced gradient is inf/NaN, found while the end of backward writes each
+  // bucket back (a 16-bit bucket is checked chunk by chunk as it is widened, in cache, so the
+  // check costs almost nothing; an fp32 bucket takes a pass of its own): found_inf(), for
+  // GradScaler::step(optimizer, found_inf), which then skips its pass over the gradients.
+  TORCH_ARG(bool, check_finite) = false;
 };
 
 // Per-iteration timing of the gradient reduction (the last completed backward).
@@ -75,6 +80,9 @@ struct ReducerStats {
   // Time backward waited for them at its end, on the host. NCCL's wait does not block the
   // host (the stream waits), so there this is ~0 and the hidden share an upper bound.
   double exposed_seconds = 0;
+  // Time the end of backward spent writing reduced buckets back into the gradients (with
+  // check_finite: and checking them), on the host.
+  double write_back_seconds = 0;
   // Share of communication hidden behind backward compute, in [0, 1].
   double hidden_fraction() const {
     return comm_seconds > 0 ? std::max(0.0, 1.0 - exposed_seconds / comm_seconds) : 1.0;
@@ -107,6 +115,9 @@ class Reducer : public GradientSync {
   // Reads the collectives' execution times, so it waits for the last backward's collectives
   // to finish (NCCL: on the device); call it when reporting, not in the step.
   const ReducerStats& last_stats() const;
+  // With check_finite: a 1-element fp32 tensor on the CPU, 1 when a gradient reduced by the
+  // last synchronizing backward is inf/NaN, else 0; undefined before one, or without it.
+  const at::Tensor& found_inf() const { return found_inf_; }
   // Parameter indices of each bucket, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
   const comm::Communicator& communicator() const { return *comm_; }
@@ -136,6 +147,9 @@ class Reducer : public GradientSync {
   void mark_ready(int64_t index, bool from_hook);
   void launch_ready_buckets();
   void finalize_backward();
+  // Writes a bucket's reduced comm_buffer back into its contents (and with check_finite,
+  // returns whether any element is inf/NaN).
+  bool write_back(Bucket& b);
   void reset_iteration();
   // Waits for collectives launched by a backward that threw before its end-of-backward
   // callback, so their results never land in buffers a new iteration is using.
@@ -166,6 +180,7 @@ class Reducer : public GradientSync {
   std::vector<int64_t> ready_order_;  // first syncing iteration, for the rebuild
   bool rebuild_due_ = false;
   bool rebuilt_ = false;
+  at::Tensor found_inf_;
   mutable ReducerStats stats_;
   mutable std::vector<comm::Work> stats_works_;  // the last backward's, summed on demand
 };
