@@ -21,17 +21,20 @@ export OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM
 export OMPI_MCA_mpi_yield_when_idle=1
 out=$(mktemp)
 ref=bench/reference/ddp_reference.py
+only=${ONLY:-all}  # ONLY=scaler: the GradScaler runs alone
 for r in $(seq "$rounds"); do
-  PYTHONPATH=bench/reference $launch --nproc-per-node 2 --master-port 0 -- \
-    .venv/bin/python $ref "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
-  $launch --nproc-per-node 2 --master-port 0 --backend gloo -- bazel-bin/bench/step_bench \
-    --strategy ddp "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
-  mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi bazel-bin/bench/step_bench \
-    --strategy ddp "${args[@]}" >>"$out"
-  PYTHONPATH=bench/reference .venv/bin/python $ref --local "${args[@]}" >>"$out"
-  PYTHONPATH=bench/reference .venv/bin/python $ref --local --fused "${args[@]}" >>"$out"
-  bazel-bin/bench/step_bench --strategy local "${args[@]}" >>"$out"
-  bazel-bin/bench/step_bench --strategy local --optimizer libtorch "${args[@]}" >>"$out"
+  if [ "$only" = all ]; then
+    PYTHONPATH=bench/reference $launch --nproc-per-node 2 --master-port 0 -- \
+      .venv/bin/python $ref "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
+    $launch --nproc-per-node 2 --master-port 0 --backend gloo -- bazel-bin/bench/step_bench \
+      --strategy ddp "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
+    mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi bazel-bin/bench/step_bench \
+      --strategy ddp "${args[@]}" >>"$out"
+    PYTHONPATH=bench/reference .venv/bin/python $ref --local "${args[@]}" >>"$out"
+    PYTHONPATH=bench/reference .venv/bin/python $ref --local --fused "${args[@]}" >>"$out"
+    bazel-bin/bench/step_bench --strategy local "${args[@]}" >>"$out"
+    bazel-bin/bench/step_bench --strategy local --optimizer libtorch "${args[@]}" >>"$out"
+  fi
   for scaler in on own-check off; do
     mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
       bazel-bin/bench/step_bench --strategy ddp --precision bf16 --scaler $scaler "${args[@]}" \
@@ -44,60 +47,65 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 def key(r):
     k = "/".join([r["impl"], r.get("strategy", "ddp"), r.get("backend", ""),
                   r.get("optimizer", "default")])
-    return k + ("/scaler-" + r["scaler"] if r.get("scaler", "off") != "off" or
-                r.get("precision") == "bf16" else "")
+    return k + ("/scaler-" + r["scaler"] if r.get("precision") == "bf16" else "")
 groups = {}
 for r in rows: groups.setdefault(key(r), []).append(r)
 med = lambda k, f: statistics.median(r[f] for r in groups[k])
 p = rows[0]["params"]
-n = len(groups["pytorch/ddp/gloo/default"])
-print(f"DDP step time beside the local step, TransformerLM {p/1e6:.1f}M parameters, 2 ranks x 1 "
-      f"thread (local: 1 process x 1 thread), {n} alternating rounds (median of per-run medians)\n")
-print("| implementation | step (s) | backward (s) | optimizer (s) | all-reduce (s) | exposed (s) | step / its local step |")
-print("|---|---|---|---|---|---|---|")
-local_pt = med("pytorch/local/none/default", "median_step_s")
-local_dt = med("dtrain/local/none/fused", "median_step_s")
-for k, label, local in [
-        ("pytorch/ddp/gloo/default", "PyTorch 2.13 DDP, Gloo", local_pt),
-        ("dtrain/ddp/gloo/fused", "dtrain DDP, Gloo", local_dt),
-        ("dtrain/ddp/mpi/fused", "dtrain DDP, MPI", local_dt),
-        ("pytorch/local/none/default", "PyTorch, local step", local_pt),
-        ("dtrain/local/none/fused", "dtrain, local step", local_dt)]:
-    if k not in groups: continue
-    s = med(k, "median_step_s")
-    comm = (f"{med(k,'comm_s'):.4f} | {med(k,'exposed_s'):.4f}"
-            if "comm_s" in groups[k][0] and "ddp" in k else "n/a | n/a")
-    print(f"| {label} | {s:.4f} | {med(k,'median_backward_s'):.4f} | "
-          f"{med(k,'median_optimizer_s'):.4f} | {comm} | {s/local:.3f} |")
-print("\nAdamW's share of the local step\n")
-print("| optimizer | optimizer (s) | step (s) | share |")
-print("|---|---|---|---|")
-for k, label in [("dtrain/local/none/fused", "dtrain::optim::AdamW (fused kernel; the trainer's)"),
-                 ("dtrain/local/none/libtorch", "torch::optim::AdamW (LibTorch's loop)"),
-                 ("pytorch/local/none/fused", "PyTorch AdamW(fused=True)"),
-                 ("pytorch/local/none/default", "PyTorch AdamW (default, foreach)")]:
-    if k not in groups: continue
-    o, s = med(k, "median_optimizer_s"), med(k, "median_step_s")
-    print(f"| {label} | {o:.4f} | {s:.4f} | {100*o/s:.1f}% |")
-print("\nWhat a GradScaler adds to the DDP step (MPI, bf16 autocast and buckets, the scaler on\n"
-      "top: its work is the same as with fp16, whose CPU matmuls are too slow to be a fair\n"
-      "denominator). scaler: scale(), step() less the fused AdamW inside it, update();\n"
-      "write-back: DDP's end-of-backward copy of reduced buckets into the gradients, which\n"
-      "with check_finite also finds inf/NaN; added = scaler + write-back - write-back without\n"
-      "a scaler.\n")
-print("| inf/NaN check | scaler (s) | write-back (s) | step (s) | added (s) | added / step |")
-print("|---|---|---|---|---|---|")
+if "pytorch/ddp/gloo/default" in groups:
+    n = len(groups["pytorch/ddp/gloo/default"])
+    print(f"DDP step time beside the local step, TransformerLM {p/1e6:.1f}M parameters, 2 ranks "
+          f"x 1 thread (local: 1 process x 1 thread), {n} alternating rounds (median of per-run "
+          f"medians)\n")
+    print("| implementation | step (s) | backward (s) | optimizer (s) | all-reduce (s) | "
+          "exposed (s) | step / its local step |")
+    print("|---|---|---|---|---|---|---|")
+    local_pt = med("pytorch/local/none/default", "median_step_s")
+    local_dt = med("dtrain/local/none/fused", "median_step_s")
+    for k, label, local in [
+            ("pytorch/ddp/gloo/default", "PyTorch 2.13 DDP, Gloo", local_pt),
+            ("dtrain/ddp/gloo/fused", "dtrain DDP, Gloo", local_dt),
+            ("dtrain/ddp/mpi/fused", "dtrain DDP, MPI", local_dt),
+            ("pytorch/local/none/default", "PyTorch, local step", local_pt),
+            ("dtrain/local/none/fused", "dtrain, local step", local_dt)]:
+        if k not in groups: continue
+        s = med(k, "median_step_s")
+        comm = (f"{med(k,'comm_s'):.4f} | {med(k,'exposed_s'):.4f}"
+                if "comm_s" in groups[k][0] and "ddp" in k else "n/a | n/a")
+        print(f"| {label} | {s:.4f} | {med(k,'median_backward_s'):.4f} | "
+              f"{med(k,'median_optimizer_s'):.4f} | {comm} | {s/local:.3f} |")
+    print("\nAdamW's share of the local step\n")
+    print("| optimizer | optimizer (s) | step (s) | share |")
+    print("|---|---|---|---|")
+    for k, label in [("dtrain/local/none/fused", "dtrain::optim::AdamW (fused kernel; the trainer's)"),
+                     ("dtrain/local/none/libtorch", "torch::optim::AdamW (LibTorch's loop)"),
+                     ("pytorch/local/none/fused", "PyTorch AdamW(fused=True)"),
+                     ("pytorch/local/none/default", "PyTorch AdamW (default, foreach)")]:
+        if k not in groups: continue
+        o, s = med(k, "median_optimizer_s"), med(k, "median_step_s")
+        print(f"| {label} | {o:.4f} | {s:.4f} | {100*o/s:.1f}% |")
 base = "dtrain/ddp/mpi/fused/scaler-off"
 if base in groups:
-    wb0 = med(base, "median_write_back_s")
+    n = len(groups[base])
+    print(f"\nWhat a GradScaler adds to dtrain's DDP step over MPI ({n} rounds; bf16 autocast and\n"
+          "buckets with the scaler on top: its work is what it is with fp16, whose CPU matmuls\n"
+          "are too slow to be a fair denominator). scaler: scale(), step() less the fused AdamW\n"
+          "inside it, and update(), in the process; check: check_finite's inf/NaN loops in DDP's\n"
+          "write-back, in the process; AdamW: the fused kernel, which also unscales every\n"
+          "gradient when handed the scale (PyTorch's kernel does the same), against runs without\n"
+          "a scaler. added = scaler + check + (AdamW - AdamW without a scaler).\n")
+    print("| inf/NaN check by | scaler (s) | check (s) | AdamW (s) | added (s) | added / step |")
+    print("|---|---|---|---|---|---|")
+    ad0, st0 = med(base, "median_adamw_s"), med(base, "median_step_s")
     for k, label in [("dtrain/ddp/mpi/fused/scaler-on", "DDP's write-back (check_finite)"),
                      ("dtrain/ddp/mpi/fused/scaler-own-check", "the scaler's own pass"),
-                     (base, "no scaler")]:
+                     (base, "(no scaler)")]:
         if k not in groups: continue
-        sc, wb, st = (med(k, f) for f in ("median_scaler_s", "median_write_back_s",
-                                          "median_step_s"))
-        added = sc + wb - wb0
-        print(f"| {label} | {sc:.4f} | {wb:.4f} | {st:.4f} | {added:.4f} | "
-              f"{100 * added / med(base, 'median_step_s'):.2f}% |")
+        sc, ck, ad = (med(k, f) for f in ("median_scaler_s", "median_finite_check_s",
+                                          "median_adamw_s"))
+        added = sc + ck + ad - ad0
+        print(f"| {label} | {sc:.4f} | {ck:.4f} | {ad:.4f} | {added:.4f} | "
+              f"{100 * added / st0:.2f}% |")
+    print(f"\nDDP step without a scaler: {st0:.4f} s")
 PY
 rm -f "$out"

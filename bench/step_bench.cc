@@ -189,7 +189,7 @@ int main(int argc, char** argv) {
   dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions().enabled(scaler_mode != "off"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
   std::vector<double> step_s, forward_s, backward_s, comm_s, exposed_s, opt_s, scaler_s,
-      write_back_s;
+      write_back_s, adamw_s, check_s;
   double steady_mb = 0, peak_tracked_mb = 0;
   for (int64_t s = 0; s < warmup + steps; ++s) {
     at::Tensor x = at::randint(0, vocab, {batch, seq}, gen);
@@ -232,11 +232,13 @@ int main(int argc, char** argv) {
     backward_s.push_back(seconds(tb, te));
     opt_s.push_back(seconds(te, t1));
     scaler_s.push_back(scaler.is_enabled() ? in_scaler : 0.0);
+    adamw_s.push_back(timed ? timed->last_s : 0.0);
     if (ddp || fsdp) {
       const auto& st = ddp ? ddp->last_stats() : fsdp->last_stats();
       comm_s.push_back(st.comm_seconds);
       exposed_s.push_back(st.exposed_seconds);
       write_back_s.push_back(st.write_back_seconds);
+      check_s.push_back(st.finite_check_seconds);
     }
     steady_mb = std::max(steady_mb, steady);
     peak_tracked_mb = std::max(peak_tracked_mb, TrackedCpuMemory::peak_bytes() / 1e6);
@@ -256,13 +258,15 @@ int main(int argc, char** argv) {
         "s\":%.4f,"
         "\"exposed_s\":%.4f,\"hidden\":%.3f,\"peak_rss_mb\":%.1f,\"peak_tracked_mb\":%.1f,"
         "\"steady_tracked_mb\":%.1f,\"scaler\":\"%s\",\"median_scaler_s\":%.5f,\"median_write_back_"
-        "s\":%.5f}\n",
+        "s\":%.5f,\"median_adamw_s\":%.5f,"
+        "\"median_finite_check_s\":%.5f}\n",
         optimizer.c_str(), strategy.c_str(), strategy == "fsdp" ? sharding.c_str() : "",
         precision.c_str(), comm ? comm->backend().c_str() : "none", comm ? comm->size() : 1,
         static_cast<long long>(dtrain::framework::transformer_lm_parameter_count(opts)),
         median(step_s), median(forward_s), median(backward_s), median(opt_s), c, e,
         c > 0 ? std::max(0.0, 1 - e / c) : 1.0, peak_rss_mb, peak_tracked_mb, steady_mb,
-        scaler.is_enabled() ? scaler_mode.c_str() : "off", median(scaler_s), median(write_back_s));
+        scaler.is_enabled() ? scaler_mode.c_str() : "off", median(scaler_s), median(write_back_s),
+        median(adamw_s), median(check_s));
   }
   if (comm) comm->barrier().wait();
   return 0;

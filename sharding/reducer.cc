@@ -346,7 +346,7 @@ void Reducer::finalize_backward() {
     }
     if (b.finished) continue;
     const auto w0 = Clock::now();
-    found_inf = write_back(b) || found_inf;
+    found_inf = write_back(b, &stats.finite_check_seconds) || found_inf;
     stats.write_back_seconds += std::chrono::duration<double>(Clock::now() - w0).count();
     if (divide_.post != 1) b.contents.div_(divide_.post);
     for (size_t s = 0; s < b.params.size(); ++s) {
@@ -390,12 +390,21 @@ void Reducer::finalize_backward() {
 namespace {
 
 // Whether any of n values has an all-ones exponent (inf or NaN), `exponent` being the mask of
-// the format's exponent bits. Branch-free, so it vectorizes; reads from cache when the data
-// was just written.
+// the format's exponent bits. Branch-free over blocks of a fixed length, which GCC vectorizes
+// at -O2 (one loop to n does not: 7.8 ms against 1.3 ms for 19M fp16 values here).
 template <typename Bits>
 bool any_non_finite(const Bits* p, int64_t n, Bits exponent) {
+  constexpr int64_t kBlock = 64;
   Bits hit = 0;
-  for (int64_t i = 0; i < n; ++i) hit |= static_cast<Bits>((p[i] & exponent) == exponent);
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    Bits block = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      block |= static_cast<Bits>((p[i + j] & exponent) == exponent);
+    }
+    hit |= block;
+  }
+  for (; i < n; ++i) hit |= static_cast<Bits>((p[i] & exponent) == exponent);
   return hit != 0;
 }
 
@@ -417,12 +426,18 @@ bool any_non_finite(const at::Tensor& t) {
 
 }  // namespace
 
-bool Reducer::write_back(Bucket& b) {
+bool Reducer::write_back(Bucket& b, double* check_seconds) {
   const bool check = options_.check_finite();
-  if (b.comm_buffer.is_same(b.contents)) return check && any_non_finite(b.contents.cpu());
+  auto checked = [check_seconds](const at::Tensor& t) {
+    const auto t0 = Clock::now();
+    const bool found = any_non_finite(t);
+    *check_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
+    return found;
+  };
+  if (b.comm_buffer.is_same(b.contents)) return check && checked(b.contents.cpu());
   if (!check || !b.comm_buffer.is_cpu()) {
     b.contents.copy_(b.comm_buffer);
-    return check && any_non_finite(b.comm_buffer.cpu());
+    return check && checked(b.comm_buffer.cpu());
   }
   // Chunk by chunk, each checked right after the copy read it (in cache): the check adds
   // no pass over memory. inf/NaN in the 16-bit buffer are exactly those of the widened one.
@@ -433,7 +448,7 @@ bool Reducer::write_back(Bucket& b) {
     const int64_t len = std::min(kChunk, n - off);
     at::Tensor src = b.comm_buffer.narrow(0, off, len);
     b.contents.narrow(0, off, len).copy_(src);
-    found = any_non_finite(src) || found;
+    found = checked(src) || found;
   }
   return found;
 }

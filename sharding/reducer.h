@@ -83,6 +83,8 @@ struct ReducerStats {
   // Time the end of backward spent writing reduced buckets back into the gradients (with
   // check_finite: and checking them), on the host.
   double write_back_seconds = 0;
+  // Of which check_finite's inf/NaN check (its loops alone, on data the copy left in cache).
+  double finite_check_seconds = 0;
   // Share of communication hidden behind backward compute, in [0, 1].
   double hidden_fraction() const {
     return comm_seconds > 0 ? std::max(0.0, 1.0 - exposed_seconds / comm_seconds) : 1.0;
@@ -149,7 +151,7 @@ class Reducer : public GradientSync {
   void finalize_backward();
   // Writes a bucket's reduced comm_buffer back into its contents (and with check_finite,
   // returns whether any element is inf/NaN).
-  bool write_back(Bucket& b);
+  bool write_back(Bucket& b, double* check_seconds);
   void reset_iteration();
   // Waits for collectives launched by a backward that threw before its end-of-backward
   // callback, so their results never land in buffers a new iteration is using.
