@@ -230,8 +230,7 @@ int main(int argc, char** argv) {
                           alg(per[2]) * bus_factor(op, world));
           }
           std::printf("| %s | %s | %s | %.3f | %.3f | %.3f | %.3f | %.2f | %.2f | %.2f | %s |\n",
-                      name(op),
-                      t == at::kFloat ? "fp32" : "bf16",
+                      name(op), t == at::kFloat ? "fp32" : "bf16",
                       bytes >= (1 << 20) ? (std::to_string(bytes >> 20) + " MiB").c_str()
                                          : (std::to_string(bytes >> 10) + " KiB").c_str(),
                       alg(per[0]), alg(per[0]) * bus_factor(op, world), alg(per[1]),
