@@ -10,7 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap >/dev/null
-bazel build //framework:dtrain-train //launcher:dtrain-launch >/dev/null 2>&1
+bazel build --config=ci //framework:dtrain-train //launcher:dtrain-launch >/dev/null 2>bazel build //framework:dtrain-train //launcher:dtrain-launch >/dev/null 2>&11
 export OMP_NUM_THREADS=1
 launch=(bazel-bin/launcher/dtrain-launch --nproc-per-node 2 --master-port 0 --)
 echo "== 1. DDP (refused before allocating)"

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 scripts/bootstrap >/dev/null
-bazel build //bench:checkpoint_bench //launcher:dtrain-launch >/dev/null 2>&1
+bazel build --config=ci //bench:checkpoint_bench //launcher:dtrain-launch >/dev/null 2>bazel build //bench:checkpoint_bench //launcher:dtrain-launch >/dev/null 2>&11
 launch() { bazel-bin/launcher/dtrain-launch --nproc-per-node 2 --master-port 0 "$@" | sed 's/^\[rank 0\] //'; }
 export OMP_NUM_THREADS=1
 scratch=$(mktemp -d)

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 rounds=${1:-3}
 args=(--steps 8 --warmup 2)
 scripts/bootstrap >/dev/null
-bazel build //bench:step_bench //launcher:dtrain-launch //framework:libdtrain_memory.so \
+bazel build --config=ci //bench:step_bench //launcher:dtrain-launch //framework:libdtrain_memory.so \
   >/dev/null 2>&1
 launch() { bazel-bin/launcher/dtrain-launch --nproc-per-node 2 --master-port 0 "$@" | sed 's/^\[rank 0\] //'; }
 mpi() { mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi "$@"; }
@@ -41,13 +41,16 @@ for r in $(seq "$rounds"); do
   done
   launch -- .venv/bin/python -W ignore bench/reference/fsdp_reference.py bench --precision bf16 \
     --fused --tracker "$tracker" "${args[@]}" >>"$out"
+  # PyTorch's local step (fp32, its default AdamW as fully_shard's rows use), for its ratio.
+  PYTHONPATH=bench/reference .venv/bin/python bench/reference/ddp_reference.py --local \
+    "${args[@]}" >>"$out"
 done
 .venv/bin/python - "$out" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 def key(r):
     return (r["impl"], r["strategy"] + ("+fused" if r.get("fused") else ""), r.get("sharding", ""),
-            r["precision"], r["backend"])
+            r.get("precision", "fp32"), r["backend"])
 groups = {}
 for r in rows: groups.setdefault(key(r), []).append(r)
 med = lambda k, f: statistics.median(r[f] for r in groups[k])
@@ -62,9 +65,10 @@ def theory(p):
 n = len(groups[("pytorch", "fsdp2", "", "fp32", "gloo")])
 print(f"TransformerLM 19.1M parameters, 2 ranks x 1 thread, batch 4 x 64, AdamW; {n} alternating "
       "rounds (median of per-run medians)\n")
-print("| run | precision | backend | step (s) | vs dtrain DDP | vs PyTorch fully_shard | "
-      "comm hidden | peak RSS (MB) | peak tensors (MB) | vs PyTorch | steady (MB) | theory (MB) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+print("| run | precision | backend | step (s) | vs its local step | vs dtrain DDP | "
+      "vs PyTorch fully_shard | comm hidden | peak RSS (MB) | peak tensors (MB) | vs PyTorch | "
+      "steady (MB) | theory (MB) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 order = [("pytorch", "fsdp2", ""), ("pytorch", "fsdp2+fused", ""), ("dtrain", "fsdp", "full_shard"),
          ("dtrain", "fsdp", "shard_grad_op"), ("dtrain", "fsdp", "no_shard"), ("dtrain", "ddp", ""),
          ("dtrain", "local", "")]
@@ -79,6 +83,12 @@ for p in ("fp32", "bf16"):
             vs_ddp = f"{s / med(ddp, 'median_step_s'):.2f}" if ddp in groups and strat != "ddp" else "-"
             vs_pt = f"{s / med(pt, 'median_step_s'):.2f}" if k != pt else "1.00"
             hidden = f"{100 * med(k, 'hidden'):.0f}%" if "hidden" in groups[k][0] and backend != "none" else "-"
+            # The same model and per-rank batch in one process without communication: dtrain's
+            # for dtrain's rows; PyTorch's (fp32 only, ddp_reference.py --local) for PyTorch's.
+            local_k = (("pytorch", "local", "", p, "none") if impl == "pytorch"
+                       else ("dtrain", "local", "", p, "none"))
+            vs_local = (f"{s / med(local_k, 'median_step_s'):.2f}"
+                        if local_k in groups and strat != "local" else "-")
             tracked = med(k, "peak_tracked_mb")
             vs_mem = f"{tracked / med(pt, 'peak_tracked_mb'):.2f}"
             th = "-"
@@ -89,7 +99,7 @@ for p in ("fp32", "bf16"):
             name = {"fsdp2": "PyTorch fully_shard", "fsdp2+fused": "PyTorch fully_shard, fused AdamW",
                     "fsdp": f"dtrain FSDP {shard}", "ddp": "dtrain DDP",
                     "local": "one process, no comm"}[strat]
-            print(f"| {name} | {p} | {backend} | {s:.3f} | {vs_ddp} | {vs_pt} | {hidden} | "
+            print(f"| {name} | {p} | {backend} | {s:.3f} | {vs_local} | {vs_ddp} | {vs_pt} | {hidden} | "
                   f"{med(k, 'peak_rss_mb'):.0f} | {tracked:.0f} | {vs_mem} | "
                   f"{med(k, 'steady_tracked_mb'):.0f} | {th} |")
 PY

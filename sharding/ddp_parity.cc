@@ -16,14 +16,10 @@
 // the scale (DIR/dtrain.json). The data of step s on rank r is torch.randint(0, vocab, (B, T))
 // from a CPU generator seeded 1000 + s * world + r: the same draws in C++ and Python.
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
-#include <torch/serialize.h>
-#include <CLI/CLI.hpp>
 
-#include <cstdio>
-#include <fstream>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "amp/autocast.h"
@@ -34,18 +30,16 @@
 #include "framework/models/transformer_lm.h"
 #include "optim/fused.h"
 #include "sharding/ddp.h"
+#include "sharding/parity_run.h"
 
 using dtrain::framework::TransformerLM;
-using dtrain::framework::TransformerLMOptions;
 
 namespace {
 
-void save_parameters(const TransformerLM& model, const std::string& path) {
-  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& item : model->named_parameters()) dict.insert(item.key(), item.value());
-  std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
-  std::ofstream f(path, std::ios::binary);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+std::vector<std::pair<std::string, at::Tensor>> named_parameters(const TransformerLM& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : model->named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
 }
 
 }  // namespace
@@ -53,52 +47,33 @@ void save_parameters(const TransformerLM& model, const std::string& path) {
 int main(int argc, char** argv) {
   CLI::App app{"ddp_parity: a dtrain DDP run's losses and weights, for comparison with PyTorch"};
   dtrain::cli::setup(app, "ddp_parity");
-  std::string precision = "fp32", out_dir;
-  int64_t steps = 12, vocab = 64, seq = 16, d_model = 32, layers = 2, heads = 4, batch = 4;
-  // fp16: a scale high enough to overflow early and a short growth interval, so the run
-  // skips steps and grows the scale within a few steps.
-  double init_scale = 16777216.0;
-  int64_t growth_interval = 4;
-  app.add_option("--precision", precision, "fp32, bf16 or fp16")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
-  app.add_option("--steps", steps, "optimizer steps");
-  app.add_option("--out", out_dir, "folder for init.pt, final.pt and dtrain.json")->required();
-  app.add_option("--init-scale", init_scale, "fp16: the GradScaler's initial scale");
-  app.add_option("--growth-interval", growth_interval, "fp16: the GradScaler's growth interval");
+  dtrain::parity::Args args;
+  args.steps = 12;
+  dtrain::parity::add_options(app, args, "folder for init.pt, final.pt and dtrain.json");
   dtrain::cli::parse(app, argc, argv);
 
   auto world = dtrain::comm::create_world();
   const int rank = world->rank(), size = world->size();
-  at::manual_seed(42);
-  TransformerLM model(TransformerLMOptions()
-                          .vocab_size(vocab)
-                          .seq_len(seq)
-                          .d_model(d_model)
-                          .n_layers(layers)
-                          .n_heads(heads)
-                          .d_ff(2 * d_model)
-                          .tie_weights(true));
-  const auto policy = dtrain::amp::MixedPrecisionPolicy::preset(precision);
+  TransformerLM model = dtrain::parity::make_model(args);
+  const auto policy = dtrain::amp::MixedPrecisionPolicy::preset(args.precision);
   // DDP broadcasts rank 0's weights: the start both sides train from.
   dtrain::sharding::DistributedDataParallel<TransformerLM> ddp(
       model, world,
       dtrain::sharding::DDPOptions()
           .reduce_dtype(policy.effective_reduce_dtype())
           .check_finite(policy.needs_grad_scaler()));
-  if (rank == 0) save_parameters(model, out_dir + "/init.pt");
+  if (rank == 0) dtrain::parity::save(named_parameters(model), args.out_dir + "/init.pt");
 
   dtrain::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-3));
   dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions()
-                                     .init_scale(init_scale)
-                                     .growth_interval(growth_interval)
+                                     .init_scale(args.init_scale)
+                                     .growth_interval(args.growth_interval)
                                      .enabled(policy.needs_grad_scaler()));
   const bool autocast = policy.is_low_precision();
   std::vector<double> losses, scales;
   int64_t skipped = 0;
-  for (int64_t s = 0; s < steps; ++s) {
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + s * size + rank);
-    at::Tensor x = at::randint(0, vocab, {batch, seq}, gen);
-    at::Tensor y = at::randint(0, vocab, {batch, seq}, gen);
+  for (int64_t s = 0; s < args.steps; ++s) {
+    auto [x, y] = dtrain::parity::batch(args, s, size, rank);
     opt.zero_grad(true);
     at::Tensor loss;
     {
@@ -106,7 +81,7 @@ int main(int argc, char** argv) {
           c10::kCPU, autocast ? std::optional<c10::ScalarType>(policy.param_dtype) : std::nullopt,
           autocast);
       at::Tensor logits = ddp(x).to(at::kFloat);
-      loss = at::cross_entropy_loss(logits.reshape({-1, vocab}), y.reshape(-1));
+      loss = at::cross_entropy_loss(logits.reshape({-1, args.vocab}), y.reshape(-1));
     }
     scaler.scale(loss).backward();
     // fp16: DDP's inf/NaN verdict from its write-back, so the scaler does not check again.
@@ -118,14 +93,8 @@ int main(int argc, char** argv) {
     scales.push_back(scaler.is_enabled() ? scaler.get_scale() : 1.0);
   }
   if (rank == 0) {
-    save_parameters(model, out_dir + "/final.pt");
-    std::FILE* f = std::fopen((out_dir + "/dtrain.json").c_str(), "w");
-    std::fprintf(f, "{\"impl\": \"dtrain\", \"precision\": \"%s\", \"loss\": [", precision.c_str());
-    for (size_t i = 0; i < losses.size(); ++i) std::fprintf(f, "%s%.17g", i ? ", " : "", losses[i]);
-    std::fprintf(f, "], \"scale\": [");
-    for (size_t i = 0; i < scales.size(); ++i) std::fprintf(f, "%s%.17g", i ? ", " : "", scales[i]);
-    std::fprintf(f, "], \"skipped\": %lld}\n", static_cast<long long>(skipped));
-    std::fclose(f);
+    dtrain::parity::save(named_parameters(model), args.out_dir + "/final.pt");
+    dtrain::parity::write_trajectory(args, losses, scales, skipped);
   }
   world->barrier().wait();
   return 0;

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import parity as common
 from model import TransformerLM
 
 
@@ -35,9 +36,9 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def parity(a):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     rank, world = dist.get_rank(), dist.get_world_size()
-    vocab, seq, d_model, layers, heads, batch = 64, 16, 32, 2, 4, 4
     out = os.path.dirname(os.path.abspath(a.init))
-    model = TransformerLM(vocab, seq, d_model, layers, heads, 2 * d_model)
+    model = TransformerLM(common.VOCAB, common.SEQ, common.D_MODEL, common.LAYERS, common.HEADS,
+                          2 * common.D_MODEL)
     keys = model.load_state_dict(torch.load(a.init, weights_only=False), strict=True)
     assert not keys.missing_keys and not keys.unexpected_keys, keys
     ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
@@ -60,25 +61,7 @@ def parity(a):
     scaler = torch.amp.GradScaler("cpu", init_scale=a.init_scale,
                                   growth_interval=a.growth_interval,
                                   enabled=a.precision == "fp16")
-    losses, scales, skipped = [], [], 0
-    for s in range(a.steps):
-        gen = torch.Generator().manual_seed(1000 + s * world + rank)
-        x = torch.randint(0, vocab, (batch, seq), generator=gen)
-        y = torch.randint(0, vocab, (batch, seq), generator=gen)
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            logits = ddp(x).float()
-            loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
-        scaler.scale(loss).backward()
-        before = scaler.get_scale() if scaler.is_enabled() else 1.0
-        scaler.step(opt)
-        scaler.update()
-        if scaler.is_enabled() and scaler.get_scale() < before:
-            skipped += 1
-        mean = loss.detach().double().reshape(1)
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        scales.append(scaler.get_scale() if scaler.is_enabled() else 1.0)
+    losses, scales, skipped = common.train(ddp, opt, scaler, a.steps, dtype)
     dist.barrier()
     if rank != 0:
         return 0

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import parity as common  # noqa: E402
 from model import TransformerLM  # noqa: E402
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,10 +48,10 @@ def build(args, vocab, seq, d_model, layers, heads, d_ff):
 
 
 def parity(args):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    vocab, seq, d_model, layers, heads, batch = 64, 16, 32, 2, 4, 4
+    rank = dist.get_rank()
     # Same weights as dtrain's start: load before sharding.
-    model = TransformerLM(vocab, seq, d_model, layers, heads, 2 * d_model)
+    model = TransformerLM(common.VOCAB, common.SEQ, common.D_MODEL, common.LAYERS, common.HEADS,
+                          2 * common.D_MODEL)
     init = torch.load(args.init, weights_only=False)
     missing = model.load_state_dict(init, strict=True)
     assert not missing.missing_keys and not missing.unexpected_keys, missing
@@ -63,24 +64,7 @@ def parity(args):
     scaler = ShardedGradScaler(device="cpu", init_scale=args.init_scale,
                                growth_interval=args.growth_interval,
                                enabled=args.precision == "fp16")
-    losses, scales, skipped = [], [], 0
-    for s in range(args.steps):
-        gen = torch.Generator().manual_seed(1000 + s * world + rank)
-        x = torch.randint(0, vocab, (batch, seq), generator=gen)
-        y = torch.randint(0, vocab, (batch, seq), generator=gen)
-        opt.zero_grad(set_to_none=True)
-        logits = model(x).float()
-        loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
-        scaler.scale(loss).backward()
-        before = scaler.get_scale() if scaler.is_enabled() else 1.0
-        scaler.step(opt)
-        scaler.update()
-        if scaler.is_enabled() and scaler.get_scale() < before:
-            skipped += 1
-        mean = loss.detach().double().reshape(1)
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        scales.append(scaler.get_scale() if scaler.is_enabled() else 1.0)
+    losses, scales, skipped = common.train(model, opt, scaler, args.steps)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"impl": "pytorch", "torch": torch.__version__, "precision": args.precision,
