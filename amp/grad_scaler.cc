@@ -4,6 +4,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/optim/optimizer.h>
 
+#include <cmath>
+
 #include "core/error.h"
 
 namespace dtrain::amp {
@@ -49,10 +51,31 @@ PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
                                     const at::Tensor& inv_scale) {
   c10::NoGradGuard no_grad;
   std::map<std::pair<std::string, c10::ScalarType>, std::vector<at::Tensor>> grads;
+  // Devices of gradients a reduction unscaled already, and whether one of them is inf/NaN.
+  std::map<c10::Device, bool, DeviceLess> reduced;
+  const float current = unscaled_.empty() ? 0.0f : scale_.item<float>();
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       const at::Tensor& g = p.grad();
       if (!g.defined()) continue;
+      if (auto it = unscaled_.find(g.unsafeGetTensorImpl()); it != unscaled_.end()) {
+        const Unscaled& u = it->second;
+        DTRAIN_CHECK_AS(UsageError, u.version == g._version(),
+                        "GradScaler: a gradient that DDP unscaled while writing it back "
+                        "(DDPOptions::grad_scaler) changed before unscale_()/step() (a backward "
+                        "that did not run through DDP's forward, or an in-place edit); "
+                        "unscaling it again would be wrong. Run every forward through the DDP "
+                        "wrapper, and edit gradients only after unscale_().");
+        DTRAIN_CHECK_AS(UsageError, u.scale == current,
+                        "GradScaler: the scale changed between the backward and unscale_()/"
+                        "step() (",
+                        u.scale, " -> ", current,
+                        "); call update() only after every optimizer stepped.");
+        bool& found = reduced[g.device()];
+        found = found || u.found_inf;
+        unscaled_.erase(it);
+        continue;
+      }
       DTRAIN_CHECK_AS(UsageError, allow_fp16_grads() || g.scalar_type() != at::kHalf,
                       "Attempting to unscale FP16 gradients. (GradScaler expects fp32 master "
                       "gradients; keep fp32 parameters under autocast, or use a "
@@ -74,7 +97,59 @@ PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
     at::Tensor& f = on(found, device, found_master);
     at::_amp_foreach_non_finite_check_and_unscale_(list, f, on(inv, device, inv_scale));
   }
+  for (auto& [device, inf] : reduced) {
+    at::Tensor& f = on(found, device, found_master);
+    if (inf) f.fill_(1.0);
+  }
   return found;
+}
+
+bool GradScaler::has_unscaled(torch::optim::Optimizer& optimizer) const {
+  if (unscaled_.empty()) return false;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      const at::Tensor& g = p.grad();
+      if (g.defined() && unscaled_.count(g.unsafeGetTensorImpl())) return true;
+    }
+  }
+  return false;
+}
+
+std::optional<float> GradScaler::scale_for_reduction() const {
+  if (!enabled_ || !scale_.defined() || !scale_.is_cpu()) return std::nullopt;
+  const float s = scale_.item<float>();
+  if (!(s > 0) || !std::isfinite(s)) return std::nullopt;
+  int exponent = 0;
+  // A power of two whose reciprocal is a normal float: x * (1 / s) is then the exact real
+  // x / s rounded once, as the division (fused kernel) and the multiplication by PyTorch's
+  // inv_scale (unscale_) both are.
+  if (std::frexp(s, &exponent) != 0.5f || exponent - 1 > 126) return std::nullopt;
+  return s;
+}
+
+void GradScaler::record_unscaled(const void* owner, const std::vector<at::Tensor>& grads,
+                                 float scale, const std::vector<bool>& found_inf) {
+  DTRAIN_CHECK_AS(UsageError, grads.size() == found_inf.size(),
+                  "GradScaler::record_unscaled: ", grads.size(), " gradients but ",
+                  found_inf.size(), " verdicts");
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    if (!g.defined()) continue;
+    unscaled_[g.unsafeGetTensorImpl()] = Unscaled{g, g._version(), scale, found_inf[i], owner};
+  }
+}
+
+void GradScaler::rescale_unscaled(const void* owner) {
+  if (unscaled_.empty()) return;
+  c10::NoGradGuard no_grad;
+  for (auto it = unscaled_.begin(); it != unscaled_.end();) {
+    if (it->second.owner != owner) {
+      ++it;
+      continue;
+    }
+    it->second.grad.mul_(static_cast<double>(it->second.scale));
+    it = unscaled_.erase(it);
+  }
 }
 
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
@@ -112,7 +187,12 @@ bool GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::Tensor*
     // PyTorch's path for `_step_supports_amp_scaling`: the inf check without unscaling (an
     // inverse scale of 1, as _check_inf_per_device), then the scale and the summed flag go to
     // the optimizer, whose kernel unscales (unless unscale_ already did) and skips.
-    if (state.stage == Stage::kReady && found_inf != nullptr) {
+    if (state.stage == Stage::kReady && has_unscaled(optimizer)) {
+      // A reduction unscaled (some of) the gradients and judged them: unscale_ takes them as
+      // they are and unscales any others, and the kernel gets no scale. (An explicit
+      // found_inf judged the same gradients.)
+      unscale_(optimizer);
+    } else if (state.stage == Stage::kReady && found_inf != nullptr) {
       // The verdict is in: no pass over the gradients here.
       state.found_inf_per_device.clear();
       state.found_inf_per_device.emplace(
@@ -164,6 +244,7 @@ void GradScaler::update() {
   at::_amp_update_scale_(scale_, growth_tracker_, combined, growth_factor_, backoff_factor_,
                          growth_interval_);
   per_optimizer_.clear();
+  unscaled_.clear();
 }
 
 void GradScaler::update(double new_scale) {
@@ -171,6 +252,7 @@ void GradScaler::update(double new_scale) {
   check_initialized("update");
   scale_.fill_(new_scale);
   per_optimizer_.clear();
+  unscaled_.clear();
 }
 
 void GradScaler::update(const at::Tensor& new_scale) {
@@ -183,6 +265,7 @@ void GradScaler::update(const at::Tensor& new_scale) {
                   "torch.FloatTensor with requires_grad=False.");
   scale_.copy_(new_scale.reshape({}));
   per_optimizer_.clear();
+  unscaled_.clear();
 }
 
 double GradScaler::get_scale() const {

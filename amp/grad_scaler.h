@@ -25,7 +25,9 @@
 #include <torch/arg.h>
 
 #include <map>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace torch::optim {
@@ -108,6 +110,30 @@ class GradScaler {
   // a host sync).
   bool found_inf() const;
 
+  // --- A gradient reduction that unscales while it writes gradients back ---------------
+  // DDP with DDPOptions::grad_scaler: its end of backward widens every reduced bucket into
+  // the gradients anyway, and with these calls it also checks and unscales them there, so
+  // step() (or unscale_()) makes no pass of its own over them and hands the fused kernel no
+  // scale. The numbers are the same bit for bit, hence the conditions below.
+  //
+  // The scale to divide reduced gradients by as they are written back, when that is exactly
+  // what unscaling them here would give: enabled, the scale on the CPU and a power of two
+  // (the defaults keep it one: init_scale 2^16, growth 2, backoff 0.5), and a product of the
+  // scale's reciprocal that is exact. Otherwise nullopt: leave the gradients scaled.
+  std::optional<float> scale_for_reduction() const;
+  // The reduction `owner` divided `grads` by `scale` (from scale_for_reduction()) as it wrote
+  // them back; found_inf[i]: grads[i] holds an inf/NaN. The next unscale_()/step() of an
+  // optimizer takes each of these gradients as unscaled, with its verdict, once. A gradient
+  // changed in place after this (a backward outside the reduction's wrapper, an in-place
+  // edit) makes that unscale_()/step() throw rather than unscale it twice.
+  void record_unscaled(const void* owner, const std::vector<at::Tensor>& grads, float scale,
+                       const std::vector<bool>& found_inf);
+  // Multiplies the gradients `owner` recorded, and no optimizer has taken since, by their
+  // scale again, so a further backward accumulates scaled gradients onto scaled ones (DDP
+  // calls it before every forward: two backwards before one step). Exact unless a value
+  // fell into fp32's subnormal range when it was unscaled.
+  void rescale_unscaled(const void* owner);
+
   // A dict with PyTorch's keys and value types (scale: float, growth_factor: float,
   // backoff_factor: float, growth_interval: int, _growth_tracker: int), so a checkpoint
   // written with torch::pickle_save loads into Python's GradScaler.load_state_dict.
@@ -137,6 +163,8 @@ class GradScaler {
   void check_initialized(const char* funcname) const;
   void lazy_init(const c10::Device& device);
   PerDevice unscale_grads(torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale);
+  // Whether any gradient of `optimizer` is one a reduction recorded as unscaled.
+  bool has_unscaled(torch::optim::Optimizer& optimizer) const;
   bool step_impl(torch::optim::Optimizer& optimizer, const at::Tensor* found_inf);
 
   bool enabled_;
@@ -148,6 +176,15 @@ class GradScaler {
   at::Tensor scale_;           // 0-dim fp32, lazily created on the first output's device
   at::Tensor growth_tracker_;  // 0-dim int32, same device
   std::map<const torch::optim::Optimizer*, OptimizerState> per_optimizer_;
+  // record_unscaled's gradients, by TensorImpl, until an optimizer takes them or update().
+  struct Unscaled {
+    at::Tensor grad;  // held, so the address is not reused while recorded
+    int64_t version = 0;
+    float scale = 1;
+    bool found_inf = false;
+    const void* owner = nullptr;
+  };
+  std::unordered_map<const c10::TensorImpl*, Unscaled> unscaled_;
 };
 
 }  // namespace dtrain::amp

@@ -8,7 +8,8 @@
 # Tables: step, backward, optimizer and communication per implementation with step / local
 # step; and the optimizer's share of the step: dtrain's fused AdamW (the trainer's), LibTorch's
 # torch::optim::AdamW, PyTorch's default (foreach) and fused=True; and what a GradScaler adds
-# to dtrain's DDP step over MPI, with DDP's inf/NaN verdict and with the scaler's own check.
+# to dtrain's DDP step over MPI: unscaled and checked in DDP's write-back (the trainer's way),
+# checked there only, or checked by the scaler itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -35,7 +36,7 @@ for r in $(seq "$rounds"); do
     bazel-bin/bench/step_bench --strategy local "${args[@]}" >>"$out"
     bazel-bin/bench/step_bench --strategy local --optimizer libtorch "${args[@]}" >>"$out"
   fi
-  for scaler in on own-check off; do
+  for scaler in in-ddp verdict own-check off; do
     mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
       bazel-bin/bench/step_bench --strategy ddp --precision bf16 --scaler $scaler "${args[@]}" \
       >>"$out"
@@ -90,21 +91,27 @@ if base in groups:
     print(f"\nWhat a GradScaler adds to dtrain's DDP step over MPI ({n} rounds; bf16 autocast and\n"
           "buckets with the scaler on top: its work is what it is with fp16, whose CPU matmuls\n"
           "are too slow to be a fair denominator). scaler: scale(), step() less the fused AdamW\n"
-          "inside it, and update(), in the process; check: check_finite's inf/NaN loops in DDP's\n"
-          "write-back, in the process; AdamW: the fused kernel, which also unscales every\n"
-          "gradient when handed the scale (PyTorch's kernel does the same), against runs without\n"
-          "a scaler. added = scaler + check + (AdamW - AdamW without a scaler).\n")
-    print("| inf/NaN check by | scaler (s) | check (s) | AdamW (s) | added (s) | added / step |")
-    print("|---|---|---|---|---|---|")
+          "inside it, and update(), in the process; write-back: DDP's write-back of the reduced\n"
+          "buckets, which widens them and, by mode, also checks (and unscales) them; check: an\n"
+          "inf/NaN loop of its own; AdamW: the fused kernel, which also unscales every gradient\n"
+          "when handed the scale. Each set against the run without a scaler:\n"
+          "added = scaler + check + (write-back - its own) + (AdamW - its own).\n")
+    print("| gradients checked (and unscaled) by | scaler (s) | write-back (s) | check (s) | "
+          "AdamW (s) | added (s) | added / step |")
+    print("|---|---|---|---|---|---|---|")
     ad0, st0 = med(base, "median_adamw_s"), med(base, "median_step_s")
-    for k, label in [("dtrain/ddp/mpi/fused/scaler-on", "DDP's write-back (check_finite)"),
+    wb0 = med(base, "median_write_back_s")
+    for k, label in [("dtrain/ddp/mpi/fused/scaler-in-ddp",
+                      "DDP's write-back, checked and unscaled (grad_scaler; the trainer's)"),
+                     ("dtrain/ddp/mpi/fused/scaler-verdict",
+                      "DDP's write-back, checked; the kernel unscales (check_finite)"),
                      ("dtrain/ddp/mpi/fused/scaler-own-check", "the scaler's own pass"),
                      (base, "(no scaler)")]:
         if k not in groups: continue
-        sc, ck, ad = (med(k, f) for f in ("median_scaler_s", "median_finite_check_s",
-                                          "median_adamw_s"))
-        added = sc + ck + ad - ad0
-        print(f"| {label} | {sc:.4f} | {ck:.4f} | {ad:.4f} | {added:.4f} | "
+        sc, ck, ad, wb = (med(k, f) for f in ("median_scaler_s", "median_finite_check_s",
+                                              "median_adamw_s", "median_write_back_s"))
+        added = sc + ck + (wb - wb0) + (ad - ad0)
+        print(f"| {label} | {sc:.5f} | {wb:.5f} | {ck:.5f} | {ad:.5f} | {added:.5f} | "
               f"{100 * added / st0:.2f}% |")
     print(f"\nDDP step without a scaler: {st0:.4f} s")
 PY

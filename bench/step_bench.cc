@@ -8,12 +8,14 @@
 //
 // Step = zero_grad -> forward -> cross-entropy (fp32) -> backward (gradients reduced) ->
 // AdamW step; DDP and local steps compute under autocast in bf16 (or fp16), FSDP in bf16
-// parameters. fp16 (DDP and local) adds the GradScaler (--scaler adds it to any precision):
-// the loss is scaled, the gradients are checked for inf/NaN (by DDP's write-back with
-// --scaler on, by the scaler itself with own-check) and the scale and the flag go to the
-// fused AdamW. `scaler_s` is the scaler's own time: scale(), step() less the optimizer's step
-// inside it, and update(); `write_back_s` is DDP's write-back of reduced buckets (with the
-// check under --scaler on), to set against a run without it.
+// parameters. fp16 (DDP and local) adds the GradScaler (--scaler adds it to any precision),
+// by default as the trainer has it (--scaler in-ddp: DDP unscales and checks the gradients as
+// it writes reduced buckets back, DDPOptions::grad_scaler; the fused AdamW then steps with the
+// flag and no scale); --scaler verdict: DDP only checks them (DDPOptions::check_finite) and
+// the kernel unscales; own-check: the scaler checks them itself. `scaler_s` is the scaler's
+// own time: scale(), step() less the optimizer's step inside it, and update();
+// `write_back_s` is DDP's write-back of reduced buckets (with what the scaler mode adds to
+// it), to set against a run without a scaler.
 // Memory: the process's RSS high-water mark, and the bytes CPU tensors held at the peak
 // (framework/memory.h), each the largest over ranks. The steady state (parameters,
 // gradients, optimizer state between steps) is reported too, so a table can set the peak
@@ -101,11 +103,13 @@ int main(int argc, char** argv) {
   app.add_option("--precision", precision, "fp32, bf16, or fp16 (DDP and local: with a GradScaler)")
       ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   app.add_option("--scaler", scaler_mode,
-                 "on (a GradScaler; DDP hands it the inf/NaN verdict of its write-back, "
-                 "DDPOptions::check_finite), own-check (the scaler checks the gradients "
-                 "itself), or off; default: on for fp16, else off. Any precision takes one, "
-                 "to measure its cost beside a step whose compute is fast on a CPU")
-      ->check(CLI::IsMember({"on", "own-check", "off"}));
+                 "in-ddp (a GradScaler; DDP unscales and checks the gradients in its "
+                 "write-back, DDPOptions::grad_scaler: the trainer's way), verdict (DDP checks "
+                 "them, DDPOptions::check_finite, and hands the scaler its verdict; the kernel "
+                 "unscales), own-check (the scaler checks them itself), or off; default: in-ddp "
+                 "for fp16, else off. Any precision takes one, to measure its cost beside a step "
+                 "whose compute is fast on a CPU")
+      ->check(CLI::IsMember({"in-ddp", "verdict", "own-check", "off"}));
   app.add_option("--optimizer", optimizer,
                  "AdamW's implementation: fused (dtrain::optim, ATen's fused kernel, what the "
                  "trainer uses) or libtorch (torch::optim::AdamW's per-parameter loop)")
@@ -142,7 +146,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "step_bench: --precision fp16 is for ddp and local\n");
     return 2;
   }
-  if (scaler_mode.empty()) scaler_mode = fp16 ? "on" : "off";
+  if (scaler_mode.empty()) scaler_mode = fp16 ? "in-ddp" : "off";
   if (scaler_mode != "off" && strategy == "fsdp") {
     std::fprintf(stderr, "step_bench: --scaler is for ddp and local\n");
     return 2;
@@ -150,6 +154,7 @@ int main(int argc, char** argv) {
   const std::optional<c10::ScalarType> low = bf16   ? std::optional<c10::ScalarType>(at::kBFloat16)
                                              : fp16 ? std::optional<c10::ScalarType>(at::kHalf)
                                                     : std::nullopt;
+  dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions().enabled(scaler_mode != "off"));
   std::unique_ptr<dtrain::sharding::DistributedDataParallel<TransformerLM>> ddp;
   std::unique_ptr<dtrain::sharding::FullyShardedDataParallel<TransformerLM>> fsdp;
   TransformerLM local{nullptr};
@@ -160,7 +165,8 @@ int main(int argc, char** argv) {
         dtrain::sharding::DDPOptions()
             .bucket_cap_mb(bucket_cap_mb)
             .reduce_dtype(low)
-            .check_finite(scaler_mode == "on"));
+            .check_finite(scaler_mode == "verdict")
+            .grad_scaler(scaler_mode == "in-ddp" ? &scaler : nullptr));
     params = ddp->parameters();
   } else if (strategy == "fsdp") {
     fsdp = std::make_unique<dtrain::sharding::FullyShardedDataParallel<TransformerLM>>(
@@ -186,7 +192,6 @@ int main(int argc, char** argv) {
     opt_ptr = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-4));
   }
   torch::optim::Optimizer& opt = *opt_ptr;
-  dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions().enabled(scaler_mode != "off"));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
   std::vector<double> step_s, forward_s, backward_s, comm_s, exposed_s, opt_s, scaler_s,
       write_back_s, adamw_s, check_s;

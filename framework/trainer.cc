@@ -448,6 +448,9 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
           ? std::make_unique<amp::ShardedGradScaler>(comm, scaler_options)
           : std::make_unique<amp::GradScaler>(scaler_options);
   amp::GradScaler& scaler = *scaler_ptr;
+  // DDP unscales and judges the gradients as it writes them back, so unscale_ below makes no
+  // pass of its own.
+  if (sc.enabled) model->use_grad_scaler(&scaler);
   const bool autocast = c.precision.mixed.is_low_precision() && model->uses_autocast();
   const c10::ScalarType compute = c.precision.mixed.param_dtype;
   logging::info("run: ", c.source, ", ", world, " rank(s), strategy ", c.parallel.strategy,

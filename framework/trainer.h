@@ -95,6 +95,9 @@ class Model {
   virtual sharding::FSDPState* fsdp() = 0;
   // The output for `inputs` (no loss), through the wrapper: every rank must call it alike.
   virtual at::Tensor logits(const at::Tensor& inputs) = 0;
+  // The loss scaler, for DDP to unscale gradients as it writes them back
+  // (DDPOptions::grad_scaler). FSDP and plain modules leave that to the scaler.
+  virtual void use_grad_scaler(amp::GradScaler* scaler) = 0;
 };
 
 // Cross-entropy in fp32 over the last dimension (classes or vocabulary): the config models'
@@ -174,6 +177,9 @@ class Wrapped : public Model {
     return sharding::grad_norm(parameters(), 2.0, shards).template item<double>();
   }
   bool uses_autocast() const override { return !fsdp_; }
+  void use_grad_scaler(amp::GradScaler* scaler) override {
+    if (ddp_) ddp_->reducer().set_grad_scaler(scaler);
+  }
 
  private:
   amp::NumericsMonitor* monitor_;

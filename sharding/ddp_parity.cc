@@ -6,8 +6,9 @@
 // The pieces a user's DDP run is made of, as dtrain ships them: the TransformerLM (at::linear
 // everywhere), DistributedDataParallel with the precision preset's reduce dtype (bf16 and
 // fp16 buckets for those presets), the forward and the loss under autocast in the preset's
-// dtype, dtrain::optim::AdamW (the fused kernel) and, for fp16, the GradScaler handing its
-// scale and DDP's found-inf flag (DDPOptions::check_finite) to the kernel. PyTorch's side: DDP with
+// dtype, dtrain::optim::AdamW (the fused kernel) and, for fp16, the GradScaler with DDP
+// unscaling and judging the gradients as it writes them back (DDPOptions::grad_scaler), so
+// the kernel steps with the flag and no scale. PyTorch's side: DDP with
 // bf16_compress_hook / fp16_compress_hook, torch.autocast, AdamW(fused=True) and
 // torch.amp.GradScaler.
 //
@@ -56,19 +57,21 @@ int main(int argc, char** argv) {
   const int rank = world->rank(), size = world->size();
   TransformerLM model = dtrain::parity::make_model(args);
   const auto policy = dtrain::amp::MixedPrecisionPolicy::preset(args.precision);
-  // DDP broadcasts rank 0's weights: the start both sides train from.
-  dtrain::sharding::DistributedDataParallel<TransformerLM> ddp(
-      model, world,
-      dtrain::sharding::DDPOptions()
-          .reduce_dtype(policy.effective_reduce_dtype())
-          .check_finite(policy.needs_grad_scaler()));
-  if (rank == 0) dtrain::parity::save(named_parameters(model), args.out_dir + "/init.pt");
-
-  dtrain::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-3));
   dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions()
                                      .init_scale(args.init_scale)
                                      .growth_interval(args.growth_interval)
                                      .enabled(policy.needs_grad_scaler()));
+  // DDP broadcasts rank 0's weights: the start both sides train from. fp16: DDP unscales
+  // and judges the gradients as it writes them back (DDPOptions::grad_scaler), as the
+  // trainer has it.
+  dtrain::sharding::DistributedDataParallel<TransformerLM> ddp(
+      model, world,
+      dtrain::sharding::DDPOptions()
+          .reduce_dtype(policy.effective_reduce_dtype())
+          .grad_scaler(policy.needs_grad_scaler() ? &scaler : nullptr));
+  if (rank == 0) dtrain::parity::save(named_parameters(model), args.out_dir + "/init.pt");
+
+  dtrain::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-3));
   const bool autocast = policy.is_low_precision();
   std::vector<double> losses, scales;
   int64_t skipped = 0;
@@ -84,8 +87,7 @@ int main(int argc, char** argv) {
       loss = at::cross_entropy_loss(logits.reshape({-1, args.vocab}), y.reshape(-1));
     }
     scaler.scale(loss).backward();
-    // fp16: DDP's inf/NaN verdict from its write-back, so the scaler does not check again.
-    if (!(scaler.is_enabled() ? scaler.step(opt, ddp.found_inf()) : scaler.step(opt))) ++skipped;
+    if (!scaler.step(opt)) ++skipped;
     scaler.update();
     at::Tensor mean = loss.detach().reshape({1}).to(at::kDouble);
     world->all_reduce(mean, dtrain::comm::ReduceOp::kSum).wait();

@@ -11,7 +11,9 @@
 #include <torch/optim/sgd.h>
 
 #include <limits>
+#include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -426,6 +428,106 @@ TEST_F(Test, CheckFiniteFindsWhatTheScalersOwnCheckFinds) {
   EXPECT_EQ(with, own);
   EXPECT_FALSE(own.front()) << "step 0 should overflow fp16 and be skipped";
   EXPECT_TRUE(at::equal(w_with, w_own));
+}
+
+// DDPOptions::grad_scaler: DDP unscales and judges the gradients as it writes the reduced
+// buckets back, and the scaler takes them as they are. Against the same run where the scaler
+// does it all, bit for bit, for fp32, bf16 and fp16 buckets, a fused and a plain optimizer:
+//   plain     scale, backward, step (step 0 overflows fp16 and is skipped);
+//   twice     two synchronizing backwards before one step (the second forward scales back
+//             what the first backward unscaled);
+//   unscale   unscale_, an in-place edit of the unscaled gradients, step (the trainer's path);
+//   odd       a scale that is not a power of two: DDP leaves the gradients scaled.
+// After the first backward the gradients are already unscaled: times the scale, they are
+// the other run's, exactly.
+TEST_F(Test, GradScalerInDDPUnscalesBitwiseAsTheScalerAlone) {
+  if (dev().is_cuda()) GTEST_SKIP() << "DDP unscales CPU buckets only";
+  enum Mode { kPlain, kTwice, kUnscale, kOdd };
+  struct Run {
+    std::vector<bool> stepped;
+    at::Tensor weight, first_grad;
+  };
+  auto train = [](std::optional<at::ScalarType> reduce, bool fused, Mode mode, bool in_ddp) {
+    at::manual_seed(5);
+    torch::nn::Linear lin(300, 200);
+    amp::GradScaler scaler(amp::GradScalerOptions()
+                               .init_scale(mode == kOdd ? 3.0e6 : 65536.0 * 64)
+                               .growth_interval(2));
+    DistributedDataParallel<torch::nn::Linear> ddp(
+        lin, world_ptr(),
+        DDPOptions().reduce_dtype(reduce).grad_scaler(in_ddp ? &scaler : nullptr));
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (fused) {
+      opt = std::make_unique<optim::AdamW>(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
+    } else {
+      opt = std::make_unique<torch::optim::SGD>(ddp.parameters(), torch::optim::SGDOptions(1e-2));
+    }
+    Run run;
+    for (int step = 0; step < 6; ++step) {
+      opt->zero_grad();
+      for (int pass = 0; pass < (mode == kTwice ? 2 : 1); ++pass) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(
+            40 + (2 * step + pass) * world().size() + world().rank());
+        at::Tensor x = at::randn({4, 300}, gen) * (step == 0 ? 1e3 : 1.0);  // step 0 overflows
+        scaler.scale(ddp(x).pow(2).mean()).backward();
+      }
+      if (step == 1) run.first_grad = ddp.module()->weight.grad().clone();
+      if (mode == kUnscale) {
+        scaler.unscale_(*opt);
+        for (auto& p : ddp.parameters()) p.grad().mul_(0.5);
+      }
+      run.stepped.push_back(scaler.step(*opt));
+      scaler.update();
+    }
+    run.weight = ddp.module()->weight.detach().clone();
+    return std::make_pair(run, scaler.get_scale());
+  };
+  for (auto reduce : {std::optional<at::ScalarType>(), std::optional<at::ScalarType>(at::kBFloat16),
+                      std::optional<at::ScalarType>(at::kHalf)}) {
+    for (bool fused : {true, false}) {
+      for (Mode mode : {kPlain, kTwice, kUnscale, kOdd}) {
+        const std::string what = std::string("reduce ") +
+                                 (reduce ? c10::toString(*reduce) : "fp32") +
+                                 (fused ? ", fused AdamW" : ", SGD") + ", mode " +
+                                 std::to_string(static_cast<int>(mode));
+        auto [with, scale_with] = train(reduce, fused, mode, true);
+        auto [alone, scale_alone] = train(reduce, fused, mode, false);
+        EXPECT_EQ(with.stepped, alone.stepped) << what;
+        if (reduce == at::kHalf) {
+          EXPECT_FALSE(alone.stepped.front()) << what << ": step 0 should overflow and skip";
+        }
+        EXPECT_EQ(scale_with, scale_alone) << what;
+        EXPECT_TRUE(at::equal(with.weight, alone.weight)) << what;
+        // Step 1's gradients, before step(): unscaled by DDP (times the scale of that step,
+        // halved if step 0 was skipped, they are the scaled ones), or left alone.
+        const double s1 =
+            (mode == kOdd ? 3.0e6 : 65536.0 * 64) / (alone.stepped.front() ? 1.0 : 2.0);
+        at::Tensor expect = mode == kOdd ? alone.first_grad : alone.first_grad / s1;
+        EXPECT_TRUE(at::equal(with.first_grad, expect)) << what;
+      }
+    }
+  }
+}
+
+// A gradient that changed after DDP unscaled it (here a backward that bypassed DDP's forward)
+// cannot be told apart from a scaled one: step() refuses it instead of unscaling it again.
+TEST_F(Test, GradScalerInDDPRefusesAGradientChangedAfterTheWriteBack) {
+  if (dev().is_cuda()) GTEST_SKIP() << "DDP unscales CPU buckets only";
+  at::manual_seed(6);
+  torch::nn::Linear lin(30, 20);
+  amp::GradScaler scaler;
+  DistributedDataParallel<torch::nn::Linear> ddp(lin, world_ptr(),
+                                                 DDPOptions().grad_scaler(&scaler));
+  optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
+  at::Tensor x = at::randn({4, 30});
+  scaler.scale(ddp(x).sum()).backward();
+  scaler.scale(ddp.module()->forward(x).sum()).backward();  // not through DDP
+  try {
+    scaler.step(opt);
+    FAIL() << "a gradient changed after DDP unscaled it was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("through the DDP wrapper"), std::string::npos) << e.what();
+  }
 }
 
 TEST_F(Test, MismatchedParametersRaiseNamingTheFirstDifference) {

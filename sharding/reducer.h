@@ -45,13 +45,15 @@
 #include "sharding/no_sync.h"
 
 namespace dtrain::amp {
+class GradScaler;
 class NumericsMonitor;
-}
+}  // namespace dtrain::amp
 
 namespace dtrain::sharding {
 
-// A named pointer type: TORCH_ARG pastes its type after `const`.
+// Named pointer types: TORCH_ARG pastes its type after `const`.
 using MonitorPtr = amp::NumericsMonitor*;
+using GradScalerPtr = amp::GradScaler*;
 
 struct DDPOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
@@ -71,6 +73,14 @@ struct DDPOptions {
   // check costs almost nothing; an fp32 bucket takes a pass of its own): found_inf(), for
   // GradScaler::step(optimizer, found_inf), which then skips its pass over the gradients.
   TORCH_ARG(bool, check_finite) = false;
+  // The GradScaler that scales this model's loss (fp16): the end of backward then also
+  // unscales the gradients while it writes each reduced bucket back, and judges them, in
+  // the same pass, so scaler.step(optimizer) or scaler.unscale_(optimizer) makes no pass of
+  // its own and the fused AdamW/SGD gets no scale. Bitwise what the scaler alone gives
+  // (amp/grad_scaler.h: when the scale is a power of two on the CPU; otherwise the
+  // gradients stay scaled and the scaler does it). Two backwards before one step work: each
+  // forward first scales back what the last backward unscaled and no step took. Not owned.
+  TORCH_ARG(GradScalerPtr, grad_scaler) = nullptr;
 };
 
 // Per-iteration timing of the gradient reduction (the last completed backward).
@@ -81,9 +91,10 @@ struct ReducerStats {
   // host (the stream waits), so there this is ~0 and the hidden share an upper bound.
   double exposed_seconds = 0;
   // Time the end of backward spent writing reduced buckets back into the gradients (with
-  // check_finite: and checking them), on the host.
+  // check_finite or a grad_scaler: and checking and unscaling them), on the host.
   double write_back_seconds = 0;
-  // Of which check_finite's inf/NaN check (its loops alone, on data the copy left in cache).
+  // Of which inf/NaN checks that run as loops of their own (CPU buckets check and unscale
+  // inside the widening loop instead, sharding/widen.h: 0 there).
   double finite_check_seconds = 0;
   // Share of communication hidden behind backward compute, in [0, 1].
   double hidden_fraction() const {
@@ -120,6 +131,8 @@ class Reducer : public GradientSync {
   // With check_finite: a 1-element fp32 tensor on the CPU, 1 when a gradient reduced by the
   // last synchronizing backward is inf/NaN, else 0; undefined before one, or without it.
   const at::Tensor& found_inf() const { return found_inf_; }
+  // DDPOptions::grad_scaler, set after construction (the trainer builds the model first).
+  void set_grad_scaler(amp::GradScaler* scaler) { options_.grad_scaler(scaler); }
   // Parameter indices of each bucket, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
   const comm::Communicator& communicator() const { return *comm_; }
@@ -149,9 +162,12 @@ class Reducer : public GradientSync {
   void mark_ready(int64_t index, bool from_hook);
   void launch_ready_buckets();
   void finalize_backward();
-  // Writes a bucket's reduced comm_buffer back into its contents (and with check_finite,
-  // returns whether any element is inf/NaN).
-  bool write_back(Bucket& b, double* check_seconds);
+  // Writes a bucket's reduced comm_buffer back into its contents, divided by the post factor
+  // and multiplied by `multiply` (the scaler's unscale; 1: none). With check_finite or
+  // found_per_slot, returns whether any element is inf/NaN, and fills found_per_slot (one
+  // verdict per parameter of the bucket) when given.
+  bool write_back(Bucket& b, float multiply, std::vector<bool>* found_per_slot,
+                  double* check_seconds);
   void reset_iteration();
   // Waits for collectives launched by a backward that threw before its end-of-backward
   // callback, so their results never land in buffers a new iteration is using.
