@@ -1,6 +1,7 @@
 #include "sharding/reducer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
@@ -8,6 +9,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -412,24 +414,34 @@ bool Reducer::write_back(Bucket& b, float multiply, std::vector<bool>* found_per
                          double* check_seconds) {
   const bool check = options_.check_finite() || found_per_slot != nullptr;
   const c10::ScalarType from = b.comm_buffer.scalar_type();
-  if (check && b.comm_buffer.is_cpu() && b.contents.scalar_type() == at::kFloat &&
-      (from == at::kFloat || from == at::kBFloat16 || from == at::kHalf)) {
-    // One pass per parameter: widen, divide, check, unscale (sharding/widen.h). The bucket's
-    // parameters tile it, so this writes every element.
+  const bool widen = from == at::kBFloat16 || from == at::kHalf;
+  if (b.comm_buffer.is_cpu() && b.contents.scalar_type() == at::kFloat &&
+      (widen || (check && from == at::kFloat))) {
+    // One pass per parameter: widen, divide, check, unscale (sharding/widen.h). As fast as
+    // ATen's copy_ alone (memory-bound: 6 ms per 19M bf16 values on one core here), so 16-bit
+    // buckets take it with or without a check. The bucket's parameters tile it, so this
+    // writes every element.
     if (found_per_slot != nullptr) found_per_slot->assign(b.params.size(), false);
     const auto* src = static_cast<const char*>(b.comm_buffer.data_ptr());
     const int64_t esize = static_cast<int64_t>(b.comm_buffer.element_size());
     float* dst = b.contents.data_ptr<float>();
     bool found = false;
+    const float post = static_cast<float>(divide_.post);
     for (size_t s = 0; s < b.params.size(); ++s) {
       const int64_t off = b.offsets[s];
-      const bool f =
-          widen_checked(src + off * esize, from, dst + off, params_[b.params[s]].second.numel(),
-                        static_cast<float>(divide_.post), multiply);
-      if (found_per_slot != nullptr) (*found_per_slot)[s] = f;
-      found = found || f;
+      // Over ATen's intra-op threads, as copy_ would be (one range below the grain size).
+      std::atomic<bool> f{false};
+      at::parallel_for(0, params_[b.params[s]].second.numel(), 1 << 16,
+                       [&](int64_t begin, int64_t end) {
+                         if (widen_checked(src + (off + begin) * esize, from, dst + off + begin,
+                                           end - begin, post, multiply)) {
+                           f.store(true, std::memory_order_relaxed);
+                         }
+                       });
+      if (found_per_slot != nullptr) (*found_per_slot)[s] = f.load();
+      found = found || f.load();
     }
-    return found;
+    return check && found;
   }
   // Any other bucket (a GPU one, fp64): ATen's copy and division, then the check's own pass.
   if (!b.comm_buffer.is_same(b.contents)) b.contents.copy_(b.comm_buffer);
