@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 
 #include "comm/communicator.h"
 #include "core/error.h"
@@ -19,8 +20,10 @@ using Test = dtrain::testing::MultiRankTest;
 const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16,
                                              at::kInt,   at::kLong,   at::kByte};
 const std::vector<ReduceOp> kOps = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin};
-// 0, 1, primes, and sizes that do not divide by 2 or 4 (all_reduce and broadcast allow any).
-const std::vector<int64_t> kSizes = {0, 1, 2, 7, 13, 1000, 65537};
+// 0, 1, primes, and sizes that do not divide by 2 or 4 (all_reduce and broadcast allow any);
+// 300007 crosses the pieces MPI all-reduces within a node go in (main() sets
+// DTRAIN_MPI_CHUNK_KIB=1024), in every dtype but the 1-byte ones.
+const std::vector<int64_t> kSizes = {0, 1, 2, 7, 13, 1000, 65537, 300007};
 const std::vector<int64_t> kShardSizes = {0, 1, 7, 13, 1000};
 
 // Rank r's value at flat index i: small integers, so sums are exact in every dtype.
@@ -163,7 +166,9 @@ TEST_F(Test, HalfAndBFloat16SumsRoundOncePerPairwiseStep) {
   for (auto t : {at::kHalf, at::kBFloat16}) {
     SCOPED_TRACE(c10::toString(t));
     at::manual_seed(1234);  // same draws on every rank
-    at::Tensor all = (at::randn({size, 4099}) * 3).to(t);
+    // 600011 values: more than one 1 MiB piece (DTRAIN_MPI_CHUNK_KIB=1024), and a
+    // ragged tail for the vector loops of the 16-bit sums.
+    at::Tensor all = (at::randn({size, 600011}) * 3).to(t);
     at::Tensor x = all[world().rank()].clone();
     world().all_reduce(x).wait();
     at::Tensor exact = all.to(at::kFloat).sum(0);
@@ -266,4 +271,8 @@ TEST_F(Test, BadArgumentsRaiseClearErrorsWithoutDesynchronizing) {
 }  // namespace
 }  // namespace dtrain::comm
 
-int main(int argc, char** argv) { return dtrain::testing::multirank_main(argc, argv); }
+int main(int argc, char** argv) {
+  // Small pieces, so the sizes above cross them (unless the run sets its own).
+  setenv("DTRAIN_MPI_CHUNK_KIB", "1024", /*overwrite=*/0);
+  return dtrain::testing::multirank_main(argc, argv);
+}
