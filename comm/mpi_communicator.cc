@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 
+#include "comm/half_sum.h"
 #include "comm/mpi_raw.h"
 #include "comm/staging.h"
 #include "comm/worker.h"
@@ -34,9 +35,6 @@ std::string mpi_error_string(int code) {
                     " failed: ", mpi_error_string(dtrain_mpi_rc));  \
   } while (0)
 
-struct Sum {
-  float operator()(float a, float b) const { return a + b; }
-};
 struct Max {
   float operator()(float a, float b) const { return a > b ? a : b; }
 };
@@ -51,6 +49,13 @@ void combine(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
   T* b = static_cast<T*>(inout);
   Op op;
   for (int i = 0; i < *len; ++i) b[i] = T(op(static_cast<float>(a[i]), static_cast<float>(b[i])));
+}
+
+// SUM of 16-bit floats: T(float(in[i]) + float(inout[i])), as combine does MAX and MIN,
+// vectorized (comm/half_sum.h).
+template <c10::ScalarType kType>
+void vector_sum(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  sum_into(static_cast<const uint16_t*>(in), static_cast<uint16_t*>(inout), *len, kType);
 }
 
 // inout[i] = in[i] + inout[i] modulo 2^bits. OpenMPI 4.1's AVX reduction component saturates
@@ -151,10 +156,10 @@ class MpiRuntime {
     DTRAIN_MPI(MPI_Type_commit(&h.half));
     DTRAIN_MPI(MPI_Type_contiguous(2, MPI_BYTE, &h.bf16));
     DTRAIN_MPI(MPI_Type_commit(&h.bf16));
-    DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Sum>, 1, &h.half_ops[0]));
+    DTRAIN_MPI(MPI_Op_create(&vector_sum<c10::kHalf>, 1, &h.half_ops[0]));
     DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Max>, 1, &h.half_ops[1]));
     DTRAIN_MPI(MPI_Op_create(&combine<c10::Half, Min>, 1, &h.half_ops[2]));
-    DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Sum>, 1, &h.bf16_ops[0]));
+    DTRAIN_MPI(MPI_Op_create(&vector_sum<c10::kBFloat16>, 1, &h.bf16_ops[0]));
     DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Max>, 1, &h.bf16_ops[1]));
     DTRAIN_MPI(MPI_Op_create(&combine<c10::BFloat16, Min>, 1, &h.bf16_ops[2]));
     DTRAIN_MPI(MPI_Op_create(&wrapping_sum<uint8_t>, 1, &h.u8_sum));

@@ -2,10 +2,11 @@
 
 #include <c10/util/Half.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+
+#include "core/isa.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -119,30 +120,18 @@ __attribute__((target("avx2,f16c"))) bool avx2_loop(const void* src, float* dst,
 
 #pragma GCC diagnostic pop
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
-
-// The widest loop the CPU runs, capped as ATen's own kernels are by ATEN_CPU_CAPABILITY
-// (default: the scalar loop; avx2; avx512), so the tests can run each loop on one machine.
-Isa detect() {
-  __builtin_cpu_init();
-  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
-  const std::string limit = cap != nullptr ? cap : "";
-  if (limit == "default") return Isa::kScalar;
-  if (limit != "avx2" && __builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return Isa::kAvx2;
-  return Isa::kScalar;
-}
-
 #endif  // DTRAIN_WIDEN_X86
 
 template <Src S, bool kDivide, bool kMultiply, bool kStore>
 bool dispatch(const void* src, float* dst, int64_t n, float divide, float multiply) {
 #ifdef DTRAIN_WIDEN_X86
-  static const Isa isa = detect();
-  if (isa == Isa::kAvx512)
+  const VectorIsa isa = vector_isa();
+  if (isa == VectorIsa::kAvx512) {
     return avx512_loop<S, kDivide, kMultiply, kStore>(src, dst, n, divide, multiply);
-  if (isa == Isa::kAvx2)
+  }
+  if (isa == VectorIsa::kAvx2) {
     return avx2_loop<S, kDivide, kMultiply, kStore>(src, dst, n, divide, multiply);
+  }
 #endif
   return scalar_loop<S, kDivide, kMultiply, kStore>(src, dst, 0, n, divide, multiply);
 }

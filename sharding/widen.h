@@ -9,8 +9,8 @@
 // Numbers: bitwise what ATen's copy_, div_(divide) and mul_(multiply) give one after the
 // other. Widening bf16/fp16 to fp32 is exact, and the division and multiplication are single
 // IEEE operations at every vector width (AVX-512, AVX2, or the scalar loop on other CPUs), so
-// the result does not depend on the CPU. ATEN_CPU_CAPABILITY caps the loop as it caps ATen's
-// kernels (default: scalar; avx2), so one machine can test each. The check looks at the widened
+// the result does not depend on the CPU (core/isa.h picks the loop; ATEN_CPU_CAPABILITY caps
+// it, so one machine can test each). The check looks at the widened
 // source values, as PyTorch's GradScaler checks gradients before unscaling them.
 #pragma once
 
