@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 rounds=${1:-3}
 shift || true
 args=("--steps" "8" "--warmup" "2" "$@")
+ab_args=("--steps" "16" "--warmup" "2" "$@")  # --scaler ab: 8 steps with and 8 without
 scripts/bootstrap >/dev/null
 bazel build --config=ci //bench:step_bench //launcher:dtrain-launch >/dev/null 2>&1
 launch=bazel-bin/launcher/dtrain-launch
@@ -23,24 +24,41 @@ export OMPI_MCA_mpi_yield_when_idle=1
 out=$(mktemp)
 ref=bench/reference/ddp_reference.py
 only=${ONLY:-all}  # ONLY=scaler: the GradScaler runs alone
+# One run each; the order rotates by one every round, so no run always follows the same one
+# (the machine's state after a run moves the next run's numbers by several percent).
+run() {
+  case $1 in
+    pytorch-ddp)
+      PYTHONPATH=bench/reference $launch --nproc-per-node 2 --master-port 0 -- \
+        .venv/bin/python $ref "${args[@]}" | sed 's/^\[rank 0\] //' ;;
+    gloo-ddp)
+      $launch --nproc-per-node 2 --master-port 0 --backend gloo -- bazel-bin/bench/step_bench \
+        --strategy ddp "${args[@]}" | sed 's/^\[rank 0\] //' ;;
+    mpi-ddp)
+      mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
+        bazel-bin/bench/step_bench --strategy ddp "${args[@]}" ;;
+    pytorch-local) PYTHONPATH=bench/reference .venv/bin/python $ref --local "${args[@]}" ;;
+    pytorch-local-fused)
+      PYTHONPATH=bench/reference .venv/bin/python $ref --local --fused "${args[@]}" ;;
+    local) bazel-bin/bench/step_bench --strategy local "${args[@]}" ;;
+    local-libtorch) bazel-bin/bench/step_bench --strategy local --optimizer libtorch "${args[@]}" ;;
+    scaler-ab)
+      mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
+        bazel-bin/bench/step_bench --strategy ddp --precision bf16 --scaler ab "${ab_args[@]}" ;;
+    scaler-*)
+      mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
+        bazel-bin/bench/step_bench --strategy ddp --precision bf16 --scaler "${1#scaler-}" \
+        "${args[@]}" ;;
+  esac
+}
+runs=(scaler-in-ddp scaler-verdict scaler-own-check scaler-off scaler-ab)
+if [ "$only" = all ]; then
+  runs=(pytorch-ddp gloo-ddp mpi-ddp pytorch-local pytorch-local-fused local local-libtorch
+    "${runs[@]}")
+fi
 for r in $(seq "$rounds"); do
-  if [ "$only" = all ]; then
-    PYTHONPATH=bench/reference $launch --nproc-per-node 2 --master-port 0 -- \
-      .venv/bin/python $ref "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
-    $launch --nproc-per-node 2 --master-port 0 --backend gloo -- bazel-bin/bench/step_bench \
-      --strategy ddp "${args[@]}" | sed 's/^\[rank 0\] //' >>"$out"
-    mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi bazel-bin/bench/step_bench \
-      --strategy ddp "${args[@]}" >>"$out"
-    PYTHONPATH=bench/reference .venv/bin/python $ref --local "${args[@]}" >>"$out"
-    PYTHONPATH=bench/reference .venv/bin/python $ref --local --fused "${args[@]}" >>"$out"
-    bazel-bin/bench/step_bench --strategy local "${args[@]}" >>"$out"
-    bazel-bin/bench/step_bench --strategy local --optimizer libtorch "${args[@]}" >>"$out"
-  fi
-  for scaler in in-ddp verdict own-check off; do
-    mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
-      bazel-bin/bench/step_bench --strategy ddp --precision bf16 --scaler $scaler "${args[@]}" \
-      >>"$out"
-  done
+  k=$(((r - 1) % ${#runs[@]}))
+  for name in "${runs[@]:k}" "${runs[@]:0:k}"; do run "$name" >>"$out"; done
 done
 .venv/bin/python - "$out" <<'PY'
 import json, statistics, sys
@@ -114,5 +132,25 @@ if base in groups:
         print(f"| {label} | {sc:.5f} | {wb:.5f} | {ck:.5f} | {ad:.5f} | {added:.5f} | "
               f"{100 * added / st0:.2f}% |")
     print(f"\nDDP step without a scaler: {st0:.4f} s")
+ab = "dtrain/ddp/mpi/fused/scaler-ab"
+if ab in groups:
+    rs = groups[ab]
+    m = lambda f: statistics.median(r[f] for r in rs)
+    added = (m("ab_on_scaler_s") + (m("ab_on_write_back_s") - m("ab_off_write_back_s")) +
+             (m("ab_on_adamw_s") - m("ab_off_adamw_s")))
+    print(f"\nThe trainer's way against no scaler in alternate steps of one process ({len(rs)} "
+          "runs x 8 steps each; medians of per-run medians):\n")
+    print("| steps | step (s) | forward (s) | backward (s) | scaler (s) | write-back (s) | "
+          "AdamW (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for tag, label in [("on", "with the GradScaler in DDP's write-back"), ("off", "without")]:
+        f = lambda name: m("ab_" + tag + "_" + name + "_s")
+        print(f"| {label} | {f('step'):.5f} | {f('forward'):.5f} | {f('backward'):.5f} | "
+              f"{f('scaler'):.5f} | {f('write_back'):.5f} | {f('adamw'):.5f} |")
+    ratios = sorted(r["ab_on_step_s"] / r["ab_off_step_s"] for r in rs)
+    print(f"\nadded = scaler + (write-back - without) + (AdamW - without) = {added:.5f} s, "
+          f"{100 * added / m('ab_off_step_s'):.2f}% of the step. Whole steps with / without, "
+          f"per run: median {statistics.median(ratios):.3f}, {ratios[0]:.3f} to {ratios[-1]:.3f} "
+          "(forward and backward, the same work in both, move as much).")
 PY
 rm -f "$out"

@@ -107,9 +107,11 @@ int main(int argc, char** argv) {
                  "write-back, DDPOptions::grad_scaler: the trainer's way), verdict (DDP checks "
                  "them, DDPOptions::check_finite, and hands the scaler its verdict; the kernel "
                  "unscales), own-check (the scaler checks them itself), or off; default: in-ddp "
-                 "for fp16, else off. Any precision takes one, to measure its cost beside a step "
-                 "whose compute is fast on a CPU")
-      ->check(CLI::IsMember({"in-ddp", "verdict", "own-check", "off"}));
+                 "for fp16, else off; ab: in-ddp and off in alternate steps of one process, "
+                 "each reported apart (ab_* fields), so the machine's drift between runs does "
+                 "not enter the difference. Any precision takes one, to measure its cost beside "
+                 "a step whose compute is fast on a CPU")
+      ->check(CLI::IsMember({"in-ddp", "verdict", "own-check", "off", "ab"}));
   app.add_option("--optimizer", optimizer,
                  "AdamW's implementation: fused (dtrain::optim, ATen's fused kernel, what the "
                  "trainer uses) or libtorch (torch::optim::AdamW's per-parameter loop)")
@@ -154,7 +156,13 @@ int main(int argc, char** argv) {
   const std::optional<c10::ScalarType> low = bf16   ? std::optional<c10::ScalarType>(at::kBFloat16)
                                              : fp16 ? std::optional<c10::ScalarType>(at::kHalf)
                                                     : std::nullopt;
+  const bool ab = scaler_mode == "ab";
+  if (ab && strategy != "ddp") {
+    std::fprintf(stderr, "step_bench: --scaler ab is for ddp\n");
+    return 2;
+  }
   dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions().enabled(scaler_mode != "off"));
+  dtrain::amp::GradScaler no_scaler(dtrain::amp::GradScalerOptions().enabled(false));
   std::unique_ptr<dtrain::sharding::DistributedDataParallel<TransformerLM>> ddp;
   std::unique_ptr<dtrain::sharding::FullyShardedDataParallel<TransformerLM>> fsdp;
   TransformerLM local{nullptr};
@@ -166,7 +174,7 @@ int main(int argc, char** argv) {
             .bucket_cap_mb(bucket_cap_mb)
             .reduce_dtype(low)
             .check_finite(scaler_mode == "verdict")
-            .grad_scaler(scaler_mode == "in-ddp" ? &scaler : nullptr));
+            .grad_scaler(scaler_mode == "in-ddp" || ab ? &scaler : nullptr));
     params = ddp->parameters();
   } else if (strategy == "fsdp") {
     fsdp = std::make_unique<dtrain::sharding::FullyShardedDataParallel<TransformerLM>>(
@@ -195,6 +203,7 @@ int main(int argc, char** argv) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
   std::vector<double> step_s, forward_s, backward_s, comm_s, exposed_s, opt_s, scaler_s,
       write_back_s, adamw_s, check_s;
+  std::vector<bool> scaled_step;  // --scaler ab: whether each timed step had the scaler
   double steady_mb = 0, peak_tracked_mb = 0;
   for (int64_t s = 0; s < warmup + steps; ++s) {
     at::Tensor x = at::randint(0, vocab, {batch, seq}, gen);
@@ -202,6 +211,10 @@ int main(int argc, char** argv) {
     if (comm) comm->barrier().wait();
     const double steady = TrackedCpuMemory::current_bytes() / 1e6;
     TrackedCpuMemory::reset_peak();
+    // --scaler ab: even steps as the trainer runs fp16 (in-ddp), odd steps without a scaler.
+    const bool with_scaler = ab ? s % 2 == 0 : scaler.is_enabled();
+    dtrain::amp::GradScaler& sc = with_scaler ? scaler : no_scaler;
+    if (ab) ddp->reducer().set_grad_scaler(with_scaler ? &scaler : nullptr);
     auto t0 = Clock::now();
     // The local run keeps its gradients allocated, so its peak above the steady state is the
     // activations alone (the theory FSDP's memory is set against).
@@ -215,17 +228,17 @@ int main(int argc, char** argv) {
       loss = at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), y.reshape(-1));
     }
     auto tb = Clock::now();
-    at::Tensor scaled = scaler.scale(loss);
+    at::Tensor scaled = sc.scale(loss);
     double in_scaler = seconds(tb, Clock::now());
     scaled.backward();
     auto te = Clock::now();
-    if (scaler.is_enabled()) {
+    if (sc.is_enabled()) {
       if (ddp && ddp->found_inf().defined()) {
-        scaler.step(opt, ddp->found_inf());
+        sc.step(opt, ddp->found_inf());
       } else {
-        scaler.step(opt);
+        sc.step(opt);
       }
-      scaler.update();
+      sc.update();
       in_scaler += seconds(te, Clock::now()) - (timed ? timed->last_s : 0.0);
     } else {
       opt.step();
@@ -236,7 +249,8 @@ int main(int argc, char** argv) {
     forward_s.push_back(seconds(t0, tb));
     backward_s.push_back(seconds(tb, te));
     opt_s.push_back(seconds(te, t1));
-    scaler_s.push_back(scaler.is_enabled() ? in_scaler : 0.0);
+    scaler_s.push_back(sc.is_enabled() ? in_scaler : 0.0);
+    scaled_step.push_back(with_scaler);
     adamw_s.push_back(timed ? timed->last_s : 0.0);
     if (ddp || fsdp) {
       const auto& st = ddp ? ddp->last_stats() : fsdp->last_stats();
@@ -253,6 +267,28 @@ int main(int argc, char** argv) {
   const double peak_rss_mb = max_over_ranks(comm.get(), r.ru_maxrss / 1024.0);
   peak_tracked_mb = max_over_ranks(comm.get(), peak_tracked_mb);
   steady_mb = max_over_ranks(comm.get(), steady_mb);
+  // --scaler ab: the medians of the steps with the scaler and of those without, apart.
+  std::string ab_fields;
+  if (ab) {
+    auto half = [&](const std::vector<double>& v, bool with) {
+      std::vector<double> out;
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (scaled_step[i] == with) out.push_back(v[i]);
+      }
+      return median(out);
+    };
+    for (bool with : {true, false}) {
+      const std::string tag = with ? "on" : "off";
+      char buf[256];
+      std::snprintf(buf, sizeof buf,
+                    ",\"ab_%s_step_s\":%.5f,\"ab_%s_scaler_s\":%.5f,\"ab_%s_write_back_s\":%.5f,"
+                    "\"ab_%s_adamw_s\":%.5f,\"ab_%s_forward_s\":%.5f,\"ab_%s_backward_s\":%.5f",
+                    tag.c_str(), half(step_s, with), tag.c_str(), half(scaler_s, with), tag.c_str(),
+                    half(write_back_s, with), tag.c_str(), half(adamw_s, with), tag.c_str(),
+                    half(forward_s, with), tag.c_str(), half(backward_s, with));
+      ab_fields += buf;
+    }
+  }
   if (rank == 0) {
     const double c = median(comm_s), e = median(exposed_s);
     std::printf(
@@ -264,14 +300,14 @@ int main(int argc, char** argv) {
         "\"exposed_s\":%.4f,\"hidden\":%.3f,\"peak_rss_mb\":%.1f,\"peak_tracked_mb\":%.1f,"
         "\"steady_tracked_mb\":%.1f,\"scaler\":\"%s\",\"median_scaler_s\":%.5f,\"median_write_back_"
         "s\":%.5f,\"median_adamw_s\":%.5f,"
-        "\"median_finite_check_s\":%.5f}\n",
+        "\"median_finite_check_s\":%.5f%s}\n",
         optimizer.c_str(), strategy.c_str(), strategy == "fsdp" ? sharding.c_str() : "",
         precision.c_str(), comm ? comm->backend().c_str() : "none", comm ? comm->size() : 1,
         static_cast<long long>(dtrain::framework::transformer_lm_parameter_count(opts)),
         median(step_s), median(forward_s), median(backward_s), median(opt_s), c, e,
         c > 0 ? std::max(0.0, 1 - e / c) : 1.0, peak_rss_mb, peak_tracked_mb, steady_mb,
         scaler.is_enabled() ? scaler_mode.c_str() : "off", median(scaler_s), median(write_back_s),
-        median(adamw_s), median(check_s));
+        median(adamw_s), median(check_s), ab_fields.c_str());
   }
   if (comm) comm->barrier().wait();
   return 0;
