@@ -195,17 +195,18 @@ class MpiRuntime {
 
 constexpr int64_t kMaxCount = INT_MAX;
 
-// All-reduces within one node are issued in pieces of at most DTRAIN_MPI_CHUNK_KIB (default
-// 16384 KiB; 0: one call). OpenMPI's shared-memory all-reduce falls off a cliff once a message
-// outgrows the caches: at 2 ranks here, fp32 in one call runs at 4.4 GB/s for 25 MB and 2.2
-// GB/s for 64 and 128 MiB; in 16 MiB pieces 64 MiB takes 15.0 ms instead of 31.1 ms (1 MiB
-// pieces: 13.2 ms). Smaller pieces help an idle machine more but cost a DDP step whose
-// compute fills every core: each piece is one more rendezvous of the ranks' comm threads
-// (1 MiB pieces tripled the exposed all-reduce of the 19M-model step). Between nodes MPI's
-// own pipelining is left alone.
+// All-reduces within one node larger than DTRAIN_MPI_CHUNK_KIB (default 28 MiB; 0: never) are
+// issued in equal pieces no larger than it. OpenMPI's shared-memory all-reduce falls off a
+// cliff once a message outgrows the caches: at 2 ranks here, fp32 in one call runs at 4.5
+// GB/s up to 24 MiB and at 2.3 GB/s from 32 MiB; 64 MiB takes 29.3 ms in one call and
+// 13.9 ms in 16 MiB pieces. Smaller pieces would help an idle machine a little more but cost
+// a DDP step whose compute fills every core: each piece is one more rendezvous of the ranks'
+// comm threads (1 MiB pieces tripled the exposed all-reduce of the 19M-model step, 16 MiB
+// ones made its 25 MB buckets' all-reduces 50% longer). DDP's default 25 MB buckets stay one
+// call. Between nodes MPI's own pipelining is left alone.
 int64_t chunk_bytes() {
   static const int64_t bytes =
-      std::max<int64_t>(0, env_int(process_env(), "DTRAIN_MPI_CHUNK_KIB", 16384)) * 1024;
+      std::max<int64_t>(0, env_int(process_env(), "DTRAIN_MPI_CHUNK_KIB", 28 * 1024)) * 1024;
   return bytes;
 }
 
@@ -301,7 +302,8 @@ class MpiCommunicator : public Communicator {
   static at::Tensor host_input(const at::Tensor& t) { return t.is_cpu() ? t : to_host_flat(t); }
   static at::Tensor host_output(const at::Tensor& t) { return t.is_cpu() ? t : host_flat_like(t); }
 
-  // chunk: bytes per all-reduce call (0: as few calls as MPI's int count allows).
+  // chunk: the largest all-reduce issued as one call, in bytes (0: no limit but MPI's int
+  // count); larger ones go in equal pieces.
   static void run(const MpiRuntime& rt, MPI_Comm comm, int size, int64_t chunk,
                   const Collective& c) {
     if (c.kind == OpKind::kBarrier) {
@@ -315,7 +317,11 @@ class MpiCommunicator : public Communicator {
       case OpKind::kAllReduce: {
         at::Tensor host = host_input(c.input);
         char* p = static_cast<char*>(host.data_ptr());
-        const int64_t piece = chunk > 0 ? std::max<int64_t>(1, chunk / elem) : kMaxCount;
+        int64_t piece = kMaxCount;
+        if (chunk > 0 && host.numel() * elem > chunk) {
+          const int64_t pieces = (host.numel() * elem + chunk - 1) / chunk;
+          piece = std::min(kMaxCount, (host.numel() + pieces - 1) / pieces);
+        }
         for (int64_t off = 0; off < host.numel(); off += piece) {
           int n = static_cast<int>(std::min(piece, host.numel() - off));
           DTRAIN_MPI(MPI_Allreduce(MPI_IN_PLACE, p + off * elem, n, dt, rt.op(dtype, c.op), comm));
@@ -364,7 +370,7 @@ class MpiCommunicator : public Communicator {
   }
 
   MPI_Comm comm_;
-  bool one_node_ = false;  // every rank on this node: all-reduces go in chunk_bytes() pieces
+  bool one_node_ = false;  // every rank on this node: large all-reduces go in pieces
   std::unique_ptr<OrderedWorker> own_worker_;
   OrderedWorker* worker_;
 };
