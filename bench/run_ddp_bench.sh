@@ -6,16 +6,19 @@
 # for ROUNDS rounds (noisy machines); the tables show medians over rounds of each run's median.
 #   bench/run_ddp_bench.sh [ROUNDS] [extra step_bench/ddp_reference args...]
 # Tables: step, backward, optimizer and communication per implementation with step / local
-# step; and the optimizer's share of the step: dtrain's fused AdamW (the trainer's), LibTorch's
+# step; the same DDP steps against the same processes' steps without communication
+# (--local-ab: every other step under no_sync(), which cancels the drift between processes);
+# the optimizer's share of the step: dtrain's fused AdamW (the trainer's), LibTorch's
 # torch::optim::AdamW, PyTorch's default (foreach) and fused=True; and what a GradScaler adds
 # to dtrain's DDP step over MPI: unscaled and checked in DDP's write-back (the trainer's way),
-# checked there only, or checked by the scaler itself.
+# checked there only, or checked by the scaler itself, and the trainer's way against no scaler
+# in alternate steps of one process (--scaler ab).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 shift || true
 args=("--steps" "8" "--warmup" "2" "$@")
-ab_args=("--steps" "16" "--warmup" "2" "$@")  # --scaler ab: 8 steps with and 8 without
+ab_args=("--steps" "16" "--warmup" "2" "$@")  # alternate steps: 8 of each kind
 scripts/bootstrap >/dev/null
 bazel build --config=ci //bench:step_bench //launcher:dtrain-launch >/dev/null 2>&1
 launch=bazel-bin/launcher/dtrain-launch
@@ -42,6 +45,15 @@ run() {
       PYTHONPATH=bench/reference .venv/bin/python $ref --local --fused "${args[@]}" ;;
     local) bazel-bin/bench/step_bench --strategy local "${args[@]}" ;;
     local-libtorch) bazel-bin/bench/step_bench --strategy local --optimizer libtorch "${args[@]}" ;;
+    pytorch-ddp-ab)
+      PYTHONPATH=bench/reference $launch --nproc-per-node 2 --master-port 0 -- \
+        .venv/bin/python $ref --local-ab "${ab_args[@]}" | sed 's/^\[rank 0\] //' ;;
+    gloo-ddp-ab)
+      $launch --nproc-per-node 2 --master-port 0 --backend gloo -- bazel-bin/bench/step_bench \
+        --strategy ddp --local-ab "${ab_args[@]}" | sed 's/^\[rank 0\] //' ;;
+    mpi-ddp-ab)
+      mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
+        bazel-bin/bench/step_bench --strategy ddp --local-ab "${ab_args[@]}" ;;
     scaler-ab)
       mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
         bazel-bin/bench/step_bench --strategy ddp --precision bf16 --scaler ab "${ab_args[@]}" ;;
@@ -54,7 +66,7 @@ run() {
 runs=(scaler-in-ddp scaler-verdict scaler-own-check scaler-off scaler-ab)
 if [ "$only" = all ]; then
   runs=(pytorch-ddp gloo-ddp mpi-ddp pytorch-local pytorch-local-fused local local-libtorch
-    "${runs[@]}")
+    pytorch-ddp-ab gloo-ddp-ab mpi-ddp-ab "${runs[@]}")
 fi
 for r in $(seq "$rounds"); do
   k=$(((r - 1) % ${#runs[@]}))
@@ -66,6 +78,7 @@ rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
 def key(r):
     k = "/".join([r["impl"], r.get("strategy", "ddp"), r.get("backend", ""),
                   r.get("optimizer", "default")])
+    k += "/ab" if "ab_sync_step_s" in r else ""
     return k + ("/scaler-" + r["scaler"] if r.get("precision") == "bf16" else "")
 groups = {}
 for r in rows: groups.setdefault(key(r), []).append(r)
@@ -93,6 +106,23 @@ if "pytorch/ddp/gloo/default" in groups:
                 if "comm_s" in groups[k][0] and "ddp" in k else "n/a | n/a")
         print(f"| {label} | {s:.4f} | {med(k,'median_backward_s'):.4f} | "
               f"{med(k,'median_optimizer_s'):.4f} | {comm} | {s/local:.3f} |")
+    abk = [("pytorch/ddp/gloo/default/ab", "PyTorch 2.13 DDP, Gloo"),
+           ("dtrain/ddp/gloo/fused/ab", "dtrain DDP, Gloo"), ("dtrain/ddp/mpi/fused/ab", "dtrain DDP, MPI")]
+    if any(k in groups for k, _ in abk):
+        print("\nThe same, against the same two processes' own steps without communication "
+              "(every other step under no_sync(): both ranks compute, nothing is reduced; medians "
+              "of per-run medians, 8 steps of each kind per run; this cancels the drift between "
+              "processes that moves the table above by several percent)\n")
+        print("| implementation | DDP step (s) | step without communication (s) | ratio | per run |")
+        print("|---|---|---|---|---|")
+        for k, label in abk:
+            if k not in groups: continue
+            rs = groups[k]
+            ratios = sorted(r["ab_sync_step_s"] / r["ab_local_step_s"] for r in rs)
+            sy = statistics.median(r["ab_sync_step_s"] for r in rs)
+            lo = statistics.median(r["ab_local_step_s"] for r in rs)
+            print(f"| {label} | {sy:.4f} | {lo:.4f} | {statistics.median(ratios):.3f} | "
+                  f"{ratios[0]:.3f} - {ratios[-1]:.3f} |")
     print("\nAdamW's share of the local step\n")
     print("| optimizer | optimizer (s) | step (s) | share |")
     print("|---|---|---|---|")

@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
   int64_t steps = 8, warmup = 2, d_model = 512, layers = 6, heads = 8, d_ff = 2048, seq = 64,
           batch = 4, vocab = 256, limit = 2;
   double bucket_cap_mb = 25;
-  bool forward_prefetch = false, one_queue = false;
+  bool forward_prefetch = false, one_queue = false, local_ab = false;
   app.add_option("--strategy", strategy, "ddp, fsdp, or local (one process, no communication)")
       ->check(CLI::IsMember({"ddp", "fsdp", "local"}));
   app.add_option("--sharding", sharding, "FSDP: full_shard, shard_grad_op, no_shard")
@@ -128,6 +128,10 @@ int main(int argc, char** argv) {
   app.add_option("--limit-all-gathers", limit, "FSDP");
   app.add_flag("--forward-prefetch", forward_prefetch, "FSDP");
   app.add_flag("--one-queue", one_queue, "FSDP: reduce-scatters on the gathers' communicator");
+  app.add_flag("--local-ab", local_ab,
+               "DDP: every other step under no_sync(), without communication, reported apart "
+               "(ab_sync_*, ab_local_*): the step beside the same processes' local step, "
+               "on a machine loaded alike");
   dtrain::cli::parse(app, argc, argv);
 
   const char* threads = std::getenv("OMP_NUM_THREADS");
@@ -157,8 +161,12 @@ int main(int argc, char** argv) {
                                              : fp16 ? std::optional<c10::ScalarType>(at::kHalf)
                                                     : std::nullopt;
   const bool ab = scaler_mode == "ab";
-  if (ab && strategy != "ddp") {
-    std::fprintf(stderr, "step_bench: --scaler ab is for ddp\n");
+  if ((ab || local_ab) && strategy != "ddp") {
+    std::fprintf(stderr, "step_bench: --scaler ab and --local-ab are for ddp\n");
+    return 2;
+  }
+  if (ab && local_ab) {
+    std::fprintf(stderr, "step_bench: --scaler ab and --local-ab alternate steps each: one\n");
     return 2;
   }
   dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions().enabled(scaler_mode != "off"));
@@ -213,6 +221,9 @@ int main(int argc, char** argv) {
     TrackedCpuMemory::reset_peak();
     // --scaler ab: even steps as the trainer runs fp16 (in-ddp), odd steps without a scaler.
     const bool with_scaler = ab ? s % 2 == 0 : scaler.is_enabled();
+    // --local-ab: odd steps without communication.
+    std::optional<dtrain::sharding::NoSyncGuard> local_step;
+    if (local_ab && s % 2 == 1) local_step.emplace(ddp->no_sync());
     dtrain::amp::GradScaler& sc = with_scaler ? scaler : no_scaler;
     if (ab) ddp->reducer().set_grad_scaler(with_scaler ? &scaler : nullptr);
     auto t0 = Clock::now();
@@ -250,7 +261,7 @@ int main(int argc, char** argv) {
     backward_s.push_back(seconds(tb, te));
     opt_s.push_back(seconds(te, t1));
     scaler_s.push_back(sc.is_enabled() ? in_scaler : 0.0);
-    scaled_step.push_back(with_scaler);
+    scaled_step.push_back(local_ab ? !local_step.has_value() : with_scaler);
     adamw_s.push_back(timed ? timed->last_s : 0.0);
     if (ddp || fsdp) {
       const auto& st = ddp ? ddp->last_stats() : fsdp->last_stats();
@@ -269,7 +280,7 @@ int main(int argc, char** argv) {
   steady_mb = max_over_ranks(comm.get(), steady_mb);
   // --scaler ab: the medians of the steps with the scaler and of those without, apart.
   std::string ab_fields;
-  if (ab) {
+  if (ab || local_ab) {
     auto half = [&](const std::vector<double>& v, bool with) {
       std::vector<double> out;
       for (size_t i = 0; i < v.size(); ++i) {
@@ -278,7 +289,7 @@ int main(int argc, char** argv) {
       return median(out);
     };
     for (bool with : {true, false}) {
-      const std::string tag = with ? "on" : "off";
+      const std::string tag = local_ab ? (with ? "sync" : "local") : (with ? "on" : "off");
       char buf[256];
       std::snprintf(buf, sizeof buf,
                     ",\"ab_%s_step_s\":%.5f,\"ab_%s_scaler_s\":%.5f,\"ab_%s_write_back_s\":%.5f,"

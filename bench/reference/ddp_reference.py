@@ -17,6 +17,7 @@ then compares the losses, scales and final weights with dtrain's (DIR/dtrain.jso
 DIR/final.pt) bit for bit and exits 1 on any difference.
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -104,6 +105,9 @@ def main():
     ap.add_argument("--bucket-cap-mb", type=float, default=25)
     ap.add_argument("--local", action="store_true")
     ap.add_argument("--fused", action="store_true")
+    ap.add_argument("--local-ab", action="store_true",
+                    help="DDP: every other step under no_sync() (no communication), reported "
+                         "apart (ab_sync_step_s, ab_local_step_s)")
     ap.add_argument("--init", help="parity: dtrain's initial weights (DIR/init.pt)")
     ap.add_argument("--precision", choices=DTYPES, default="fp32")
     ap.add_argument("--init-scale", type=float, default=16777216.0)
@@ -128,24 +132,33 @@ def main():
         model, bucket_cap_mb=a.bucket_cap_mb, gradient_as_bucket_view=True)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, **({"fused": True} if a.fused else {}))
     gen = torch.Generator().manual_seed(1234 + rank)
-    steps, backwards, optimizer = [], [], []
+    steps, backwards, optimizer, synced = [], [], [], []
     for s in range(a.warmup + a.steps):
+        local_step = a.local_ab and s % 2 == 1
+        guard = ddp.no_sync() if local_step else contextlib.nullcontext()
         x = torch.randint(0, vocab, (a.batch, a.seq), generator=gen)
         y = torch.randint(0, vocab, (a.batch, a.seq), generator=gen)
         if not a.local:
             dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = F.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
-        tb = time.perf_counter()
-        loss.backward()
-        te = time.perf_counter()
+        with guard:
+            loss = F.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
+            tb = time.perf_counter()
+            loss.backward()
+            te = time.perf_counter()
         opt.step()
         t1 = time.perf_counter()
         if s >= a.warmup:
             steps.append(t1 - t0)
             backwards.append(te - tb)
             optimizer.append(t1 - te)
+            synced.append(not local_step)
+    ab = {}
+    if a.local_ab:
+        for tag, want in [("sync", True), ("local", False)]:
+            ab[f"ab_{tag}_step_s"] = statistics.median(
+                t for t, w in zip(steps, synced) if w == want)
     if rank == 0:
         print(json.dumps({"impl": "pytorch", "backend": "none" if a.local else "gloo",
                           "strategy": "local" if a.local else "ddp",
@@ -155,7 +168,7 @@ def main():
                           "torch": torch.__version__,
                           "median_step_s": statistics.median(steps),
                           "median_backward_s": statistics.median(backwards),
-                          "median_optimizer_s": statistics.median(optimizer)}), flush=True)
+                          "median_optimizer_s": statistics.median(optimizer), **ab}), flush=True)
     if not a.local:
         dist.barrier()
         dist.destroy_process_group()
