@@ -40,8 +40,12 @@ import json, statistics, sys
 work = sys.argv[1]
 runs = []
 for p in (2, 3, 4):
-    rows = [l for l in open(f"{work}/comm_{p}.md") if l.startswith("| all_reduce | fp32 |")]
-    for backend, col in (("mpi", 3), ("gloo", 8)):
+    lines = open(f"{work}/comm_{p}.md").readlines()
+    rows = [l for l in lines if l.startswith("| all_reduce | fp32 |")]
+    # Columns by their header, so a column comm_bench adds does not shift the fit.
+    header = [x.strip() for x in next(l for l in lines if l.startswith("| op |")).strip().strip("|").split("|")]
+    for backend, name in (("mpi", "dtrain-mpi algbw"), ("gloo", "gloo algbw")):
+        col = header.index(name)
         pts = []
         for l in rows:
             c = [x.strip() for x in l.strip().strip("|").split("|")]
