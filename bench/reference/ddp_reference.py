@@ -116,12 +116,9 @@ def main():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if a.init:
         dist.init_process_group("gloo")
-        try:
-            status = parity(a)
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-        raise SystemExit(status)
+        status = parity(a)
+        dist.barrier()
+        common.leave(status)
     if not a.local:
         dist.init_process_group("gloo")
     rank = 0 if a.local else dist.get_rank()
@@ -171,7 +168,7 @@ def main():
                           "median_optimizer_s": statistics.median(optimizer), **ab}), flush=True)
     if not a.local:
         dist.barrier()
-        dist.destroy_process_group()
+        common.leave()
 
 
 if __name__ == "__main__":

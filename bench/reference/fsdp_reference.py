@@ -148,11 +148,9 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
-    try:
-        parity(args) if args.mode == "parity" else bench(args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    parity(args) if args.mode == "parity" else bench(args)
+    dist.barrier()
+    common.leave()
 
 
 if __name__ == "__main__":
