@@ -123,12 +123,24 @@ Work Communicator::reduce_scatter(const at::Tensor& input_flat, const at::Tensor
   return submit(OpKind::kReduceScatter, "reduce_scatter", input_flat, output_shard, op, 0);
 }
 
+namespace {
+
+// Collectives that only move data take bool tensors (masks, BatchNorm-style flags) as the
+// bytes they are.
+at::Tensor as_moved(const at::Tensor& t) {
+  return t.defined() && t.scalar_type() == at::kBool ? t.view(at::kByte) : t;
+}
+
+}  // namespace
+
 Work Communicator::all_gather(const at::Tensor& input_shard, const at::Tensor& output_flat) {
-  return submit(OpKind::kAllGather, "all_gather", input_shard, output_flat, ReduceOp::kSum, 0);
+  return submit(OpKind::kAllGather, "all_gather", as_moved(input_shard), as_moved(output_flat),
+                ReduceOp::kSum, 0);
 }
 
 Work Communicator::broadcast(const at::Tensor& tensor, int root) {
-  return submit(OpKind::kBroadcast, "broadcast", tensor, tensor, ReduceOp::kSum, root);
+  const at::Tensor t = as_moved(tensor);
+  return submit(OpKind::kBroadcast, "broadcast", t, t, ReduceOp::kSum, root);
 }
 
 Work Communicator::barrier() {

@@ -96,6 +96,9 @@ std::vector<int64_t> gather_values(const CheckpointParts& p, const std::vector<i
 }
 
 // --- the model's tensors --------------------------------------------------------------------
+// Sharded checkpoints: a buffer's key in the shard files.
+constexpr char kBufferPrefix[] = "buffer|";
+
 struct Named {
   std::string name;
   at::Tensor tensor;
@@ -178,26 +181,40 @@ std::map<std::string, at::Tensor> tensors_of(const c10::impl::GenericDict& d) {
   return out;
 }
 
-// `saved[name]` for every wanted (name, shape), in order, as fp32 for floating wanted dtypes:
-// every name present, every shape equal, or CheckpointError naming the tensor, before
-// anything is used.
+// What a tensor of the model needs from a checkpoint: its name, shape and dtype.
+struct Wanted {
+  std::string name;
+  std::vector<int64_t> shape;
+  c10::ScalarType dtype = at::kFloat;
+};
+
+// The saved tensor for one wanted: present, of the same shape, and of a dtype that converts
+// without loss of meaning (floating for floating: a buffer comes back in the model's own,
+// buffer_dtype where the policy sets one; any other dtype exactly, as BatchNorm's int64
+// num_batches_tracked or a bool mask), or CheckpointError naming it.
+at::Tensor match_one(const std::map<std::string, at::Tensor>& saved, const Wanted& w,
+                     const std::string& file) {
+  auto it = saved.find(w.name);
+  DTRAIN_CHECK_AS(CheckpointError, it != saved.end(), "'", file, "' has no tensor '", w.name,
+                  "', which the model has: was it saved from another model? Nothing was "
+                  "loaded.");
+  DTRAIN_CHECK_AS(CheckpointError, it->second.sizes().vec() == w.shape, "'", file, "': '", w.name,
+                  "' has shape ", it->second.sizes(), " but the model's is ",
+                  at::IntArrayRef(w.shape), ". Nothing was loaded.");
+  const c10::ScalarType got = it->second.scalar_type();
+  DTRAIN_CHECK_AS(CheckpointError,
+                  c10::isFloatingType(w.dtype) ? c10::isFloatingType(got) : got == w.dtype, "'",
+                  file, "': '", w.name, "' has dtype ", got, " but the model's is ", w.dtype,
+                  ". Nothing was loaded.");
+  return it->second;
+}
+
+// `saved[name]` for every wanted, in order: every one matches (match_one) before anything
+// is used.
 std::vector<at::Tensor> match(const std::map<std::string, at::Tensor>& saved,
-                              const std::vector<std::pair<std::string, std::vector<int64_t>>>& want,
-                              const std::string& file) {
+                              const std::vector<Wanted>& want, const std::string& file) {
   std::vector<at::Tensor> out;
-  for (const auto& [name, shape] : want) {
-    auto it = saved.find(name);
-    DTRAIN_CHECK_AS(CheckpointError, it != saved.end(), "'", file, "' has no tensor '", name,
-                    "', which the model has: was it saved from another model? Nothing was "
-                    "loaded.");
-    DTRAIN_CHECK_AS(CheckpointError, it->second.sizes().vec() == shape, "'", file, "': '", name,
-                    "' has shape ", it->second.sizes(), " but the model's is ",
-                    at::IntArrayRef(shape), ". Nothing was loaded.");
-    DTRAIN_CHECK_AS(CheckpointError, c10::isFloatingType(it->second.scalar_type()), "'", file,
-                    "': '", name, "' has dtype ", it->second.scalar_type(),
-                    "; the model's tensors are floating point. Nothing was loaded.");
-    out.push_back(it->second);
-  }
+  for (const auto& w : want) out.push_back(match_one(saved, w, file));
   return out;
 }
 
@@ -215,14 +232,14 @@ void save_state_dict(torch::nn::Module& module, const std::string& path) {
 
 void load_state_dict(torch::nn::Module& module, const std::string& path) {
   auto saved = tensors_of(as_dict(ckpt::unpickle(ckpt::read_raw(path), path), path));
-  std::vector<std::pair<std::string, std::vector<int64_t>>> want;
+  std::vector<Wanted> want;
   std::vector<at::Tensor> targets;
   for (const auto& item : module.named_parameters()) {
-    want.push_back({item.key(), item.value().sizes().vec()});
+    want.push_back({item.key(), item.value().sizes().vec(), item.value().scalar_type()});
     targets.push_back(item.value());
   }
   for (const auto& item : module.named_buffers()) {
-    want.push_back({item.key(), item.value().sizes().vec()});
+    want.push_back({item.key(), item.value().sizes().vec(), item.value().scalar_type()});
     targets.push_back(item.value());
   }
   std::vector<at::Tensor> values = match(saved, want, path);
@@ -303,6 +320,11 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
     for (const auto& s : states)
       steps.push_back(s.count("step") ? s.at("step").item<double>() : -1);
     d.insert("optim_step", at::tensor(steps, at::kDouble));
+    // Buffers are not sharded: every rank writes its own, and a restore takes rank 0's (the
+    // values a DDP or FSDP run broadcasts at construction), at any world size.
+    for (const auto& item : p.module->named_buffers()) {
+      d.insert(kBufferPrefix + item.key(), item.value().detach().cpu());
+    }
     mine.push_back(ckpt::write_pickle(dir, rank_file("shard", rank), d));
   }
 
@@ -503,9 +525,9 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
     for (const auto& item : p.module->named_parameters())
       params.push_back({item.key(), item.value()});
   }
-  std::vector<at::Tensor> new_values;         // per params entry: full (plain) or parts (FSDP)
-  std::vector<ParamState> new_states;         // in the optimizer's order
-  std::map<std::string, at::Tensor> buffers;  // full mode
+  std::vector<at::Tensor> new_values;  // per params entry: full (plain) or parts (FSDP)
+  std::vector<ParamState> new_states;  // in the optimizer's order
+  std::map<std::string, at::Tensor> buffers;
   const std::vector<std::string>& keys = meta.optimizer_keys;
   if (mode == "full") {
     auto model = tensors_of(as_dict(load("model.pt"), dir + "/model.pt"));
@@ -515,12 +537,12 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
         for (const auto& e : l.params) fsdp_shapes[e.name] = e.shape;
       }
     }
-    std::vector<std::pair<std::string, std::vector<int64_t>>> want;
+    std::vector<Wanted> want;
     for (const auto& [name, t] : params) {
-      want.push_back({name, p.fsdp != nullptr ? fsdp_shapes[name] : t.sizes().vec()});
+      want.push_back({name, p.fsdp != nullptr ? fsdp_shapes[name] : t.sizes().vec(), at::kFloat});
     }
     for (const auto& item : p.module->named_buffers()) {
-      want.push_back({item.key(), item.value().sizes().vec()});
+      want.push_back({item.key(), item.value().sizes().vec(), item.value().scalar_type()});
     }
     std::vector<at::Tensor> matched = match(model, want, dir + "/model.pt");
     std::vector<at::Tensor> full(matched.begin(), matched.begin() + params.size());
@@ -608,6 +630,17 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
       };
     };
     new_values = p.fsdp->parts_from(reader("params"));
+    {
+      std::map<std::string, at::Tensor> saved;
+      for (const auto& [key, t] : tensors_of(shard_file(0))) {
+        if (key.rfind(kBufferPrefix, 0) == 0) saved[key.substr(sizeof(kBufferPrefix) - 1)] = t;
+      }
+      for (const auto& item : p.module->named_buffers()) {
+        buffers[item.key()] =
+            match_one(saved, {item.key(), item.value().sizes().vec(), item.value().scalar_type()},
+                      dir + "/" + rank_file("shard", 0));
+      }
+    }
     if (p.optimizer != nullptr && !keys.empty()) {
       std::vector<ParamState> all_states(params.size());
       at::Tensor steps = shard_file(0).at("optim_step").toTensor();

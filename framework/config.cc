@@ -453,6 +453,16 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
     if (mp.keep_low_precision_grads) {
       prec.fail("keep_low_precision_grads", "keep_low_precision_grads" + why);
     }
+  } else if (cfg.precision.mixed.keep_low_precision_grads &&
+             cfg.precision.mixed.effective_reduce_dtype() != at::kFloat) {
+    // FSDP's custom-optimizer option: the trainer's fused AdamW and SGD step fp32 master
+    // weights with fp32 gradients, so it would fail at the first step.
+    Section prec = top.section("precision");
+    prec.fail("keep_low_precision_grads",
+              "keep_low_precision_grads leaves gradients in the reduce dtype, which the "
+              "trainer's fused AdamW and SGD cannot step (they need fp32 gradients); remove it, "
+              "or use it through the library with an optimizer that takes low-precision "
+              "gradients");
   }
   if (cfg.parallel.backend == "nccl" && cfg.device != "cuda") {
     Section p = top.section("parallel");

@@ -162,6 +162,19 @@ TEST(Config, FsdpTakesItsPrecisionFieldsAndWrapPolicy) {
                     {"run.yaml:12:", "parallel.wrap_modules", "expected a list of strings"});
 }
 
+// The trainer's fused optimizers step fp32 gradients: FSDP's keep_low_precision_grads with a
+// 16-bit reduce dtype would throw at the first step, so the config refuses it at load time.
+TEST(ConfigError, KeepLowPrecisionGradsIsRefusedForTheTrainersOptimizers) {
+  const std::string fsdp = replace(kGood, "strategy: ddp", "strategy: fsdp");
+  expect_yaml_error(replace(fsdp, "policy: bf16", "policy: bf16\n  keep_low_precision_grads: true"),
+                    {"run.yaml:14:", "precision.keep_low_precision_grads", "fp32 gradients"});
+  RunConfig c =
+      parse_config(replace(fsdp, "policy: bf16",
+                           "policy: bf16\n  reduce_dtype: fp32\n  keep_low_precision_grads: true"),
+                   "run.yaml");
+  EXPECT_TRUE(c.precision.mixed.keep_low_precision_grads);  // fp32 gradients: nothing to refuse
+}
+
 TEST(Config, Bf16WithAnEnabledScalerWarns) {
   RunConfig c = parse_config(
       replace(kGood, "policy: bf16", "policy: bf16\n  scaler:\n    enabled: true"), "run.yaml");

@@ -83,10 +83,12 @@ class UnitBase {
 
 namespace detail {
 
+// A forward argument: tensors are cast (FSDPState::cast_input); a unit's are also marked for
+// its post-backward (FSDPState::unit_input). `unit` < 0: the root.
 template <typename T>
-decltype(auto) cast_arg(const FSDPState& s, bool root, T&& x) {
+decltype(auto) cast_arg(FSDPState& s, int64_t unit, T&& x) {
   if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
-    return s.cast_input(x, root);
+    return unit < 0 ? s.cast_input(x, true) : s.unit_input(unit, x);
   } else {
     return std::forward<T>(x);
   }
@@ -136,7 +138,7 @@ class UnitImpl : public Impl, public UnitBase {
   auto forward(Args&&... args) {
     if (state_ == nullptr) return Impl::forward(std::forward<Args>(args)...);
     state_->unit_pre_forward(unit_);
-    auto out = Impl::forward(detail::cast_arg(*state_, false, std::forward<Args>(args))...);
+    auto out = Impl::forward(detail::cast_arg(*state_, unit_, std::forward<Args>(args))...);
     return detail::finish_forward(*state_, unit_, false, std::move(out));
   }
 
@@ -167,7 +169,7 @@ class FullyShardedDataParallel {
   template <typename... Args>
   auto forward(Args&&... args) {
     state_->root_pre_forward();
-    auto out = module_->forward(detail::cast_arg(*state_, true, std::forward<Args>(args))...);
+    auto out = module_->forward(detail::cast_arg(*state_, -1, std::forward<Args>(args))...);
     return detail::finish_forward(*state_, state_->root_unit(), true, std::move(out));
   }
   template <typename... Args>

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
@@ -77,6 +78,23 @@ UnitGroups make_groups(const std::shared_ptr<comm::Communicator>& world,
   return g;
 }
 
+// The identity on a unit's input whose backward tells the unit that its input gradient is
+// computed (FSDPState::unit_input).
+struct PostBackward : torch::autograd::Function<PostBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            FSDPState* state, int64_t unit) {
+    ctx->saved_data["state"] = reinterpret_cast<int64_t>(state);
+    ctx->saved_data["unit"] = unit;
+    return x;  // autograd makes the output a view of x with this node as its history
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* state = reinterpret_cast<FSDPState*>(ctx->saved_data["state"].toInt());
+    state->post_backward(ctx->saved_data["unit"].toInt());
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
@@ -134,6 +152,10 @@ FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
     if (it != where.end()) order_.push_back(it->second);
   }
   ready_.assign(units_.size(), false);
+  in_forward_order_.assign(units_.size(), false);
+  ran_since_sync_.assign(units_.size(), false);
+  inputs_marked_.assign(units_.size(), 0);
+  inputs_pending_.assign(units_.size(), 0);
   trace_forward_start_.assign(units_.size(), -1);
   trace_backward_start_.assign(units_.size(), -1);
   int64_t total = 0, shard = 0;
@@ -160,9 +182,19 @@ bool FSDPState::reshards_after_forward(int64_t unit) const {
 }
 
 bool FSDPState::reshards_after_backward(int64_t unit) const {
-  // A unit with frozen parameters may still need them after its last gradient: it
-  // reshards at the end of backward instead.
+  // Without frozen parameters, a unit's last gradient is the end of its backward: every
+  // node that reads a trainable parameter also produces its gradient.
   return !units_[unit]->has_frozen_params();
+}
+
+void FSDPState::maybe_reshard_in_backward(int64_t unit) {
+  FlatUnit& u = *units_[unit];
+  if (!u.grads_done()) return;
+  if (!reshards_after_backward(unit) && (inputs_marked_[unit] == 0 || inputs_pending_[unit] > 0)) {
+    return;  // frozen parameters may still be read: held until the inputs' gradients (or
+             // the end of backward, when no input carried one)
+  }
+  u.reshard();
 }
 
 int64_t FSDPState::gathered_units() const {
@@ -203,16 +235,26 @@ void FSDPState::abandon_backward() {
     u->reset_backward();
   }
   in_backward_ = false;
+  pending_backward_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
+  std::fill(inputs_marked_.begin(), inputs_marked_.end(), 0);
+  std::fill(inputs_pending_.begin(), inputs_pending_.end(), 0);
 }
 
 void FSDPState::root_pre_forward() {
   std::lock_guard<std::mutex> lock(mu_);
   if (in_backward_) abandon_backward();
   grad_forward_ = c10::GradMode::is_enabled();
-  if (!forward_order_.empty()) previous_order_ = forward_order_;
-  forward_order_.clear();
-  exposed_s_ = 0;
+  if (grad_forward_ && !pending_backward_) {
+    // A new iteration (a forward without grad never starts one: it must not disturb the
+    // state of a training forward whose backward is still to come).
+    if (!forward_order_.empty()) previous_order_ = forward_order_;
+    forward_order_.clear();
+    std::fill(in_forward_order_.begin(), in_forward_order_.end(), false);
+    std::fill(inputs_marked_.begin(), inputs_marked_.end(), 0);
+    std::fill(inputs_pending_.begin(), inputs_pending_.end(), 0);
+    exposed_s_ = 0;
+  }
   if (root_ >= 0) {
     if (trace::enabled()) trace_forward_start_[root_] = trace::now_us();
     gather(root_);
@@ -231,15 +273,24 @@ void FSDPState::root_post_forward(const std::vector<at::Tensor>& outputs) {
   if (options_.monitor() != nullptr) {
     for (const auto& t : outputs) options_.monitor()->record("fsdp.<root>.out", t);
   }
-  if (!grad_forward_) {
-    for (size_t u = 0; u < units_.size(); ++u) units_[u]->reshard();
+  if (grad_forward_) {
+    for (const auto& t : outputs) pending_backward_ = pending_backward_ || t.requires_grad();
+  } else {
+    // The root stays gathered for a training forward's backward still to come.
+    for (size_t u = 0; u < units_.size(); ++u) {
+      if (!(pending_backward_ && static_cast<int64_t>(u) == root_)) units_[u]->reshard();
+    }
   }
   trace_forward_end(root_);
 }
 
 void FSDPState::unit_pre_forward(int64_t unit) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (grad_forward_) forward_order_.push_back(unit);
+  if (grad_forward_) {
+    if (!in_forward_order_[unit]) forward_order_.push_back(unit);
+    in_forward_order_[unit] = true;
+    ran_since_sync_[unit] = true;
+  }
   if (trace::enabled()) trace_forward_start_[unit] = trace::now_us();
   gather(unit);
   if (options_.forward_prefetch()) {
@@ -263,9 +314,23 @@ void FSDPState::ensure_backward_started() {
   if (in_backward_) return;
   in_backward_ = true;
   if (trace::enabled()) trace_backward_begin_ = trace_last_backward_end_ = trace::now_us();
-  // Reductions run in reverse forward order, the root's last.
-  backward_order_.assign(forward_order_.rbegin(), forward_order_.rend());
-  if (root_ >= 0) backward_order_.push_back(root_);
+  // Reductions run in reverse forward order, then units that ran only in earlier no_sync
+  // iterations (their accumulated gradients), the root's last. A unit without trainable
+  // parameters has nothing to reduce.
+  backward_order_.clear();
+  for (auto it = forward_order_.rbegin(); it != forward_order_.rend(); ++it) {
+    if (units_[*it]->trainable_count() > 0) backward_order_.push_back(*it);
+  }
+  if (require_sync_) {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      const int64_t unit = static_cast<int64_t>(u);
+      if (ran_since_sync_[u] && !in_forward_order_[u] && unit != root_ &&
+          units_[u]->trainable_count() > 0) {
+        backward_order_.push_back(unit);
+      }
+    }
+  }
+  if (root_ >= 0 && units_[root_]->trainable_count() > 0) backward_order_.push_back(root_);
   next_launch_ = next_finish_ = 0;
   std::fill(ready_.begin(), ready_.end(), false);
   for (auto& u : units_) u->begin_backward();
@@ -275,7 +340,11 @@ void FSDPState::ensure_backward_started() {
 void FSDPState::pre_backward(int64_t unit) {
   std::lock_guard<std::mutex> lock(mu_);
   ensure_backward_started();
-  if (unit < 0) return;
+  if (unit < 0) {
+    // A forward without grad since the training forward may have resharded the root.
+    if (root_ >= 0) gather(root_);
+    return;
+  }
   if (trace::enabled()) trace_backward_start_[unit] = trace::now_us();
   gather(unit);
   if (options_.backward_prefetch()) {
@@ -304,7 +373,26 @@ void FSDPState::on_grad_ready(int64_t unit, int64_t param) {
     trace_backward_start_[unit] = -1;
   }
   if (require_sync_) launch_ready();
-  if (reshards_after_backward(unit)) u.reshard();
+  maybe_reshard_in_backward(unit);
+}
+
+at::Tensor FSDPState::unit_input(int64_t unit, const at::Tensor& t) {
+  at::Tensor x = cast_input(t, false);
+  if (!grad_forward_ || !x.defined() || !x.requires_grad() || !units_[unit]->has_frozen_params()) {
+    return x;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++inputs_marked_[unit];
+    ++inputs_pending_[unit];
+  }
+  return PostBackward::apply(x, this, unit);
+}
+
+void FSDPState::post_backward(int64_t unit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!in_backward_ || inputs_pending_[unit] == 0) return;
+  if (--inputs_pending_[unit] == 0) maybe_reshard_in_backward(unit);
 }
 
 void FSDPState::launch_ready() {
@@ -349,6 +437,10 @@ void FSDPState::finalize_backward() {
     u->reshard();
     u->reset_backward();
   }
+  if (require_sync_) std::fill(ran_since_sync_.begin(), ran_since_sync_.end(), false);
+  pending_backward_ = false;
+  std::fill(inputs_marked_.begin(), inputs_marked_.end(), 0);
+  std::fill(inputs_pending_.begin(), inputs_pending_.end(), 0);
   ReducerStats stats;
   stats.exposed_seconds = exposed_s_;
   stats_works_.clear();

@@ -112,6 +112,12 @@ class FSDPState : public GradientSync {
   // Inputs: floating tensors cast to param_dtype (the root always when it is low precision,
   // as FSDP's cast_root_forward_inputs; units when cast_forward_inputs).
   at::Tensor cast_input(const at::Tensor& t, bool root) const;
+  // A unit's tensor input: cast_input, then, for a unit holding frozen parameters, passed
+  // through an identity autograd node whose backward runs post_backward(unit) once the
+  // unit's input gradient is computed (FSDP2's RegisterPostBackwardFunction): the moment
+  // its backward no longer reads the gathered parameters.
+  at::Tensor unit_input(int64_t unit, const at::Tensor& t);
+  void post_backward(int64_t unit);
   // The model's outputs: floating tensors cast to output_dtype when set.
   at::Tensor cast_output(const at::Tensor& t) const;
   // Whether outputs get backward hooks (grad mode was on in this forward).
@@ -171,6 +177,10 @@ class FSDPState : public GradientSync {
 
  private:
   void ensure_backward_started();
+  // Reshards `unit` in backward once nothing more of its backward reads the gathered
+  // parameters: every trainable gradient arrived and, when it holds frozen parameters, the
+  // gradients of its inputs too (frozen parameters have no gradient to say so).
+  void maybe_reshard_in_backward(int64_t unit);
   void on_grad_ready(int64_t unit, int64_t param);
   void launch_ready();
   void finish_previous_reduce();  // every launched reduction, before the next launches
@@ -193,10 +203,25 @@ class FSDPState : public GradientSync {
 
   std::mutex mu_;
   bool require_sync_ = true;
-  bool grad_forward_ = false;
+  bool grad_forward_ = false;  // the forward running now records autograd
+  // Training state between a forward with grad and the end of its backward. A forward
+  // without grad (evaluation, a frozen teacher) in between leaves all of it alone; a second
+  // forward with grad before the backward joins the same backward.
+  bool pending_backward_ = false;
   bool in_backward_ = false;
-  std::vector<int64_t> forward_order_, previous_order_;  // units, as they ran
-  std::vector<int64_t> backward_order_;                  // reduction order, root last
+  // Units as they first ran in this iteration's forwards with grad: a unit called again
+  // (weight sharing, a block applied in a loop) is listed once, and reduced once, after its
+  // last gradient.
+  std::vector<int64_t> forward_order_, previous_order_;
+  std::vector<bool> in_forward_order_;
+  // Ran in a forward with grad since the last synchronizing backward: a unit that holds
+  // gradients accumulated under no_sync is reduced by the synchronizing backward even when
+  // that backward's forward did not run it.
+  std::vector<bool> ran_since_sync_;
+  // Per unit, this iteration: inputs passed through the post-backward node, and how many of
+  // them are still waiting for their gradient.
+  std::vector<int64_t> inputs_marked_, inputs_pending_;
+  std::vector<int64_t> backward_order_;  // reduction order, root last
   std::vector<bool> ready_;
   size_t next_launch_ = 0, next_finish_ = 0;  // into backward_order_
   double exposed_s_ = 0;

@@ -109,9 +109,9 @@ std::unique_ptr<GradReadyHooks> FlatUnit::hook_gradients(GradReadyHooks::Callbac
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> tensors;
   for (auto& p : params_) {
-    // A full-shape placeholder over one element (stride 0): shape, dtype and device are
-    // what the accumulator records.
-    p.module_param.set_data(at::empty({1}, empty_.options()).expand(p.shape));
+    // A full-shape placeholder over one element (a 0-dim tensor expanded, stride 0, so
+    // 0-dim parameters work too): shape, dtype and device are what the accumulator records.
+    p.module_param.set_data(at::empty({}, empty_.options()).expand(p.shape));
     tensors.push_back(p.module_param);
   }
   auto hooks = std::make_unique<GradReadyHooks>(tensors, std::move(on_ready));
@@ -190,35 +190,44 @@ bool FlatUnit::count_ready(int64_t i) {
   return --pending_ == 0;
 }
 
-bool FlatUnit::grad_ready(int64_t i) {
-  const bool all = count_ready(i);
+bool FlatUnit::take_module_grad(int64_t i) {
   Param& p = params_[i];
   at::Tensor& g = p.module_param.mutable_grad();
-  if (g.defined()) {
-    c10::NoGradGuard no_grad;
-    if (!reduce_full_.defined()) alloc_reduce_full();
-    at::Tensor slot = reduce_full_.narrow(0, p.offset, p.numel);
-    at::Tensor src = g.reshape({-1});
-    // Averaging, fused with the copy when no cast is needed (FSDP divides in the reduce
-    // dtype, after the cast).
-    if (src.scalar_type() == reduce_dtype_ && pre_ != 1) {
-      at::div_out(slot, src, at::scalar_tensor(pre_, src.options().device(at::kCPU)));
-    } else {
-      slot.copy_(src);
-      if (pre_ != 1) slot.div_(pre_);
-    }
-    g.reset();  // the unsharded gradient is no longer needed
-    filled_[i] = true;
+  if (!g.defined()) return false;
+  c10::NoGradGuard no_grad;
+  if (!reduce_full_.defined()) alloc_reduce_full();
+  at::Tensor slot = reduce_full_.narrow(0, p.offset, p.numel);
+  at::Tensor src = g.reshape({-1});
+  // Averaging, fused with the copy when no cast is needed (FSDP divides in the reduce
+  // dtype, after the cast).
+  if (src.scalar_type() == reduce_dtype_ && pre_ != 1) {
+    at::div_out(slot, src, at::scalar_tensor(pre_, src.options().device(at::kCPU)));
+  } else {
+    slot.copy_(src);
+    if (pre_ != 1) slot.div_(pre_);
   }
+  g.reset();  // the unsharded gradient is no longer needed
+  filled_[i] = true;
+  return true;
+}
+
+bool FlatUnit::grad_ready(int64_t i) {
+  const bool all = count_ready(i);
+  take_module_grad(i);
   return all;
 }
 
 void FlatUnit::launch_reduce() {
   c10::NoGradGuard no_grad;
   if (!reduce_full_.defined()) alloc_reduce_full();
-  // Parameters without a gradient this backward (unused here, frozen) contribute zeros.
+  // A parameter this backward gave no gradient (unused in it, or frozen) contributes what
+  // earlier no_sync backwards accumulated on it, else zeros: nothing carries into the next
+  // step.
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!filled_[i]) reduce_full_.narrow(0, params_[i].offset, params_[i].numel).zero_();
+    if (filled_[i] || (params_[i].trainable && take_module_grad(static_cast<int64_t>(i)))) {
+      continue;
+    }
+    reduce_full_.narrow(0, params_[i].offset, params_[i].numel).zero_();
   }
   std::optional<trace::Label> label;
   if (trace::enabled()) label.emplace("fsdp unit " + name_);

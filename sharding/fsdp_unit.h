@@ -86,6 +86,10 @@ class FlatUnit {
   int64_t shard_group_size() const { return n_; }
   int64_t shard_rank() const { return rank_; }
   bool has_frozen_params() const { return frozen_; }
+  // Parameters that take gradients (0: an all-frozen unit, which is never reduced).
+  int64_t trainable_count() const { return trainable_; }
+  // Every trainable parameter has reported its gradient this backward.
+  bool grads_done() const { return pending_ == 0; }
   State state() const { return state_; }
   const UnitGroups& groups() const { return groups_; }
 
@@ -112,8 +116,10 @@ class FlatUnit {
   // The same count without copying (no_sync: gradients stay on the module's tensors).
   bool count_ready(int64_t i);
   bool reduce_launched() const { return reduce_launched_; }
-  // Zero-fills what did not report, then issues the reduce-scatter (N > 1) or the
-  // all-reduce (N = 1 with replicas). Every rank of the groups must call it in the same order.
+  // Takes what did not report from the module tensors' .grad (gradients accumulated under
+  // no_sync by earlier backwards) or zero-fills it, then issues the reduce-scatter (N > 1)
+  // or the all-reduce (N = 1 with replicas). Every rank of the groups must call it in the
+  // same order.
   void launch_reduce();
   // Waits for the reduction (and the replicas' all-reduce), post-divides and writes the
   // masters' gradients: assigned fresh when they were unset, else accumulated.
@@ -141,6 +147,8 @@ class FlatUnit {
 
  private:
   void point_module_params_at_full();
+  // Moves params()[i]'s module .grad, pre-divided, into reduce_full_ (false: it has none).
+  bool take_module_grad(int64_t i);
   void alloc_reduce_full();
 
   std::string name_;

@@ -16,7 +16,7 @@ case "$mode" in
     # Ranks may outnumber cores; let idle ranks yield instead of spinning.
     export OMPI_MCA_mpi_yield_when_idle=1
     forward=()
-    for v in DTRAIN_COMM_CHECK DTRAIN_TEST_DEVICE ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS; do
+    for v in DTRAIN_COMM_CHECK DTRAIN_TEST_DEVICE DTRAIN_ZOO_SEEDS ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS; do
       [ -n "${!v+x}" ] && forward+=(-x "$v")
     done
     exec mpirun -np "$np" --oversubscribe --bind-to none \

@@ -1,0 +1,526 @@
+// The module zoo: FSDP (every strategy) and DDP against one process, gradient by gradient,
+// on models built from the patterns real models have:
+//   - a unit called more than once in a forward, interleaved with others (weight sharing);
+//   - a forward under NoGradGuard before, between (forward ... backward) or after;
+//   - no_sync accumulation where a parameter is used in early micro-batches but not the last;
+//   - 0-dim parameters (a learnable gain, a temperature);
+//   - units returning std::pair/std::optional and a user struct (for_each_tensor);
+//   - frozen parameters, and units whose parameters are all frozen;
+//   - buffers of float, int64 and bool dtype, changed by every forward.
+// Every rank also trains the same model alone, on the whole batch (the reference); after each
+// step the ranks' averaged gradients, then the parameters and buffers, must equal it. Then
+// the trained model is checkpointed (FSDP: sharded and full; DDP: full) and restored into a
+// fresh one, whose parameters and buffers must equal the reference's bit for bit.
+//
+// Named tests pin one pattern each; ZooTest.RandomModels draws models from seeds
+// (DTRAIN_ZOO_SEEDS=first:count, default a fixed set; scripts/zoo runs random ones).
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "framework/checkpoint.h"
+#include "framework/config.h"
+#include "sharding/ddp.h"
+#include "sharding/fsdp.h"
+#include "tests/multirank.h"
+
+namespace dtrain::sharding {
+namespace {
+
+using dtrain::testing::world;
+using dtrain::testing::world_ptr;
+using Test = dtrain::testing::MultiRankTest;
+
+constexpr int64_t kIn = 5, kClasses = 4, kPerRank = 3;
+
+// How a model of the zoo is made and trained.
+struct ZooSpec {
+  int64_t width = 6;
+  int64_t blocks = 3;
+  std::vector<int64_t> calls = {0, 1, 2};  // block indices, in forward order (repeats: reuse)
+  std::vector<int> frozen = {0, 0, 0};     // per block: 0 none, 1 weight frozen, 2 all frozen
+  int64_t sometimes_unused = -1;           // this block's `extra` runs in all but the last micro
+  int nograd = 0;                          // no-grad forward: 0 none, 1 before, 2 between, 3 after
+  int64_t micro_batches = 1;
+  int64_t steps = 3;
+  std::string describe() const {
+    std::ostringstream os;
+    os << "width " << width << ", calls [";
+    for (size_t i = 0; i < calls.size(); ++i) os << (i ? " " : "") << calls[i];
+    os << "], frozen [";
+    for (size_t i = 0; i < frozen.size(); ++i) os << (i ? " " : "") << frozen[i];
+    os << "], sometimes_unused " << sometimes_unused << ", nograd " << nograd << ", micro "
+       << micro_batches;
+    return os.str();
+  }
+};
+
+ZooSpec random_spec(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  ZooSpec s;
+  s.width = pick(3, 8);
+  s.blocks = pick(2, 4);
+  s.calls.clear();
+  for (int64_t b = 0; b < s.blocks; ++b) s.calls.push_back(b);
+  for (int64_t r = pick(0, 2); r > 0; --r) {
+    s.calls.insert(s.calls.begin() + pick(0, static_cast<int64_t>(s.calls.size())),
+                   pick(0, s.blocks - 1));
+  }
+  s.frozen.clear();
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    const int64_t f = pick(0, 9);
+    s.frozen.push_back(f < 6 ? 0 : f < 8 ? 1 : 2);
+  }
+  s.sometimes_unused = pick(-1, s.blocks - 1);
+  s.nograd = static_cast<int>(pick(0, 3));
+  s.micro_batches = pick(1, 3);
+  return s;
+}
+
+// What one block computes, shared by both wrap-point types.
+class BlockBase : public torch::nn::Module {
+ public:
+  BlockBase(int64_t width, int frozen) {
+    lin = register_module("lin", torch::nn::Linear(width, width));
+    extra = register_module("extra", torch::nn::Linear(width, width));
+    gain = register_parameter("gain", at::full({}, 1.0));  // 0-dim
+    running = register_buffer("running", at::zeros({width}));
+    count = register_buffer("count", at::zeros({}, at::kLong));
+    flag = register_buffer("flag", at::zeros({2}, at::kBool));
+    if (frozen >= 1) lin->weight.requires_grad_(false);
+    if (frozen >= 2) {
+      for (auto& p : parameters()) p.requires_grad_(false);
+    }
+  }
+
+ protected:
+  std::pair<at::Tensor, at::Tensor> compute(const at::Tensor& x, bool use_extra) {
+    {
+      at::NoGradGuard no_grad;  // buffers change with every forward, as BatchNorm's do
+      running.mul_(0.5).add_(0.125);
+      count.add_(1);
+      flag.logical_not_();
+    }
+    at::Tensor y = at::tanh(lin(x) * gain + running);
+    if (use_extra) y = y + 0.5 * at::sigmoid(extra(y));
+    return {x + y, (y * y).mean()};
+  }
+
+ public:
+  torch::nn::Linear lin{nullptr}, extra{nullptr};
+  at::Tensor gain, running, count, flag;
+};
+
+// A user struct holding tensors: found through its for_each_tensor.
+struct BlockOut {
+  at::Tensor hidden;
+  std::map<std::string, at::Tensor> aux;
+  template <typename F>
+  void for_each_tensor(F&& f) {
+    f(hidden);
+    for (auto& kv : aux) f(kv.second);
+  }
+};
+
+class StructBlockImpl : public BlockBase {
+ public:
+  using BlockBase::BlockBase;
+  BlockOut forward(const at::Tensor& x, bool use_extra) {
+    auto [h, aux] = compute(x, use_extra);
+    return {h, {{"energy", aux}}};
+  }
+};
+
+class PairBlockImpl : public BlockBase {
+ public:
+  using BlockBase::BlockBase;
+  std::pair<at::Tensor, std::optional<at::Tensor>> forward(const at::Tensor& x, bool use_extra) {
+    auto [h, aux] = compute(x, use_extra);
+    return {h, aux};
+  }
+};
+
+class ZooNetImpl : public torch::nn::Module {
+ public:
+  explicit ZooNetImpl(const ZooSpec& spec) : spec_(spec) {
+    inp = register_module("inp", torch::nn::Linear(kIn, spec.width));
+    for (int64_t b = 0; b < spec.blocks; ++b) {
+      const std::string name = "blocks" + std::to_string(b);
+      if (b % 2 == 0) {
+        structs.emplace_back(spec.width, spec.frozen[b]);
+        register_module(name, structs.back());
+      } else {
+        pairs.emplace_back(spec.width, spec.frozen[b]);
+        register_module(name, pairs.back());
+      }
+    }
+    head = register_module("head", torch::nn::Linear(spec.width, kClasses));
+    temperature = register_parameter("temperature", at::full({}, 0.75));  // 0-dim, the root's
+    steps = register_buffer("steps", at::zeros({}, at::kInt));
+  }
+
+  // Logits and the blocks' auxiliary term. `last_micro`: the sometimes-unused block skips.
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, bool last_micro) {
+    {
+      at::NoGradGuard no_grad;
+      steps.add_(1);
+    }
+    at::Tensor h = inp(x);
+    at::Tensor aux = at::zeros({}, h.options());
+    for (int64_t b : spec_.calls) {
+      const bool use_extra = !(b == spec_.sometimes_unused && last_micro);
+      if (b % 2 == 0) {
+        BlockOut o = structs[b / 2]->forward(h, use_extra);
+        h = o.hidden;
+        aux = aux + o.aux.at("energy");
+      } else {
+        auto [hidden, energy] = pairs[b / 2]->forward(h, use_extra);
+        h = hidden;
+        aux = aux + *energy;
+      }
+    }
+    return {head(h) * temperature, aux};
+  }
+
+  ZooSpec spec_;
+  torch::nn::Linear inp{nullptr}, head{nullptr};
+  std::vector<Unit<StructBlockImpl>> structs;
+  std::vector<Unit<PairBlockImpl>> pairs;
+  at::Tensor temperature, steps;
+};
+TORCH_MODULE(ZooNet);
+
+ZooNet make_net(const ZooSpec& spec) {
+  at::manual_seed(2024);
+  return ZooNet(spec);
+}
+
+at::Tensor loss_of(const std::pair<at::Tensor, at::Tensor>& out, const at::Tensor& target) {
+  return at::cross_entropy_loss(out.first, target) + 0.1 * out.second;
+}
+
+struct Batch {
+  at::Tensor x, y;
+};
+
+// Step s, micro-batch m: the whole batch (every rank's rows).
+Batch batch(int64_t step, int64_t micro, int64_t rows) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + 10 * step + micro);
+  return {at::randn({rows, kIn}, gen), at::randint(0, kClasses, {rows}, gen)};
+}
+
+// One optimizer step's forwards and backwards for any wrapped or plain model. `forward` runs
+// the model on (x, last_micro); `rows(b)` picks this process's rows of the whole batch.
+template <typename Forward, typename Rows, typename NoSync>
+void train_step(const ZooSpec& spec, int64_t step, int64_t total_rows, Forward&& forward,
+                Rows&& rows, NoSync&& no_sync) {
+  auto nograd_forward = [&] {
+    at::NoGradGuard no_grad;
+    Batch b = rows(batch(step, 99, total_rows));
+    forward(b.x, false);
+  };
+  if (spec.nograd == 1) nograd_forward();
+  for (int64_t m = 0; m < spec.micro_batches; ++m) {
+    const bool last = m + 1 == spec.micro_batches;
+    Batch b = rows(batch(step, m, total_rows));
+    [[maybe_unused]] auto guard = no_sync(last);  // held through the backward
+    at::Tensor loss = loss_of(forward(b.x, last), b.y) / static_cast<double>(spec.micro_batches);
+    if (spec.nograd == 2) nograd_forward();
+    loss.backward();
+  }
+  if (spec.nograd == 3) nograd_forward();
+}
+
+void expect_close(const std::string& what, const at::Tensor& got, const at::Tensor& want) {
+  if (!got.defined() && !want.defined()) return;  // no gradient on either side
+  at::Tensor g = got.defined() ? got : at::zeros_like(want);
+  at::Tensor w = want.defined() ? want : at::zeros_like(g);
+  ASSERT_EQ(g.sizes(), w.sizes()) << what;
+  const double diff = (g.to(at::kDouble) - w.to(at::kDouble)).abs().max().item<double>();
+  const double scale = w.to(at::kDouble).abs().max().item<double>();
+  EXPECT_LE(diff, 1e-5 + 1e-4 * scale)
+      << what << ": max |difference| " << diff << " (reference max |value| " << scale << ")";
+}
+
+void expect_equal_buffers(const std::string& what, torch::nn::Module& got,
+                          torch::nn::Module& want) {
+  auto g = got.named_buffers();
+  auto w = want.named_buffers();
+  ASSERT_EQ(g.size(), w.size()) << what;
+  for (const auto& item : w) {
+    const at::Tensor& b = g[item.key()];
+    EXPECT_TRUE(b.dtype() == item.value().dtype() && at::equal(b, item.value()))
+        << what << ": buffer " << item.key() << " differs from one process's";
+  }
+}
+
+void sgd_step(const std::vector<at::Tensor>& params, double lr) {
+  at::NoGradGuard no_grad;
+  for (const auto& p : params) {
+    if (p.grad().defined()) p.sub_(p.grad(), lr);
+  }
+}
+
+void zero_grad(const std::vector<at::Tensor>& params) {
+  for (auto p : params) p.mutable_grad().reset();
+}
+
+// The reference: one process, the whole batch.
+struct Reference {
+  ZooNet net;
+  explicit Reference(const ZooSpec& spec) : net(make_net(spec)) {}
+  void step(const ZooSpec& spec, int64_t step, int64_t total_rows) {
+    zero_grad(net->parameters());
+    train_step(
+        spec, step, total_rows, [&](const at::Tensor& x, bool last) { return net(x, last); },
+        [](Batch b) { return b; }, [](bool) { return 0; });
+  }
+};
+
+const double kLr = 0.1;
+
+// A directory every rank sees (rank 0 makes it and broadcasts its name), one per checkpoint.
+std::string shared_checkpoint_dir() {
+  static std::string root;
+  static int count = 0;
+  if (root.empty()) {
+    at::Tensor buf = at::zeros({256}, at::kByte);
+    if (world().rank() == 0) {
+      char tmpl[] = "/tmp/dtrain_zoo_XXXXXX";
+      const char* made = mkdtemp(tmpl);
+      EXPECT_NE(made, nullptr);
+      std::memcpy(buf.data_ptr(), tmpl, std::strlen(tmpl));
+    }
+    world().broadcast(buf, 0).wait();
+    root = reinterpret_cast<const char*>(buf.data_ptr());
+  }
+  return root + "/ckpt" + std::to_string(count++);
+}
+
+// Saves `parts` and restores the checkpoint into `fresh` (a model built anew).
+void round_trip(const framework::CheckpointParts& parts, const framework::CheckpointParts& fresh,
+                const std::string& strategy, const std::string& format) {
+  framework::RunConfig config;
+  config.parallel.strategy = strategy;
+  config.checkpoint.dir = shared_checkpoint_dir();
+  config.checkpoint.format = format;
+  framework::Checkpointer writer(config);
+  const std::string saved = writer.save(parts, framework::TrainerProgress{1, 0, kLr});
+  framework::Checkpointer reader(config);
+  ASSERT_TRUE(reader.restore(fresh, saved).has_value()) << saved;
+  world().barrier().wait();
+  if (world().rank() == 0) std::filesystem::remove_all(config.checkpoint.dir);
+}
+
+// A no_sync guard for every micro-batch but the last.
+template <typename Model>
+std::optional<NoSyncGuard> no_sync_unless(bool last, Model& model) {
+  std::optional<NoSyncGuard> guard;
+  if (!last) guard.emplace(model.no_sync());
+  return guard;
+}
+
+void check_fsdp(const ZooSpec& spec, FSDPOptions options, const std::string& label) {
+  SCOPED_TRACE(label + " | " + spec.describe());
+  const int64_t n = world().size(), r = world().rank();
+  const int64_t total = n * kPerRank;
+  Reference ref(spec);
+  FullyShardedDataParallel<ZooNet> model(make_net(spec), world_ptr(), options);
+  auto mine = [&](Batch b) {
+    return Batch{b.x.narrow(0, r * kPerRank, kPerRank), b.y.narrow(0, r * kPerRank, kPerRank)};
+  };
+  for (int64_t s = 0; s < spec.steps; ++s) {
+    ref.step(spec, s, total);
+    zero_grad(model.parameters());
+    train_step(
+        spec, s, total, [&](const at::Tensor& x, bool last) { return model(x, last); }, mine,
+        [&](bool last) { return no_sync_unless(last, model); });
+    // Gradients: every rank's shards gathered into full tensors, against the reference's.
+    auto masters = model.state().all_parameters();
+    std::vector<at::Tensor> grads;
+    for (const auto& m : masters) grads.push_back(m.second.grad());
+    auto full = model.state().gather_full(grads);
+    auto ref_params = ref.net->named_parameters();
+    for (size_t k = 0; k < masters.size(); ++k) {
+      const at::Tensor& want = ref_params[masters[k].first];
+      if (!want.requires_grad()) {
+        EXPECT_FALSE(masters[k].second.grad().defined()) << "frozen " << masters[k].first;
+        continue;
+      }
+      expect_close("step " + std::to_string(s) + " gradient of " + masters[k].first, full[k],
+                   want.grad());
+    }
+    sgd_step(model.parameters(), kLr);
+    sgd_step(ref.net->parameters(), kLr);
+  }
+  auto params = model.state().full_parameters();
+  auto ref_params = ref.net->named_parameters();
+  for (const auto& [name, value] : params) {
+    expect_close("final parameter " + name, value, ref_params[name]);
+  }
+  expect_equal_buffers("FSDP", *model.module(), *ref.net);
+  for (const char* format : {"sharded", "full"}) {
+    FullyShardedDataParallel<ZooNet> fresh(make_net(spec), world_ptr(), options);
+    round_trip({model.module().ptr().get(), &model.state(), nullptr, nullptr, nullptr, &world()},
+               {fresh.module().ptr().get(), &fresh.state(), nullptr, nullptr, nullptr, &world()},
+               "fsdp", format);
+    auto restored = fresh.state().full_parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      EXPECT_TRUE(at::equal(restored[k].second, params[k].second))
+          << format << " checkpoint: parameter " << params[k].first << " did not come back";
+    }
+    expect_equal_buffers(std::string("FSDP after a ") + format + " checkpoint", *fresh.module(),
+                         *ref.net);
+  }
+}
+
+void check_ddp(const ZooSpec& spec, const std::string& label) {
+  SCOPED_TRACE(label + " | " + spec.describe());
+  const int64_t n = world().size(), r = world().rank();
+  const int64_t total = n * kPerRank;
+  Reference ref(spec);
+  DistributedDataParallel<ZooNet> model(make_net(spec), world_ptr(),
+                                        DDPOptions().find_unused_parameters(true));
+  auto mine = [&](Batch b) {
+    return Batch{b.x.narrow(0, r * kPerRank, kPerRank), b.y.narrow(0, r * kPerRank, kPerRank)};
+  };
+  for (int64_t s = 0; s < spec.steps; ++s) {
+    ref.step(spec, s, total);
+    zero_grad(model.parameters());
+    train_step(
+        spec, s, total, [&](const at::Tensor& x, bool last) { return model(x, last); }, mine,
+        [&](bool last) { return no_sync_unless(last, model); });
+    auto ref_params = ref.net->named_parameters();
+    for (const auto& item : model.module()->named_parameters()) {
+      expect_close("step " + std::to_string(s) + " gradient of " + item.key(), item.value().grad(),
+                   ref_params[item.key()].grad());
+    }
+    sgd_step(model.parameters(), kLr);
+    sgd_step(ref.net->parameters(), kLr);
+  }
+  auto ref_params = ref.net->named_parameters();
+  for (const auto& item : model.module()->named_parameters()) {
+    expect_close("final parameter " + item.key(), item.value(), ref_params[item.key()]);
+  }
+  expect_equal_buffers("DDP", *model.module(), *ref.net);
+  DistributedDataParallel<ZooNet> fresh(make_net(spec), world_ptr(),
+                                        DDPOptions().find_unused_parameters(true));
+  round_trip({model.module().ptr().get(), nullptr, nullptr, nullptr, nullptr, &world()},
+             {fresh.module().ptr().get(), nullptr, nullptr, nullptr, nullptr, &world()}, "ddp",
+             "full");
+  for (const auto& item : model.module()->named_parameters()) {
+    EXPECT_TRUE(at::equal(fresh.module()->named_parameters()[item.key()], item.value()))
+        << "full checkpoint: parameter " << item.key() << " did not come back";
+  }
+  expect_equal_buffers("DDP after a full checkpoint", *fresh.module(), *ref.net);
+}
+
+std::vector<std::pair<std::string, FSDPOptions>> strategies() {
+  return {
+      {"full_shard", FSDPOptions().sharding_strategy(ShardingStrategy::kFullShard)},
+      {"shard_grad_op", FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp)},
+      {"no_shard", FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard)},
+      {"hybrid_shard",
+       FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard).hybrid_group_size(1)},
+  };
+}
+
+void check_all(const ZooSpec& spec) {
+  for (const auto& [name, options] : strategies()) check_fsdp(spec, options, "FSDP " + name);
+  check_ddp(spec, "DDP");
+}
+
+TEST_F(Test, UnitCalledSeveralTimesAccumulatesAndReducesOnce) {
+  ZooSpec s;
+  s.calls = {0, 1, 0, 2, 0};  // three calls of block 0, interleaved
+  check_all(s);
+}
+
+TEST_F(Test, NoGradForwardLeavesTheTrainingForwardAlone) {
+  for (int where : {1, 2, 3}) {
+    ZooSpec s;
+    s.nograd = where;
+    check_all(s);
+  }
+}
+
+TEST_F(Test, NoSyncGradientOfAParameterUnusedInTheLastMicroBatchIsReduced) {
+  ZooSpec s;
+  s.micro_batches = 3;
+  s.sometimes_unused = 1;
+  check_all(s);
+}
+
+TEST_F(Test, FrozenParametersAndAllFrozenUnitsTrainTheRest) {
+  ZooSpec s;
+  s.frozen = {1, 2, 0};
+  check_all(s);
+}
+
+// 0-dim parameters (gain, temperature) and pair/optional/struct outputs are in every model;
+// this one is the smallest.
+TEST_F(Test, ScalarParametersAndContainerOutputs) {
+  ZooSpec s;
+  s.blocks = 2;
+  s.calls = {0, 1};
+  s.frozen = {0, 0};
+  check_all(s);
+}
+
+// A frozen parameter in every unit must not keep units gathered until the end of backward.
+TEST_F(Test, FrozenParametersDoNotHoldUnitsGathered) {
+  ZooSpec s;
+  s.blocks = 12;
+  s.calls.clear();
+  s.frozen.clear();
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    s.calls.push_back(b);
+    s.frozen.push_back(1);
+  }
+  s.steps = 2;
+  FSDPOptions options;
+  options.limit_all_gathers(2);
+  check_fsdp(s, options, "FSDP full_shard, frozen weights");
+  FullyShardedDataParallel<ZooNet> model(make_net(s), world_ptr(), options);
+  at::Tensor x = at::randn({kPerRank, kIn}), y = at::randint(0, kClasses, {kPerRank});
+  loss_of(model(x, true), y).backward();
+  if (world().size() > 1) {
+    EXPECT_LE(model.state().peak_gathered_units(), options.limit_all_gathers());
+  }
+}
+
+TEST_F(Test, RandomModels) {
+  uint64_t first = 1, count = 6;
+  if (const char* seeds = std::getenv("DTRAIN_ZOO_SEEDS")) {
+    std::string s(seeds);
+    const auto colon = s.find(':');
+    first = std::stoull(s.substr(0, colon));
+    count = colon == std::string::npos ? 1 : std::stoull(s.substr(colon + 1));
+  }
+  for (uint64_t seed = first; seed < first + count; ++seed) {
+    SCOPED_TRACE("zoo seed " + std::to_string(seed));
+    check_all(random_spec(seed));
+    if (::testing::Test::HasFailure()) break;  // the first failing seed is the one to read
+  }
+}
+
+}  // namespace
+}  // namespace dtrain::sharding
+
+int main(int argc, char** argv) { return dtrain::testing::multirank_main(argc, argv); }
