@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <future>
 #include <map>
@@ -73,8 +74,14 @@ std::string file_json(const FileInfo& f) {
 int rank_of(const CheckpointParts& p) { return p.comm ? p.comm->rank() : 0; }
 int world_of(const CheckpointParts& p) { return p.comm ? p.comm->size() : 1; }
 
+// The host really waits (under NCCL, Work::wait only makes the current stream wait): what
+// follows a barrier here reads or removes files other ranks wrote before it.
 void barrier(const CheckpointParts& p) {
-  if (p.comm && p.comm->size() > 1) p.comm->barrier().wait();
+  if (p.comm && p.comm->size() > 1) {
+    comm::Work w = p.comm->barrier();
+    w.wait();
+    w.synchronize();
+  }
 }
 
 int64_t broadcast_value(const CheckpointParts& p, int64_t v) {
@@ -93,6 +100,37 @@ std::vector<int64_t> gather_values(const CheckpointParts& p, const std::vector<i
   p.comm->all_gather(in, all).wait();
   all = all.cpu();
   return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
+}
+
+// A restore error every rank has agreed on (agree()): no rank is left waiting in a collective.
+class AgreedCheckpointError : public CheckpointError {
+ public:
+  using CheckpointError::CheckpointError;
+};
+
+// Collective: every rank says whether reading failed (`error`, empty when not). When any did,
+// every rank throws the first failing rank's message, so each one reports the damaged file
+// rather than a connection its peer closed.
+void agree(const CheckpointParts& p, const std::string& error) {
+  if (!p.comm || p.comm->size() == 1) {
+    if (!error.empty()) throw AgreedCheckpointError(error);
+    return;
+  }
+  const std::vector<int64_t> failed = gather_values(p, {error.empty() ? 0 : 1});
+  const auto it = std::find(failed.begin(), failed.end(), 1);
+  if (it == failed.end()) return;
+  const int first = static_cast<int>(it - failed.begin());
+  const auto opts = at::TensorOptions(at::kLong).device(p.comm->device());
+  at::Tensor len = at::full({1}, static_cast<int64_t>(error.size()), opts);
+  p.comm->broadcast(len, first).wait();
+  at::Tensor text = at::zeros({len.cpu().item<int64_t>()}, at::kByte);
+  if (p.comm->rank() == first) std::memcpy(text.data_ptr(), error.data(), error.size());
+  text = text.to(p.comm->device());
+  p.comm->broadcast(text, first).wait();
+  text = text.cpu();
+  std::string message(static_cast<const char*>(text.data_ptr()), text.numel());
+  if (p.comm->rank() != first) message += " (found by rank " + std::to_string(first) + ")";
+  throw AgreedCheckpointError(message);
 }
 
 // --- the model's tensors --------------------------------------------------------------------
@@ -272,6 +310,16 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
     fs::create_directories(dir, ec);
     DTRAIN_CHECK_AS(CheckpointError, !ec, "checkpoint.dir: cannot create '", dir,
                     "': ", ec.message());
+    // Saving into a step folder that exists (a run restarted from an older checkpoint passes
+    // this step again): its COMPLETE marker goes first, so no marker ever stands over files
+    // being rewritten, and a killed writer's temporary files with it.
+    fs::remove(fs::path(dir) / "COMPLETE", ec);
+    for (const auto& e : fs::directory_iterator(dir, ec)) {
+      if (e.path().filename().string().find(".tmp.") != std::string::npos) {
+        fs::remove(e.path(), ec);
+      }
+    }
+    ckpt::sync_dir(dir);
     ckpt::sync_dir(cc.dir);
   }
   barrier(p);
@@ -399,6 +447,8 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
       << ", \"mode\": " << quote(sharded ? "sharded" : "full")
       << ",\n \"trainer\": {\"step\": " << progress.step
       << ", \"skipped_steps\": " << progress.skipped_steps << ", \"lr\": " << progress.lr
+      << ", \"consecutive_skips\": " << progress.consecutive_skips
+      << ", \"nonfinite_run\": " << progress.nonfinite_run
       << ", \"data\": \"a function of the step\"},\n";
     m << " \"parameters\": [";
     if (p.fsdp != nullptr) {
@@ -482,25 +532,84 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
 std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
                                                      const std::string& resume) {
   if (resume == "never") return std::nullopt;
-  const int rank = rank_of(p), world = world_of(p);
-  std::string dir;
-  if (resume == "auto") {
-    int64_t step = -1;
-    if (rank == 0 && enabled()) {
-      if (auto newest = newest_complete(config_.checkpoint.dir)) {
-        step = std::stoll(fs::path(*newest).filename().string().substr(5));
+  if (resume != "auto") {
+    std::error_code ec;
+    DTRAIN_CHECK_AS(CheckpointError, fs::exists(resume, ec), "checkpoint '", resume,
+                    "' does not exist; give a step_* directory of checkpoint.dir, or "
+                    "checkpoint.resume: auto for the newest there");
+    DTRAIN_CHECK_AS(CheckpointError, fs::exists(resume + "/COMPLETE", ec), "checkpoint '", resume,
+                    "' is not a complete checkpoint (no COMPLETE file: its writer crashed, or "
+                    "it is not a step_* directory); give one that has it, or "
+                    "checkpoint.resume: auto");
+    return restore_agreed(p, resume);
+  }
+  // auto: the newest complete checkpoint that reads back intact on every rank; a damaged one
+  // (bad checksum, truncated, missing metadata) is kept for inspection and the next older is
+  // tried.
+  std::vector<int64_t> steps;
+  if (rank_of(p) == 0 && enabled()) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(config_.checkpoint.dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("step_", 0) == 0 && fs::exists(e.path() / "COMPLETE", ec)) {
+        steps.push_back(std::stoll(name.substr(5)));
       }
     }
-    step = broadcast_value(p, step);
-    if (step < 0) return std::nullopt;
-    dir = config_.checkpoint.dir + "/" + step_name(step);
-  } else {
-    dir = resume;
-    std::error_code ec;
-    DTRAIN_CHECK_AS(CheckpointError, fs::exists(dir + "/COMPLETE", ec), "checkpoint '", dir,
-                    "' is not a complete checkpoint (no COMPLETE file: missing, or its writer "
-                    "crashed); give a step_* directory that has one, or checkpoint.resume: auto");
+    std::sort(steps.rbegin(), steps.rend());
   }
+  const int64_t count = broadcast_value(p, static_cast<int64_t>(steps.size()));
+  steps.resize(static_cast<size_t>(count));
+  for (auto& step : steps) step = broadcast_value(p, step);
+  std::string damaged, why;
+  for (int64_t step : steps) {
+    const std::string dir = config_.checkpoint.dir + "/" + step_name(step);
+    try {
+      auto progress = restore_agreed(p, dir);
+      if (!damaged.empty()) {
+        // Out of the way of this run's own save at that step, kept for inspection.
+        const fs::path from(damaged);
+        const std::string kept =
+            (from.parent_path() / ("damaged_" + from.filename().string())).string();
+        if (rank_of(p) == 0) {
+          std::error_code ec;
+          fs::remove_all(kept, ec);
+          fs::rename(from, kept, ec);
+        }
+        logging::warn("checkpoint '", damaged, "' is damaged (", why, "); resumed from '", dir,
+                      "', the newest intact one. The damaged one is kept as '", kept, "'.");
+      }
+      return progress;
+    } catch (const CheckpointError& e) {
+      logging::warn("checkpoint '", dir, "' cannot be resumed: ", e.what());
+      if (damaged.empty()) {
+        damaged = dir;
+        why = e.what();
+      }
+    }
+  }
+  DTRAIN_CHECK_AS(CheckpointError, damaged.empty(), "no intact checkpoint in '",
+                  config_.checkpoint.dir, "' to resume: the newest, '", damaged, "', failed: ", why,
+                  ". Set checkpoint.resume: never to start afresh.");
+  return std::nullopt;
+}
+
+std::optional<TrainerProgress> Checkpointer::restore_agreed(const CheckpointParts& p,
+                                                            const std::string& dir) {
+  try {
+    return restore_from(p, dir);
+  } catch (const AgreedCheckpointError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // Reading failed on this rank: the others learn it in agree(), where they wait before
+    // changing anything.
+    agree(p, e.what());
+    throw;  // agree() threw already
+  }
+}
+
+std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts& p,
+                                                          const std::string& dir) {
+  const int rank = rank_of(p), world = world_of(p);
   // COMPLETE -> meta.json (verified) -> every file (verified as it is read).
   const ckpt::Meta meta = ckpt::read_meta(dir);
   const std::map<std::string, FileInfo>& files = meta.files;
@@ -666,7 +775,8 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
   if (same_world)
     mine = as_dict(load(rank_file("rank", rank)), dir + "/" + rank_file("rank", rank));
 
-  // 2. Apply.
+  // 2. Apply, once every rank has read and checked its part.
+  agree(p, "");
   if (p.fsdp != nullptr) {
     p.fsdp->set_parameters(new_values);
   } else {
@@ -705,6 +815,8 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
   progress.step = meta.step;
   progress.skipped_steps = meta.skipped_steps;
   progress.lr = meta.lr;
+  progress.consecutive_skips = meta.consecutive_skips;
+  progress.nonfinite_run = meta.nonfinite_run;
   logging::info("resumed from ", dir, " at step ", progress.step, " (", mode, ", written at ",
                 saved_world, " rank(s))");
   return progress;

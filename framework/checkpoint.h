@@ -72,6 +72,8 @@ struct TrainerProgress {
   int64_t step = 0;  // optimizer steps completed
   int64_t skipped_steps = 0;
   double lr = 0;
+  int64_t consecutive_skips = 0;  // the scale-collapse guard's count
+  int64_t nonfinite_run = 0;      // steps with a non-finite loss in a row (no scaler)
 };
 
 // A module's parameters and buffers by name, as a torch.save file Python's
@@ -89,15 +91,22 @@ class Checkpointer {
   bool enabled() const { return !config_.checkpoint.dir.empty(); }
   // Writes step_<progress.step>/ (collective) and prunes to checkpoint.keep. Returns its path.
   std::string save(const CheckpointParts& parts, const TrainerProgress& progress);
-  // Loads what `resume` names ("auto": the newest complete checkpoint in checkpoint.dir, if
-  // any; "never"; or a checkpoint directory) into `parts` (collective: rank 0's choice is
-  // everyone's). Returns the progress to continue from, or nothing when starting fresh.
+  // Loads what `resume` names ("auto": the newest complete checkpoint in checkpoint.dir that
+  // reads back intact, warning about any newer damaged one, which is kept; "never"; or a
+  // checkpoint directory) into `parts` (collective: rank 0's choice is everyone's, and a file
+  // damaged on one rank is reported by every rank). Returns the progress to continue from,
+  // or nothing when starting fresh.
   std::optional<TrainerProgress> restore(const CheckpointParts& parts, const std::string& resume);
 
   // The newest directory under `dir` that holds a complete checkpoint.
   static std::optional<std::string> newest_complete(const std::string& dir);
 
  private:
+  // restore_from, with a failure on any rank reported on every rank (agreed before anything
+  // is applied).
+  std::optional<TrainerProgress> restore_agreed(const CheckpointParts& parts,
+                                                const std::string& dir);
+  std::optional<TrainerProgress> restore_from(const CheckpointParts& parts, const std::string& dir);
   RunConfig config_;
 };
 

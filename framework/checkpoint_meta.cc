@@ -204,6 +204,12 @@ Meta parse_meta(const std::string& text, const std::string& where) {
       r.integer(trainer, "trainer", "skipped_steps", 0, std::numeric_limits<int64_t>::max());
   m.lr = r.get<double>(trainer, "trainer", "lr");
   if (!std::isfinite(m.lr)) r.fail("trainer.lr", "must be a finite number");
+  const int64_t most = std::numeric_limits<int64_t>::max();
+  if (trainer["consecutive_skips"]) {
+    m.consecutive_skips = r.integer(trainer, "trainer", "consecutive_skips", 0, most);
+  }
+  if (trainer["nonfinite_run"])
+    m.nonfinite_run = r.integer(trainer, "trainer", "nonfinite_run", 0, most);
   return m;
 }
 

@@ -41,6 +41,11 @@ struct Meta {
   int64_t step = 0;
   int64_t skipped_steps = 0;
   double lr = 0;
+  // The trainer's guards, so a resumed run stops where an uninterrupted one would: steps
+  // skipped in a row (the scale-collapse guard) and steps with a non-finite loss in a row.
+  // Absent from checkpoints written before they were saved: 0.
+  int64_t consecutive_skips = 0;
+  int64_t nonfinite_run = 0;
 };
 
 FileInfo parse_complete(const std::string& text, const std::string& where);

@@ -236,6 +236,81 @@ TEST(Integrity, AFlippedByteAndATruncatedFileAreRefusedByName) {
   expect_refused(other, "", {optim, "truncated"});
 }
 
+// The newest checkpoint damaged in a file only rank 1 reads: resume auto falls back to the
+// older one (the warning names both, and the damaged one is kept aside), every rank reports
+// the damaged file first, and resuming it by name is refused the same way.
+TEST(Integrity, ADamagedNewestCheckpointFallsBackToTheNewestIntactOne) {
+  const std::string dir = tmp("fallback");
+  Result whole = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir));
+  ASSERT_EQ(whole.code, 0) << whole.output;
+  const std::string newest = dir + "/step_00000040", rank1 = newest + "/rank_00001.pt";
+  {
+    std::fstream f(rank1, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(100);
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x10);
+    f.seekp(100);
+    f.write(&c, 1);
+  }
+  Result named = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir, "--resume " + newest));
+  EXPECT_NE(named.code, 0) << named.output;
+  // Rank 0 reads no file of rank 1's, yet says which one is damaged, instead of a peer's
+  // closed connection.
+  EXPECT_TRUE(std::regex_search(
+      named.output, std::regex("\\[rank 0\\][^\n]*rank_00001\\.pt[^\n]*found by rank 1")))
+      << named.output;
+  EXPECT_EQ(named.output.find("Connection closed"), std::string::npos) << named.output;
+
+  Result resumed = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir));
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("checkpoint '" + newest + "' is damaged ("), std::string::npos)
+      << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from '" + dir + "/step_00000020', the newest intact"),
+            std::string::npos)
+      << resumed.output;
+  EXPECT_TRUE(fs::exists(dir + "/damaged_step_00000040/rank_00001.pt"));
+  EXPECT_TRUE(fs::exists(newest + "/COMPLETE")) << "the resumed run saves step 40 again";
+}
+
+// Saving again into a step folder a killed writer left: no temporary file remains in the
+// complete checkpoint.
+TEST(Integrity, ReSavingIntoAStepFolderLeavesNoTemporaryFiles) {
+  const std::string dir = one_checkpoint("resave");
+  const std::string step40 = dir + "/step_00000040";
+  fs::create_directories(step40);
+  std::ofstream(step40 + "/model.pt.tmp.12345") << "left by a killed writer";
+  Result r = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir));
+  ASSERT_EQ(r.code, 0) << r.output;
+  ASSERT_TRUE(fs::exists(step40 + "/COMPLETE"));
+  for (const auto& e : fs::directory_iterator(step40)) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+  }
+}
+
+// The guards' counts resume with the run: a loss scale that collapses at step 8 when the run
+// is left alone collapses at step 8 when the run is killed after step 5 and resumed.
+TEST(Resume, TheScaleCollapseGuardStopsAResumedRunWhereItWould) {
+  const std::string dir = tmp("guards");
+  const std::string cmd = " OMP_NUM_THREADS=1 " + g_launcher +
+                          " --nproc-per-node 2 --master-port 0 --grace-period 2 -- " + g_trainer +
+                          " --config configs/tiny/ddp_fp16.yaml --set train.steps=20" +
+                          " --set checkpoint.every_steps=5 --set checkpoint.dir=" + dir +
+                          " --set logging.progress_bar=false" +
+                          " --set precision.scaler.max_consecutive_skips=6";
+  const std::string collapse = "step 8: the loss scale collapsed (6 steps skipped in a row";
+  Result alone = run("DTRAIN_TEST_NAN_FROM_STEP=3:1" + cmd + " --set checkpoint.resume=never");
+  EXPECT_NE(alone.output.find(collapse), std::string::npos) << alone.output;
+  fs::remove_all(dir);
+  Result killed = run("DTRAIN_TEST_NAN_FROM_STEP=3:1 DTRAIN_TEST_KILL_AT_STEP=5:1" + cmd);
+  ASSERT_TRUE(fs::exists(dir + "/step_00000005/COMPLETE")) << killed.output;
+  Result resumed = run("DTRAIN_TEST_NAN_FROM_STEP=3:1" + cmd);
+  EXPECT_NE(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + dir + "/step_00000005"), std::string::npos)
+      << resumed.output;
+  EXPECT_NE(resumed.output.find(collapse), std::string::npos) << resumed.output;
+}
+
 TEST(Integrity, AnotherModelsCheckpointIsRefusedNamingTheTensorAndNothingLoads) {
   const std::string dir = one_checkpoint("other_model");
   expect_refused(

@@ -257,6 +257,17 @@ class ScaleCollapseGuard {
  public:
   explicit ScaleCollapseGuard(const ScalerConfig& c) : c_(c) {}
 
+  // Steps skipped in a row, for checkpoints; resume() takes it back (with the monitor on, as
+  // after_step would have left it).
+  int64_t skips() const { return skips_; }
+  void resume(int64_t skips, amp::NumericsMonitor& monitor) {
+    skips_ = skips;
+    if (skips_ > 0 && !monitor.enabled()) {
+      monitor.set_enabled(true);
+      switched_monitor_on_ = true;
+    }
+  }
+
   void after_step(int64_t step, bool stepped, double scale, amp::NumericsMonitor& monitor) {
     if (const auto& unit = monitor.first_nonfinite_unit()) last_unit_ = *unit;
     if (stepped) {
@@ -464,10 +475,11 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
   Checkpointer checkpointer(c);
   CheckpointParts parts{&model->module(), model->fsdp(), opt.get(), &scaler, &monitor, comm.get()};
   int64_t first_step = 0;
+  std::optional<TrainerProgress> restored;
   if (checkpointer.enabled() || (c.checkpoint.resume != "auto" && c.checkpoint.resume != "never")) {
-    if (auto progress = checkpointer.restore(parts, c.checkpoint.resume)) {
-      first_step = progress->step;
-      result.skipped_steps = progress->skipped_steps;
+    if ((restored = checkpointer.restore(parts, c.checkpoint.resume))) {
+      first_step = restored->step;
+      result.skipped_steps = restored->skipped_steps;
     }
   }
   std::ofstream metrics =
@@ -512,8 +524,9 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
   double window_loss = 0, window_time = 0;
   int64_t window_steps = 0;
   bool first_logged = false;
-  int64_t nonfinite_run = 0;
+  int64_t nonfinite_run = restored ? restored->nonfinite_run : 0;
   ScaleCollapseGuard collapse(sc);
+  if (restored) collapse.resume(restored->consecutive_skips, monitor);
   const bool trace_on = !c.logging.trace.empty();
   if (trace_on) {
     // The time origin of every rank's timeline, taken as they leave a barrier.
@@ -649,8 +662,9 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
     const bool due = c.checkpoint.every_steps > 0 && (step + 1) % c.checkpoint.every_steps == 0;
     if (checkpointer.enabled() && (due || last)) {
       auto t = Clock::now();
-      const std::string path =
-          checkpointer.save(parts, TrainerProgress{step + 1, result.skipped_steps, lr});
+      const std::string path = checkpointer.save(
+          parts,
+          TrainerProgress{step + 1, result.skipped_steps, lr, collapse.skips(), nonfinite_run});
       if (tty) std::fprintf(stderr, "\r\033[K");
       logging::info("checkpoint ", path, " written in ",
                     logging::fixed(std::chrono::duration<double>(Clock::now() - t).count(), 2),
