@@ -21,9 +21,41 @@ std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& params) {
   return grads;
 }
 
-at::Tensor total_norm(const std::vector<at::Tensor>& grads, double norm_type,
-                      comm::Communicator* comm) {
+// Combines every rank's values of `t` (a 1-D fp32 tensor): (sum_r t_r^p)^(1/p), or the
+// maximum for p = inf.
+at::Tensor combine_over_ranks(at::Tensor t, double norm_type, comm::Communicator& comm) {
+  const c10::Device device = t.device();
+  if (comm.device_type() != t.device().type()) t = t.to(comm.device_type());
+  if (std::isinf(norm_type)) {
+    comm.all_reduce(t, comm::ReduceOp::kMax).wait();
+  } else {
+    t = t.pow(norm_type);
+    comm.all_reduce(t, comm::ReduceOp::kSum).wait();
+    t = t.pow(1.0 / norm_type);
+  }
+  return t.to(device);
+}
+
+at::Tensor total_norm(const std::vector<at::Tensor>& params, double norm_type,
+                      comm::Communicator* comm, ShardNorm rule) {
   c10::NoGradGuard no_grad;
+  const std::vector<at::Tensor> grads = grads_of(params);
+  if (comm != nullptr && rule == ShardNorm::kPerParameter) {
+    // torch.nn.utils.clip_grad_norm_ over DTensor shards (FSDP2): each parameter's norm is
+    // reduced across ranks first, then the norm of their stack is taken, on every rank alike.
+    // One entry per parameter (0 without a gradient), so every rank all-reduces as many.
+    c10::Device device = grads.empty() ? c10::Device(c10::kCPU) : grads.front().device();
+    std::vector<at::Tensor> norms;
+    norms.reserve(params.size());
+    for (const auto& p : params) {
+      norms.push_back(p.grad().defined()
+                          ? at::linalg_vector_norm(p.grad(), norm_type).to(device, at::kFloat)
+                          : at::zeros({}, at::TensorOptions(device).dtype(at::kFloat)));
+    }
+    if (norms.empty()) return at::zeros({}, at::kFloat);
+    at::Tensor per_param = combine_over_ranks(at::stack(norms), norm_type, *comm);
+    return at::linalg_vector_norm(per_param, norm_type);
+  }
   at::Tensor total;
   if (grads.empty()) {
     total = at::zeros({}, at::kFloat);
@@ -36,17 +68,10 @@ at::Tensor total_norm(const std::vector<at::Tensor>& grads, double norm_type,
     total = at::linalg_vector_norm(at::stack(norms), norm_type);
   }
   if (comm != nullptr) {
-    // Combine the shards' norms: (sum_r n_r^p)^(1/p), or max_r n_r for p = inf.
-    at::Tensor t = total.to(at::kFloat).reshape({1});
-    if (comm->device_type() != t.device().type()) t = t.to(comm->device_type());
-    if (std::isinf(norm_type)) {
-      comm->all_reduce(t, comm::ReduceOp::kMax).wait();
-    } else {
-      t = t.pow(norm_type);
-      comm->all_reduce(t, comm::ReduceOp::kSum).wait();
-      t = t.pow(1.0 / norm_type);
-    }
-    total = t.reshape({}).to(total.device());
+    // Each rank's total, combined: (sum_r n_r^p)^(1/p), or max_r n_r for p = inf.
+    total = combine_over_ranks(total.to(at::kFloat).reshape({1}), norm_type, *comm)
+                .reshape({})
+                .to(total.device());
   }
   return total;
 }
@@ -54,15 +79,15 @@ at::Tensor total_norm(const std::vector<at::Tensor>& grads, double norm_type,
 }  // namespace
 
 at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type,
-                     comm::Communicator* comm) {
-  return total_norm(grads_of(params), norm_type, comm);
+                     comm::Communicator* comm, ShardNorm rule) {
+  return total_norm(params, norm_type, comm, rule);
 }
 
 double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm, double norm_type,
-                       comm::Communicator* comm, bool error_if_nonfinite) {
+                       comm::Communicator* comm, bool error_if_nonfinite, ShardNorm rule) {
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> grads = grads_of(params);
-  at::Tensor total = total_norm(grads, norm_type, comm);
+  at::Tensor total = total_norm(params, norm_type, comm, rule);
   if (error_if_nonfinite) {
     double v = total.item<double>();
     DTRAIN_CHECK_AS(Error, std::isfinite(v), "The total norm of order ", norm_type,

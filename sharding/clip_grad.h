@@ -5,8 +5,14 @@
 // a single tensor) and can differ in the last bit.
 //
 // With a communicator the gradients are shards of one model spread over its ranks (FSDP,
-// or any partition): the norm is taken over all shards (sum of |g|^p all-reduced, or MAX
-// for p = inf), every rank clips with the same coefficient. Every rank must call it.
+// or any partition): the norm is taken over all shards, and every rank clips with the same
+// coefficient. Every rank must call it. How the shards combine (ShardNorm):
+//   kPerParameter (default, PyTorch's over FSDP2's DTensor shards): each parameter's norm is
+//     reduced across ranks ((sum_r n_r^p)^(1/p), or MAX for p = inf), then the norm of their
+//     stack is taken: bitwise fully_shard's. Every rank must pass the same parameters, in
+//     the same order (FSDP's masters are).
+//   kPerRank: each rank's total norm, combined once: any partition of the parameters over
+//     the ranks, one value all-reduced; may differ from PyTorch in the last bit.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -19,14 +25,16 @@ class Communicator;
 
 namespace dtrain::sharding {
 
+enum class ShardNorm { kPerParameter, kPerRank };
+
 // The total norm of the gradients of `params` (over all shards with `comm`), as a 0-dim
 // tensor on the first gradient's device; gradients untouched.
 at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type = 2.0,
-                     comm::Communicator* comm = nullptr);
+                     comm::Communicator* comm = nullptr, ShardNorm rule = ShardNorm::kPerParameter);
 
 // Clips the gradients of `params` in place; returns the total norm before clipping.
 double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
                        double norm_type = 2.0, comm::Communicator* comm = nullptr,
-                       bool error_if_nonfinite = false);
+                       bool error_if_nonfinite = false, ShardNorm rule = ShardNorm::kPerParameter);
 
 }  // namespace dtrain::sharding

@@ -35,10 +35,10 @@
 //   - every rank must run the same forwards and backwards (the collectives are issued in
 //     the order the units run).
 // Mixed precision (amp::MixedPrecisionPolicy, FSDP's MixedPrecision): parameters gathered in
-// param_dtype, gradients reduced in reduce_dtype with the same pre/post divide factors as
-// DDP, buffers kept in buffer_dtype, the model's outputs cast to output_dtype (FSDP2 casts
-// every fully_shard module's; dtrain only the wrapped model's, so blocks do not round-trip
-// through fp32), unit inputs cast when
+// param_dtype, gradients reduced in reduce_dtype and averaged by FSDP2's rule (fp32 and bf16
+// summed then divided, fp16 with DDP's pre/post divide factors), buffers kept in buffer_dtype, the
+// model's outputs cast to output_dtype (FSDP2 casts every fully_shard module's; dtrain only the
+// wrapped model's, so blocks do not round-trip through fp32), unit inputs cast when
 // cast_forward_inputs (the root's always, as FSDP1's cast_root_forward_inputs), gradient
 // shards left in the reduce dtype with keep_low_precision_grads. No autocast is needed: the
 // parameters themselves are low precision.

@@ -4,13 +4,16 @@
 //   dtrain-launch --nproc-per-node 2 -- fsdp_parity --precision bf16 --steps 20 --out DIR
 //
 // Trains the TransformerLM FULL_SHARD (every block a unit, the rest the root) with AdamW and,
-// for fp16, the ShardedGradScaler. Rank 0 writes the initial weights (DIR/init.pt, a dict
-// PyTorch's torch.load reads) and, per step, the loss averaged over ranks and the scale
-// (DIR/dtrain.json). The data of step s on rank r is torch.randint(0, vocab, (B, T)) from a
-// CPU generator seeded 1000 + s * world + r: the same draws in C++ and Python.
+// for fp16, the ShardedGradScaler. --fused: dtrain's fused AdamW (ATen's kernel, Python's
+// AdamW(fused=True)); --clip C: clip_grad_norm_(C) after unscaling, as PyTorch's recipe. Rank 0
+// writes the initial weights (DIR/init.pt, a dict PyTorch's torch.load reads) and, per step, the
+// loss averaged over ranks and the scale (DIR/dtrain.json). The data of step s on rank r is
+// torch.randint(0, vocab, (B, T)) from a CPU generator seeded 1000 + s * world + r: the same draws
+// in C++ and Python.
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,6 +21,7 @@
 #include "comm/factory.h"
 #include "core/cli.h"
 #include "framework/models/transformer_lm.h"
+#include "optim/fused.h"
 #include "sharding/fsdp.h"
 #include "sharding/parity_run.h"
 
@@ -28,6 +32,10 @@ int main(int argc, char** argv) {
   dtrain::cli::setup(app, "fsdp_parity");
   dtrain::parity::Args args;
   dtrain::parity::add_options(app, args, "folder for init.pt and dtrain.json");
+  bool fused = false;
+  double clip = 0;
+  app.add_flag("--fused", fused, "dtrain's fused AdamW (Python's AdamW(fused=True))");
+  app.add_option("--clip", clip, "clip the gradients' total norm to this (0: off)");
   dtrain::cli::parse(app, argc, argv);
 
   auto world = dtrain::comm::create_world();
@@ -42,7 +50,15 @@ int main(int argc, char** argv) {
   const auto full = fsdp.state().full_parameters();
   if (rank == 0) dtrain::parity::save(full, args.out_dir + "/init.pt");
 
-  torch::optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-3));
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (fused) {
+    optimizer =
+        std::make_unique<dtrain::optim::AdamW>(fsdp.parameters(), torch::optim::AdamWOptions(1e-3));
+  } else {
+    optimizer =
+        std::make_unique<torch::optim::AdamW>(fsdp.parameters(), torch::optim::AdamWOptions(1e-3));
+  }
+  torch::optim::Optimizer& opt = *optimizer;
   dtrain::amp::ShardedGradScaler scaler(world, dtrain::amp::GradScalerOptions()
                                                    .init_scale(args.init_scale)
                                                    .growth_interval(args.growth_interval)
@@ -55,6 +71,10 @@ int main(int argc, char** argv) {
     at::Tensor logits = fsdp(x).to(at::kFloat);
     at::Tensor loss = at::cross_entropy_loss(logits.reshape({-1, args.vocab}), y.reshape(-1));
     scaler.scale(loss).backward();
+    if (clip > 0) {
+      scaler.unscale_(opt);
+      fsdp.clip_grad_norm_(clip);
+    }
     if (!scaler.step(opt)) ++skipped;
     scaler.update();
     at::Tensor mean = loss.detach().reshape({1}).to(at::kDouble);

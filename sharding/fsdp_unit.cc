@@ -37,10 +37,18 @@ FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tens
     n_ = groups_.shard->size();
     rank_ = groups_.shard->rank();
   }
-  world_ = n_ * (groups_.replicate ? groups_.replicate->size() : 1);
-  const DivideFactors f = divide_factors(world_, reduce_dtype_);
-  pre_ = f.pre;
-  post_ = f.post;
+  replicas_ = groups_.replicate ? groups_.replicate->size() : 1;
+  world_ = n_ * replicas_;
+  // FSDP2's rule (_get_gradient_divide_factors): fp32 and bf16 gradients are summed, then
+  // divided (ReduceOp.AVG: by the shard group after the reduce-scatter, by the replicas after
+  // their all-reduce), rounding as fully_shard's does; fp16 takes DDP's pre/post split,
+  // which neither overflows nor underflows.
+  average_after_ = reduce_dtype_ == at::kFloat || reduce_dtype_ == at::kBFloat16;
+  if (!average_after_) {
+    const DivideFactors f = divide_factors(world_, reduce_dtype_);
+    pre_ = f.pre;
+    post_ = f.post;
+  }
 
   const c10::Device device = params.front().second.device();
   for (auto& [pname, t] : params) {
@@ -252,6 +260,8 @@ void FlatUnit::finish_reduce(double* waited_s) {
   if (!reduce_launched_) return;
   auto t0 = Clock::now();
   reduce_.wait();
+  c10::NoGradGuard no_grad;
+  if (average_after_ && n_ > 1) reduce_shard_.div_(static_cast<double>(n_));
   if (n_ > 1 && groups_.replicate) {
     // HYBRID_SHARD: the replicas of this shard average it next.
     comm::Work w = groups_.replicate->all_reduce(reduce_shard_);
@@ -260,8 +270,11 @@ void FlatUnit::finish_reduce(double* waited_s) {
   }
   if (waited_s != nullptr) *waited_s += since(t0);
   reduce_ = comm::Work();
-  c10::NoGradGuard no_grad;
-  if (post_ != 1) reduce_shard_.div_(post_);
+  if (average_after_) {
+    if (replicas_ > 1) reduce_shard_.div_(static_cast<double>(replicas_));
+  } else if (post_ != 1) {
+    reduce_shard_.div_(post_);
+  }
   const c10::ScalarType target = policy_.keep_low_precision_grads ? reduce_dtype_ : at::kFloat;
   bool fresh = !grad_shard_.defined();
   for (const auto& p : params_) fresh = fresh || (p.trainable && !p.master.grad().defined());

@@ -161,6 +161,10 @@ class FlatUnit {
   int64_t n_ = 1;     // shard group size
   int64_t rank_ = 0;  // in the shard group
   int64_t world_ = 1;
+  int64_t replicas_ = 1;
+  // Averaging: sum, then divide by n_ and by replicas_ (fp32, bf16); or divide by pre_
+  // before and post_ after the sum (fp16, as DDP).
+  bool average_after_ = false;
   double pre_ = 1, post_ = 1;
   int64_t total_ = 0, padded_ = 0, shard_size_ = 0;
   bool frozen_ = false;

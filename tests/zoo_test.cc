@@ -505,6 +505,30 @@ TEST_F(Test, FrozenParametersDoNotHoldUnitsGathered) {
   }
 }
 
+// PyTorch's broadcast_buffers=True: before each forward, every rank takes rank 0's buffers
+// (float, int64 and bool alike).
+TEST_F(Test, DdpForwardStartsFromRankZerosBuffers) {
+  ZooSpec s;
+  DistributedDataParallel<ZooNet> model(make_net(s), world_ptr(), DDPOptions());
+  auto& block = *model.module()->structs[0];
+  const int64_t r = world().rank();
+  {
+    at::NoGradGuard no_grad;
+    block.running.fill_(static_cast<double>(r + 1));
+    block.count.fill_(10 * r);
+    block.flag.fill_(r % 2 == 1);
+  }
+  {
+    at::NoGradGuard no_grad;  // a forward without backward: evaluation
+    model(at::randn({kPerRank, kIn}), true);
+  }
+  // Rank 0's values, then one forward's update (running * 0.5 + 0.125, count + 1, flag
+  // negated), on every rank.
+  EXPECT_TRUE(at::equal(block.running, at::full({s.width}, 1.0 * 0.5 + 0.125)));
+  EXPECT_EQ(block.count.item<int64_t>(), 1);
+  EXPECT_TRUE(block.flag.all().item<bool>());
+}
+
 TEST_F(Test, RandomModels) {
   uint64_t first = 1, count = 6;
   if (const char* seeds = std::getenv("DTRAIN_ZOO_SEEDS")) {

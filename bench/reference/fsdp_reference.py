@@ -60,11 +60,11 @@ def parity(args):
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=args.fused)
     scaler = ShardedGradScaler(device="cpu", init_scale=args.init_scale,
                                growth_interval=args.growth_interval,
                                enabled=args.precision == "fp16")
-    losses, scales, skipped = common.train(model, opt, scaler, args.steps)
+    losses, scales, skipped = common.train(model, opt, scaler, args.steps, clip=args.clip)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"impl": "pytorch", "torch": torch.__version__, "precision": args.precision,
@@ -138,6 +138,8 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--init-scale", type=float, default=16777216.0)
     p.add_argument("--growth-interval", type=int, default=4)
+    p.add_argument("--fused", action="store_true", help="AdamW(fused=True)")
+    p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ to this (0: off)")
     b = sub.add_parser("bench")
     b.add_argument("--precision", choices=DTYPES, default="fp32")
     for name, default in [("steps", 8), ("warmup", 2), ("d-model", 512), ("layers", 6),

@@ -19,10 +19,11 @@ def batch(step, world, rank):
     return x, y
 
 
-def train(model, opt, scaler, steps, autocast_dtype=None):
+def train(model, opt, scaler, steps, autocast_dtype=None, clip=0.0):
     """zero_grad, forward and loss (under autocast when a dtype is given), scaled backward,
-    scaler step and update. Returns the loss averaged over ranks and the scale after every
-    step, and how many steps the scaler skipped."""
+    (with clip: unscale_ and clip_grad_norm_), scaler step and update. Returns the loss
+    averaged over ranks and the scale after every step, and how many steps the scaler
+    skipped."""
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, scales, skipped = [], [], 0
     for s in range(steps):
@@ -33,6 +34,9 @@ def train(model, opt, scaler, steps, autocast_dtype=None):
             logits = model(x).float()
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         scaler.scale(loss).backward()
+        if clip > 0:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         before = scaler.get_scale() if scaler.is_enabled() else 1.0
         scaler.step(opt)
         scaler.update()
