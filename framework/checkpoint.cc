@@ -158,14 +158,52 @@ std::vector<Named> model_tensors(const CheckpointParts& p) {
   return out;
 }
 
-// The optimizer's per-parameter state in all_parameters() order (FSDP; frozen ones empty).
-std::vector<ParamState> fsdp_states(const CheckpointParts& p) {
-  std::vector<ParamState> trained = export_optimizer_state(*p.optimizer);
-  auto all = p.fsdp->all_parameters();
-  std::vector<ParamState> out(all.size());
-  size_t k = 0;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (all[i].second.requires_grad()) out[i] = k < trained.size() ? trained[k++] : ParamState{};
+// The model's parameters by name, in the model's order (FSDP: its fp32 masters). Checkpoints
+// hold optimizer state in this order; the optimizer's own order (its param groups, which a
+// user may build in any order) is mapped to it by tensor identity, and saved names map it
+// back, so state always returns to the parameter it belongs to.
+std::vector<std::pair<std::string, at::Tensor>> model_parameters(const CheckpointParts& p) {
+  if (p.fsdp != nullptr) return p.fsdp->all_parameters();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : p.module->named_parameters()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+// For each model parameter, its index in the optimizer's order (-1: the optimizer does not
+// hold it). Every tensor the optimizer holds must be one of the model's parameters.
+std::vector<int64_t> optimizer_slots(const CheckpointParts& p) {
+  const auto model = model_parameters(p);
+  const std::vector<at::Tensor> held = optimizer_parameters(*p.optimizer);
+  std::map<const c10::TensorImpl*, int64_t> index;
+  for (size_t j = 0; j < held.size(); ++j) index[held[j].unsafeGetTensorImpl()] = j;
+  std::vector<int64_t> slots;
+  for (const auto& [name, t] : model) {
+    auto it = index.find(t.unsafeGetTensorImpl());
+    slots.push_back(it == index.end() ? -1 : it->second);
+    if (it != index.end()) index.erase(it);
+  }
+  DTRAIN_CHECK_AS(
+      CheckpointError, index.empty(), "checkpoint: the optimizer holds ", index.size(),
+      " tensor(s) that are not parameters of the model",
+      p.fsdp != nullptr ? " (under FSDP, give it model.parameters(): the masters)" : "");
+  return slots;
+}
+
+// Optimizer order -> model order, and back.
+std::vector<ParamState> to_model_order(const std::vector<ParamState>& by_optimizer,
+                                       const std::vector<int64_t>& slots) {
+  std::vector<ParamState> out(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] >= 0) out[i] = by_optimizer.at(static_cast<size_t>(slots[i]));
+  }
+  return out;
+}
+
+std::vector<ParamState> to_optimizer_order(const std::vector<ParamState>& by_model,
+                                           const std::vector<int64_t>& slots, size_t held) {
+  std::vector<ParamState> out(held);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i] >= 0) out[static_cast<size_t>(slots[i])] = by_model[i];
   }
   return out;
 }
@@ -190,17 +228,6 @@ at::Tensor rng_state_of(c10::Device device) {
 }
 
 int cuda_devices() { return static_cast<int>(at::detail::getCUDAHooks().deviceCount()); }
-
-// The trainable parameters' states, re-ordered from all_parameters() order.
-std::vector<ParamState> trained_states(const CheckpointParts& p,
-                                       const std::vector<ParamState>& all_states) {
-  auto all = p.fsdp->all_parameters();
-  std::vector<ParamState> out;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (all[i].second.requires_grad()) out.push_back(all_states[i]);
-  }
-  return out;
-}
 
 c10::impl::GenericDict as_dict(const c10::IValue& v, const std::string& what) {
   DTRAIN_CHECK_AS(CheckpointError, v.isGenericDict(), "checkpoint: '", what,
@@ -345,9 +372,12 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
     }
     mine.push_back(ckpt::write_pickle(dir, rank_file("rank", rank), d));
   }
-  std::vector<ParamState> states = p.optimizer == nullptr ? std::vector<ParamState>{}
-                                   : p.fsdp != nullptr    ? fsdp_states(p)
-                                                          : export_optimizer_state(*p.optimizer);
+  // Optimizer state in the model's order (model_parameters).
+  const std::vector<int64_t> slots =
+      p.optimizer == nullptr ? std::vector<int64_t>{} : optimizer_slots(p);
+  std::vector<ParamState> states =
+      p.optimizer == nullptr ? std::vector<ParamState>{}
+                             : to_model_order(export_optimizer_state(*p.optimizer), slots);
   std::vector<std::string> keys;
   for (const auto& k : kStateKeys) {
     if (has_key(states, k)) keys.push_back(k);
@@ -396,17 +426,14 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
     }
     if (rank == 0) {
       if (p.optimizer != nullptr) {
-        // PyTorch's layout: state keyed by the optimizer's parameter index.
+        // PyTorch's layout: state keyed by the optimizer's parameter index, and each group's
+        // parameter names (which a restore matches by).
         c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
-        std::vector<bool> trained(states.size(), true);
-        if (p.fsdp != nullptr) {
-          auto all_params = p.fsdp->all_parameters();
-          for (size_t i = 0; i < states.size(); ++i)
-            trained[i] = all_params[i].second.requires_grad();
-        }
-        int64_t index = 0;
+        const auto model = model_parameters(p);
+        std::vector<std::string> names(optimizer_parameters(*p.optimizer).size());
         for (size_t i = 0; i < states.size(); ++i) {
-          if (!trained[i]) continue;
+          if (slots[i] < 0) continue;
+          names[static_cast<size_t>(slots[i])] = model[i].first;
           auto entry = tensor_dict();
           if (states[i].count("step")) entry.insert("step", states[i].at("step").cpu());
           for (size_t k = 0; k < keys.size(); ++k) {
@@ -414,12 +441,11 @@ std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& 
             entry.insert(keys[k],
                          p.fsdp != nullptr ? full_state[k][i].cpu() : states[i].at(keys[k]).cpu());
           }
-          if (entry.size() > 0) state.insert(index, entry);
-          ++index;
+          if (entry.size() > 0) state.insert(slots[i], entry);
         }
         auto optim = tensor_dict();
         optim.insert("state", state);
-        optim.insert("param_groups", optimizer_param_groups(*p.optimizer));
+        optim.insert("param_groups", optimizer_param_groups(*p.optimizer, names));
         shared.push_back(ckpt::write_pickle(dir, "optim.pt", optim));
       }
       shared.insert(shared.begin(), model_file.get());
@@ -636,6 +662,10 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
   }
   std::vector<at::Tensor> new_values;  // per params entry: full (plain) or parts (FSDP)
   std::vector<ParamState> new_states;  // in the optimizer's order
+  // Where each model parameter sits in this optimizer (optimizer_slots).
+  const std::vector<int64_t> slots_now =
+      p.optimizer == nullptr ? std::vector<int64_t>{} : optimizer_slots(p);
+  const size_t held_now = p.optimizer == nullptr ? 0 : optimizer_parameters(*p.optimizer).size();
   std::map<std::string, at::Tensor> buffers;
   const std::vector<std::string>& keys = meta.optimizer_keys;
   if (mode == "full") {
@@ -662,22 +692,44 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
     if (p.optimizer != nullptr && files.count("optim.pt")) {
       auto optim = as_dict(load("optim.pt"), dir + "/optim.pt");
       auto state = as_dict(optim.at("state"), dir + "/optim.pt state");
-      const size_t trained = export_optimizer_state(*p.optimizer).size();
-      std::vector<ParamState> full_states(trained);
+      // Saved index -> name, where the checkpoint has names (dtrain's do): state goes back to
+      // the parameter of that name, whatever order this optimizer's groups are in.
+      std::map<std::string, int64_t> saved_index;
+      bool named = false;
+      if (optim.contains("param_groups") && optim.at("param_groups").isList()) {
+        named = true;
+        for (const auto& g : optim.at("param_groups").toListRef()) {
+          if (!g.isGenericDict() || !g.toGenericDict().contains("param_names")) {
+            named = false;
+            break;
+          }
+          const auto ids = g.toGenericDict().at("params").toListRef();
+          const auto names = g.toGenericDict().at("param_names").toListRef();
+          for (size_t k = 0; k < ids.size() && k < names.size(); ++k) {
+            saved_index[names[k].toStringRef()] = ids[k].toInt();
+          }
+        }
+      }
+      std::map<int64_t, ParamState> saved;
       for (const auto& kv : state) {
-        const int64_t i = kv.key().toInt();
-        DTRAIN_CHECK_AS(CheckpointError, i >= 0 && static_cast<size_t>(i) < trained, "checkpoint '",
-                        dir, "/optim.pt' has state for parameter #", i, " but the optimizer has ",
-                        trained, " parameters. Nothing was loaded.");
-        full_states[i] = tensors_of(as_dict(kv.value(), "optimizer state"));
+        saved[kv.key().toInt()] = tensors_of(as_dict(kv.value(), "optimizer state"));
+      }
+      // Model order (model_parameters).
+      std::vector<ParamState> all_states(params.size());
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (slots_now[i] < 0) continue;
+        int64_t j = slots_now[i];
+        if (named) {
+          auto it = saved_index.find(params[i].first);
+          DTRAIN_CHECK_AS(CheckpointError, it != saved_index.end(), "checkpoint '", dir,
+                          "/optim.pt': its optimizer did not hold parameter '", params[i].first,
+                          "', which this optimizer does. Nothing was loaded.");
+          j = it->second;
+        }
+        if (saved.count(j)) all_states[i] = saved.at(j);
       }
       if (p.fsdp != nullptr) {
         // Full state -> this rank's parts, per key.
-        std::vector<ParamState> all_states(params.size());
-        size_t k = 0;
-        for (size_t i = 0; i < params.size(); ++i) {
-          if (params[i].second.requires_grad()) all_states[i] = full_states[k++];
-        }
         for (const auto& key : keys) {
           std::vector<at::Tensor> fulls;
           for (size_t i = 0; i < params.size(); ++i) {
@@ -689,10 +741,8 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
             if (all_states[i].count(key)) all_states[i][key] = parts[i];
           }
         }
-        new_states = trained_states(p, all_states);
-      } else {
-        new_states = full_states;
       }
+      new_states = to_optimizer_order(all_states, slots_now, held_now);
     }
   } else {
     // Sharded: the units must be the same; the world size may differ.
@@ -763,7 +813,7 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
         const double s = steps[static_cast<int64_t>(i)].item<double>();
         if (s >= 0) all_states[i]["step"] = at::scalar_tensor(s, at::kFloat);
       }
-      new_states = trained_states(p, all_states);
+      new_states = to_optimizer_order(all_states, slots_now, held_now);
     }
   }
   c10::impl::GenericDict scaler_state = tensor_dict();

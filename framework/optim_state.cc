@@ -19,6 +19,10 @@ std::vector<at::Tensor> all_params(torch::optim::Optimizer& opt) {
 
 }  // namespace
 
+std::vector<at::Tensor> optimizer_parameters(torch::optim::Optimizer& opt) {
+  return all_params(opt);
+}
+
 std::vector<ParamState> export_optimizer_state(torch::optim::Optimizer& opt) {
   std::vector<ParamState> out;
   for (const auto& p : all_params(opt)) {
@@ -94,7 +98,8 @@ void import_optimizer_state(torch::optim::Optimizer& opt, const std::vector<Para
   }
 }
 
-c10::IValue optimizer_param_groups(torch::optim::Optimizer& opt) {
+c10::IValue optimizer_param_groups(torch::optim::Optimizer& opt,
+                                   const std::vector<std::string>& names) {
   c10::impl::GenericList groups(c10::AnyType::get());
   int64_t index = 0;
   for (auto& g : opt.param_groups()) {
@@ -114,8 +119,13 @@ c10::IValue optimizer_param_groups(torch::optim::Optimizer& opt) {
       d.insert("nesterov", s->nesterov());
     }
     c10::impl::GenericList ids(c10::AnyType::get());
-    for (size_t k = 0; k < g.params().size(); ++k) ids.push_back(index++);
+    c10::impl::GenericList group_names(c10::AnyType::get());
+    for (size_t k = 0; k < g.params().size(); ++k) {
+      if (!names.empty()) group_names.push_back(names.at(static_cast<size_t>(index)));
+      ids.push_back(index++);
+    }
     d.insert("params", ids);
+    if (!names.empty()) d.insert("param_names", group_names);
     groups.push_back(d);
   }
   return groups;

@@ -27,7 +27,12 @@ std::vector<ParamState> export_optimizer_state(torch::optim::Optimizer& opt);
 // Replaces the optimizer's state; `states` in the same order and shapes (CheckpointError
 // naming the parameter index and key otherwise, before anything is changed).
 void import_optimizer_state(torch::optim::Optimizer& opt, const std::vector<ParamState>& states);
-// PyTorch's "param_groups": per group its hyperparameters and the parameters' indices.
-c10::IValue optimizer_param_groups(torch::optim::Optimizer& opt);
+// The optimizer's parameters, param groups in turn (the order of the functions above).
+std::vector<at::Tensor> optimizer_parameters(torch::optim::Optimizer& opt);
+// PyTorch's "param_groups": per group its hyperparameters, the parameters' indices and, when
+// `names` (one per parameter, in the optimizer's order) is given, their "param_names" (as
+// PyTorch's optimizers built from named parameters save them).
+c10::IValue optimizer_param_groups(torch::optim::Optimizer& opt,
+                                   const std::vector<std::string>& names = {});
 
 }  // namespace dtrain::framework

@@ -237,8 +237,7 @@ void FSDPState::abandon_backward() {
   in_backward_ = false;
   pending_backward_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
-  std::fill(inputs_marked_.begin(), inputs_marked_.end(), 0);
-  std::fill(inputs_pending_.begin(), inputs_pending_.end(), 0);
+  reset_input_counts();
 }
 
 void FSDPState::root_pre_forward() {
@@ -251,8 +250,7 @@ void FSDPState::root_pre_forward() {
     if (!forward_order_.empty()) previous_order_ = forward_order_;
     forward_order_.clear();
     std::fill(in_forward_order_.begin(), in_forward_order_.end(), false);
-    std::fill(inputs_marked_.begin(), inputs_marked_.end(), 0);
-    std::fill(inputs_pending_.begin(), inputs_pending_.end(), 0);
+    reset_input_counts();
     exposed_s_ = 0;
   }
   if (root_ >= 0) {
@@ -395,11 +393,21 @@ void FSDPState::post_backward(int64_t unit) {
   if (--inputs_pending_[unit] == 0) maybe_reshard_in_backward(unit);
 }
 
+void FSDPState::launch_reduce(FlatUnit& u) {
+  u.launch_reduce();
+  ++reductions_launched_;
+}
+
+void FSDPState::reset_input_counts() {
+  std::fill(inputs_marked_.begin(), inputs_marked_.end(), 0);
+  std::fill(inputs_pending_.begin(), inputs_pending_.end(), 0);
+}
+
 void FSDPState::launch_ready() {
   while (next_launch_ < backward_order_.size() && ready_[backward_order_[next_launch_]]) {
     finish_previous_reduce();
     FlatUnit& u = *units_[backward_order_[next_launch_++]];
-    if (!u.reduce_launched()) u.launch_reduce();
+    if (!u.reduce_launched()) launch_reduce(u);
   }
 }
 
@@ -419,7 +427,7 @@ void FSDPState::finalize_backward() {
     for (; next_launch_ < backward_order_.size(); ++next_launch_) {
       finish_previous_reduce();
       FlatUnit& u = *units_[backward_order_[next_launch_]];
-      if (!u.reduce_launched()) u.launch_reduce();
+      if (!u.reduce_launched()) launch_reduce(u);
     }
     for (int64_t unit : backward_order_) {
       FlatUnit& u = *units_[unit];
@@ -439,8 +447,7 @@ void FSDPState::finalize_backward() {
   }
   if (require_sync_) std::fill(ran_since_sync_.begin(), ran_since_sync_.end(), false);
   pending_backward_ = false;
-  std::fill(inputs_marked_.begin(), inputs_marked_.end(), 0);
-  std::fill(inputs_pending_.begin(), inputs_pending_.end(), 0);
+  reset_input_counts();
   ReducerStats stats;
   stats.exposed_seconds = exposed_s_;
   stats_works_.clear();

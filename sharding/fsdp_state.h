@@ -174,6 +174,9 @@ class FSDPState : public GradientSync {
   int64_t root_unit() const { return root_; }
   // Most units (the root not counted) gathered or gathering at once, since construction.
   int64_t peak_gathered_units() const { return peak_gathered_; }
+  // Gradient reductions (reduce-scatters, or all-reduces without sharding) issued since
+  // construction.
+  int64_t reductions_launched() const { return reductions_launched_; }
 
  private:
   void ensure_backward_started();
@@ -181,6 +184,8 @@ class FSDPState : public GradientSync {
   // parameters: every trainable gradient arrived and, when it holds frozen parameters, the
   // gradients of its inputs too (frozen parameters have no gradient to say so).
   void maybe_reshard_in_backward(int64_t unit);
+  void launch_reduce(FlatUnit& u);  // counts it
+  void reset_input_counts();
   void on_grad_ready(int64_t unit, int64_t param);
   void launch_ready();
   void finish_previous_reduce();  // every launched reduction, before the next launches
@@ -226,6 +231,7 @@ class FSDPState : public GradientSync {
   size_t next_launch_ = 0, next_finish_ = 0;  // into backward_order_
   double exposed_s_ = 0;
   int64_t peak_gathered_ = 0;
+  int64_t reductions_launched_ = 0;
   // Step timeline (core/trace.h), while it records: when each unit's forward and backward
   // began (-1: not this step), when the backward began, and the end of the last unit's.
   std::vector<int64_t> trace_forward_start_, trace_backward_start_;

@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -53,6 +54,7 @@ struct ZooSpec {
   std::vector<int64_t> calls = {0, 1, 2};  // block indices, in forward order (repeats: reuse)
   std::vector<int> frozen = {0, 0, 0};     // per block: 0 none, 1 weight frozen, 2 all frozen
   int64_t sometimes_unused = -1;           // this block's `extra` runs in all but the last micro
+  int64_t skipped_in_last = -1;            // this block does not run in the last micro-batch
   int nograd = 0;                          // no-grad forward: 0 none, 1 before, 2 between, 3 after
   int64_t micro_batches = 1;
   int64_t steps = 3;
@@ -62,8 +64,8 @@ struct ZooSpec {
     for (size_t i = 0; i < calls.size(); ++i) os << (i ? " " : "") << calls[i];
     os << "], frozen [";
     for (size_t i = 0; i < frozen.size(); ++i) os << (i ? " " : "") << frozen[i];
-    os << "], sometimes_unused " << sometimes_unused << ", nograd " << nograd << ", micro "
-       << micro_batches;
+    os << "], sometimes_unused " << sometimes_unused << ", skipped_in_last " << skipped_in_last
+       << ", nograd " << nograd << ", micro " << micro_batches;
     return os.str();
   }
 };
@@ -88,6 +90,7 @@ ZooSpec random_spec(uint64_t seed) {
     s.frozen.push_back(f < 6 ? 0 : f < 8 ? 1 : 2);
   }
   s.sometimes_unused = pick(-1, s.blocks - 1);
+  s.skipped_in_last = pick(-s.blocks, s.blocks - 1);  // none half of the time
   s.nograd = static_cast<int>(pick(0, 3));
   s.micro_batches = pick(1, 3);
   return s;
@@ -184,6 +187,7 @@ class ZooNetImpl : public torch::nn::Module {
     at::Tensor h = inp(x);
     at::Tensor aux = at::zeros({}, h.options());
     for (int64_t b : spec_.calls) {
+      if (b == spec_.skipped_in_last && last_micro) continue;
       const bool use_extra = !(b == spec_.sometimes_unused && last_micro);
       if (b % 2 == 0) {
         BlockOut o = structs[b / 2]->forward(h, use_extra);
@@ -465,12 +469,22 @@ TEST_F(Test, NoSyncGradientOfAParameterUnusedInTheLastMicroBatchIsReduced) {
   s.micro_batches = 3;
   s.sometimes_unused = 1;
   check_all(s);
+  // A whole unit that runs in the earlier micro-batches only.
+  s.sometimes_unused = -1;
+  s.skipped_in_last = 2;
+  check_all(s);
 }
 
 TEST_F(Test, FrozenParametersAndAllFrozenUnitsTrainTheRest) {
   ZooSpec s;
   s.frozen = {1, 2, 0};
   check_all(s);
+  // The all-frozen unit has nothing to reduce: one reduce-scatter for each other unit and
+  // the root.
+  FullyShardedDataParallel<ZooNet> model(make_net(s), world_ptr());
+  const int64_t before = model.state().reductions_launched();
+  loss_of(model(at::randn({kPerRank, kIn}), true), at::randint(0, kClasses, {kPerRank})).backward();
+  EXPECT_EQ(model.state().reductions_launched() - before, 3);
 }
 
 // 0-dim parameters (gain, temperature) and pair/optional/struct outputs are in every model;
@@ -527,6 +541,86 @@ TEST_F(Test, DdpForwardStartsFromRankZerosBuffers) {
   EXPECT_TRUE(at::equal(block.running, at::full({s.width}, 1.0 * 0.5 + 0.125)));
   EXPECT_EQ(block.count.item<int64_t>(), 1);
   EXPECT_TRUE(block.flag.all().item<bool>());
+}
+
+// AdamW's two param groups, trainable parameters only, in either order.
+std::vector<torch::optim::OptimizerParamGroup> two_groups(
+    const std::vector<std::pair<std::string, at::Tensor>>& named, bool blocks_first) {
+  std::vector<at::Tensor> blocks, rest;
+  for (const auto& [name, t] : named) {
+    if (t.requires_grad()) (name.rfind("blocks", 0) == 0 ? blocks : rest).push_back(t);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(blocks_first ? blocks : rest);
+  groups.emplace_back(blocks_first ? rest : blocks);
+  return groups;
+}
+
+// AdamW's first moment of `p`, undefined before its first step.
+at::Tensor exp_avg(torch::optim::Optimizer& opt, const at::Tensor& p) {
+  auto it = opt.state().find(p.unsafeGetTensorImpl());
+  if (it == opt.state().end()) return at::Tensor();
+  return static_cast<torch::optim::AdamWParamState&>(*it->second).exp_avg();
+}
+
+void expect_same_moments(const std::string& what,
+                         const std::vector<std::pair<std::string, at::Tensor>>& a,
+                         torch::optim::Optimizer& opt_a,
+                         const std::vector<std::pair<std::string, at::Tensor>>& b,
+                         torch::optim::Optimizer& opt_b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t k = 0; k < a.size(); ++k) {
+    ASSERT_EQ(a[k].first, b[k].first);
+    const at::Tensor x = exp_avg(opt_a, a[k].second), y = exp_avg(opt_b, b[k].second);
+    ASSERT_EQ(x.defined(), y.defined()) << what << ": " << a[k].first;
+    if (x.defined()) {
+      EXPECT_TRUE(at::equal(x, y))
+          << what << ": the moment of " << a[k].first << " came back to another parameter";
+    }
+  }
+}
+
+// Optimizer state returns to the parameter it belongs to, by name, when the restoring
+// optimizer's param groups are in another order than the saving one's.
+TEST_F(Test, OptimizerStateIsRestoredByParameterName) {
+  ZooSpec s;
+  const int64_t r = world().rank();
+  Batch b = batch(0, 0, world().size() * kPerRank);
+  const at::Tensor x = b.x.narrow(0, r * kPerRank, kPerRank);
+  const at::Tensor y = b.y.narrow(0, r * kPerRank, kPerRank);
+  for (const char* format : {"sharded", "full"}) {
+    FullyShardedDataParallel<ZooNet> model(make_net(s), world_ptr());
+    torch::optim::AdamW opt(two_groups(model.named_parameters(), false),
+                            torch::optim::AdamWOptions(0.01));
+    loss_of(model(x, true), y).backward();
+    opt.step();
+    FullyShardedDataParallel<ZooNet> fresh(make_net(s), world_ptr());
+    torch::optim::AdamW opt2(two_groups(fresh.named_parameters(), true),
+                             torch::optim::AdamWOptions(0.01));
+    round_trip({model.module().ptr().get(), &model.state(), &opt, nullptr, nullptr, &world()},
+               {fresh.module().ptr().get(), &fresh.state(), &opt2, nullptr, nullptr, &world()},
+               "fsdp", format);
+    expect_same_moments(std::string("FSDP ") + format, model.named_parameters(), opt,
+                        fresh.named_parameters(), opt2);
+  }
+  DistributedDataParallel<ZooNet> model(make_net(s), world_ptr(), DDPOptions());
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (const auto& item : model.module()->named_parameters()) {
+    named.emplace_back(item.key(), item.value());
+  }
+  torch::optim::AdamW opt(two_groups(named, false), torch::optim::AdamWOptions(0.01));
+  loss_of(model(x, true), y).backward();
+  opt.step();
+  DistributedDataParallel<ZooNet> fresh(make_net(s), world_ptr(), DDPOptions());
+  std::vector<std::pair<std::string, at::Tensor>> fresh_named;
+  for (const auto& item : fresh.module()->named_parameters()) {
+    fresh_named.emplace_back(item.key(), item.value());
+  }
+  torch::optim::AdamW opt2(two_groups(fresh_named, true), torch::optim::AdamWOptions(0.01));
+  round_trip({model.module().ptr().get(), nullptr, &opt, nullptr, nullptr, &world()},
+             {fresh.module().ptr().get(), nullptr, &opt2, nullptr, nullptr, &world()}, "ddp",
+             "full");
+  expect_same_moments("DDP full", named, opt, fresh_named, opt2);
 }
 
 TEST_F(Test, RandomModels) {
