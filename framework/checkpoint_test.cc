@@ -217,18 +217,21 @@ TEST(Integrity, Xxh64MatchesTheReferenceDigestsWhateverTheUpdateSizes) {
   }
 }
 
+// Damages one byte of `path` at `offset`.
+void flip_byte(const std::string& path, std::streamoff offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x10);
+  f.seekp(offset);
+  f.write(&c, 1);
+}
+
 TEST(Integrity, AFlippedByteAndATruncatedFileAreRefusedByName) {
   const std::string dir = one_checkpoint("corrupt");
   const std::string model = dir + "/step_00000020/model.pt";
-  {
-    std::fstream f(model, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(1000);
-    char c = 0;
-    f.read(&c, 1);
-    c = static_cast<char>(c ^ 0x10);
-    f.seekp(1000);
-    f.write(&c, 1);
-  }
+  flip_byte(model, 1000);
   expect_refused(dir, "", {model, "fails its checksum"});
   const std::string other = one_checkpoint("truncated");
   const std::string optim = other + "/step_00000020/optim.pt";
@@ -243,16 +246,8 @@ TEST(Integrity, ADamagedNewestCheckpointFallsBackToTheNewestIntactOne) {
   const std::string dir = tmp("fallback");
   Result whole = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir));
   ASSERT_EQ(whole.code, 0) << whole.output;
-  const std::string newest = dir + "/step_00000040", rank1 = newest + "/rank_00001.pt";
-  {
-    std::fstream f(rank1, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(100);
-    char c = 0;
-    f.read(&c, 1);
-    c = static_cast<char>(c ^ 0x10);
-    f.seekp(100);
-    f.write(&c, 1);
-  }
+  const std::string newest = dir + "/step_00000040";
+  flip_byte(newest + "/rank_00001.pt", 100);
   Result named = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir, "--resume " + newest));
   EXPECT_NE(named.code, 0) << named.output;
   // Rank 0 reads no file of rank 1's, yet says which one is damaged, instead of a peer's

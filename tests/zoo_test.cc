@@ -340,12 +340,12 @@ std::optional<NoSyncGuard> no_sync_unless(bool last, Model& model) {
   return guard;
 }
 
-void check_fsdp(const ZooSpec& spec, FSDPOptions options, const std::string& label) {
-  SCOPED_TRACE(label + " | " + spec.describe());
+// Trains `model` (DDP or FSDP) on this rank's rows beside the reference on all of them, for
+// spec.steps steps: after each step's backward, compare_grads(step), then SGD on both.
+template <typename Model, typename CompareGrads>
+void train_beside(const ZooSpec& spec, Model& model, Reference& ref, CompareGrads&& compare_grads) {
   const int64_t n = world().size(), r = world().rank();
   const int64_t total = n * kPerRank;
-  Reference ref(spec);
-  FullyShardedDataParallel<ZooNet> model(make_net(spec), world_ptr(), options);
   auto mine = [&](Batch b) {
     return Batch{b.x.narrow(0, r * kPerRank, kPerRank), b.y.narrow(0, r * kPerRank, kPerRank)};
   };
@@ -355,6 +355,17 @@ void check_fsdp(const ZooSpec& spec, FSDPOptions options, const std::string& lab
     train_step(
         spec, s, total, [&](const at::Tensor& x, bool last) { return model(x, last); }, mine,
         [&](bool last) { return no_sync_unless(last, model); });
+    compare_grads(s);
+    sgd_step(model.parameters(), kLr);
+    sgd_step(ref.net->parameters(), kLr);
+  }
+}
+
+void check_fsdp(const ZooSpec& spec, FSDPOptions options, const std::string& label) {
+  SCOPED_TRACE(label + " | " + spec.describe());
+  Reference ref(spec);
+  FullyShardedDataParallel<ZooNet> model(make_net(spec), world_ptr(), options);
+  train_beside(spec, model, ref, [&](int64_t s) {
     // Gradients: every rank's shards gathered into full tensors, against the reference's.
     auto masters = model.state().all_parameters();
     std::vector<at::Tensor> grads;
@@ -370,9 +381,7 @@ void check_fsdp(const ZooSpec& spec, FSDPOptions options, const std::string& lab
       expect_close("step " + std::to_string(s) + " gradient of " + masters[k].first, full[k],
                    want.grad());
     }
-    sgd_step(model.parameters(), kLr);
-    sgd_step(ref.net->parameters(), kLr);
-  }
+  });
   auto params = model.state().full_parameters();
   auto ref_params = ref.net->named_parameters();
   for (const auto& [name, value] : params) {
@@ -396,28 +405,16 @@ void check_fsdp(const ZooSpec& spec, FSDPOptions options, const std::string& lab
 
 void check_ddp(const ZooSpec& spec, const std::string& label) {
   SCOPED_TRACE(label + " | " + spec.describe());
-  const int64_t n = world().size(), r = world().rank();
-  const int64_t total = n * kPerRank;
   Reference ref(spec);
   DistributedDataParallel<ZooNet> model(make_net(spec), world_ptr(),
                                         DDPOptions().find_unused_parameters(true));
-  auto mine = [&](Batch b) {
-    return Batch{b.x.narrow(0, r * kPerRank, kPerRank), b.y.narrow(0, r * kPerRank, kPerRank)};
-  };
-  for (int64_t s = 0; s < spec.steps; ++s) {
-    ref.step(spec, s, total);
-    zero_grad(model.parameters());
-    train_step(
-        spec, s, total, [&](const at::Tensor& x, bool last) { return model(x, last); }, mine,
-        [&](bool last) { return no_sync_unless(last, model); });
+  train_beside(spec, model, ref, [&](int64_t s) {
     auto ref_params = ref.net->named_parameters();
     for (const auto& item : model.module()->named_parameters()) {
       expect_close("step " + std::to_string(s) + " gradient of " + item.key(), item.value().grad(),
                    ref_params[item.key()].grad());
     }
-    sgd_step(model.parameters(), kLr);
-    sgd_step(ref.net->parameters(), kLr);
-  }
+  });
   auto ref_params = ref.net->named_parameters();
   for (const auto& item : model.module()->named_parameters()) {
     expect_close("final parameter " + item.key(), item.value(), ref_params[item.key()]);
