@@ -1,0 +1,1 @@
+// The translation unit that precompiles the LibTorch headers (CMakeLists.txt, DTRAIN_PCH).
