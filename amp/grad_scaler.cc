@@ -61,11 +61,12 @@ PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
       if (auto it = unscaled_.find(g.unsafeGetTensorImpl()); it != unscaled_.end()) {
         const Unscaled& u = it->second;
         DTRAIN_CHECK_AS(UsageError, u.version == g._version(),
-                        "GradScaler: a gradient that DDP unscaled while writing it back "
-                        "(DDPOptions::grad_scaler) changed before unscale_()/step() (a backward "
-                        "that did not run through DDP's forward, or an in-place edit); "
-                        "unscaling it again would be wrong. Run every forward through the DDP "
-                        "wrapper, and edit gradients only after unscale_().");
+                        "GradScaler: a gradient handed over as unscaled (accept_unscaled: DDP "
+                        "with DDPOptions::grad_scaler unscales while writing gradients back) "
+                        "changed before unscale_()/step() (a backward that did not run through "
+                        "the wrapper's forward, or an in-place edit); unscaling it again would "
+                        "be wrong. Run every forward through the wrapper, and edit gradients "
+                        "only after unscale_().");
         DTRAIN_CHECK_AS(UsageError, u.scale == current,
                         "GradScaler: the scale changed between the backward and unscale_()/"
                         "step() (",
@@ -115,7 +116,7 @@ bool GradScaler::has_unscaled(torch::optim::Optimizer& optimizer) const {
   return false;
 }
 
-std::optional<float> GradScaler::scale_for_reduction() const {
+std::optional<float> GradScaler::exact_unscale_divisor() const {
   if (!enabled_ || !scale_.defined() || !scale_.is_cpu()) return std::nullopt;
   const float s = scale_.item<float>();
   if (!(s > 0) || !std::isfinite(s)) return std::nullopt;
@@ -127,23 +128,25 @@ std::optional<float> GradScaler::scale_for_reduction() const {
   return s;
 }
 
-void GradScaler::record_unscaled(const void* owner, const std::vector<at::Tensor>& grads,
-                                 float scale, const std::vector<bool>& found_inf) {
-  DTRAIN_CHECK_AS(UsageError, grads.size() == found_inf.size(),
-                  "GradScaler::record_unscaled: ", grads.size(), " gradients but ",
-                  found_inf.size(), " verdicts");
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor& g = grads[i];
+GradScaler::Ticket GradScaler::accept_unscaled(UnscaledGrads verdict) {
+  DTRAIN_CHECK_AS(UsageError, verdict.grads.size() == verdict.found_inf.size(),
+                  "GradScaler::accept_unscaled: ", verdict.grads.size(), " gradients but ",
+                  verdict.found_inf.size(), " verdicts");
+  const Ticket ticket = ++last_ticket_;
+  for (size_t i = 0; i < verdict.grads.size(); ++i) {
+    const at::Tensor& g = verdict.grads[i];
     if (!g.defined()) continue;
-    unscaled_[g.unsafeGetTensorImpl()] = Unscaled{g, g._version(), scale, found_inf[i], owner};
+    unscaled_[g.unsafeGetTensorImpl()] =
+        Unscaled{g, g._version(), verdict.scale, verdict.found_inf[i], ticket};
   }
+  return ticket;
 }
 
-void GradScaler::rescale_unscaled(const void* owner) {
+void GradScaler::withdraw(Ticket ticket) {
   if (unscaled_.empty()) return;
   c10::NoGradGuard no_grad;
   for (auto it = unscaled_.begin(); it != unscaled_.end();) {
-    if (it->second.owner != owner) {
+    if (it->second.ticket != ticket) {
       ++it;
       continue;
     }

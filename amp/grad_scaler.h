@@ -110,29 +110,35 @@ class GradScaler {
   // a host sync).
   bool found_inf() const;
 
-  // --- A gradient reduction that unscales while it writes gradients back ---------------
-  // DDP with DDPOptions::grad_scaler: its end of backward widens every reduced bucket into
-  // the gradients anyway, and with these calls it also checks and unscales them there, so
-  // step() (or unscale_()) makes no pass of its own over them and hands the fused kernel no
-  // scale. The numbers are the same bit for bit, hence the conditions below.
+  // --- Gradients unscaled and judged before unscale_ ------------------------------------
+  // Code that writes gradients anyway (a reduction widening its buckets into them, say) may
+  // divide them by the scale and check them for inf/NaN on the way, and hand the scaler that
+  // verdict. The next unscale_()/step() of an optimizer then takes each of those gradients as
+  // it is, with its verdict, once: no pass of its own over them, no scale handed to a fused
+  // kernel. The numbers are unscale_'s bit for bit, hence the conditions on the scale.
   //
-  // The scale to divide reduced gradients by as they are written back, when that is exactly
-  // what unscaling them here would give: enabled, the scale on the CPU and a power of two
-  // (the defaults keep it one: init_scale 2^16, growth 2, backoff 0.5), and a product of the
-  // scale's reciprocal that is exact. Otherwise nullopt: leave the gradients scaled.
-  std::optional<float> scale_for_reduction() const;
-  // The reduction `owner` divided `grads` by `scale` (from scale_for_reduction()) as it wrote
-  // them back; found_inf[i]: grads[i] holds an inf/NaN. The next unscale_()/step() of an
-  // optimizer takes each of these gradients as unscaled, with its verdict, once. A gradient
-  // changed in place after this (a backward outside the reduction's wrapper, an in-place
-  // edit) makes that unscale_()/step() throw rather than unscale it twice.
-  void record_unscaled(const void* owner, const std::vector<at::Tensor>& grads, float scale,
-                       const std::vector<bool>& found_inf);
-  // Multiplies the gradients `owner` recorded, and no optimizer has taken since, by their
-  // scale again, so a further backward accumulates scaled gradients onto scaled ones (DDP
-  // calls it before every forward: two backwards before one step). Exact unless a value
-  // fell into fp32's subnormal range when it was unscaled.
-  void rescale_unscaled(const void* owner);
+  // The scale to divide gradients by, when that is exactly what unscale_ would give: enabled,
+  // the scale on the CPU and a power of two (the defaults keep it one: init_scale 2^16,
+  // growth 2, backoff 0.5), with a reciprocal whose products are exact. Otherwise nullopt:
+  // leave the gradients scaled.
+  std::optional<float> exact_unscale_divisor() const;
+  // Gradients already divided by `scale` (from exact_unscale_divisor()); found_inf[i]: grads[i]
+  // holds an inf/NaN.
+  struct UnscaledGrads {
+    std::vector<at::Tensor> grads;
+    float scale = 1;
+    std::vector<bool> found_inf;
+  };
+  // Takes such a verdict; the ticket withdraws it. A gradient changed in place after this (a
+  // backward that did not go through the code that unscaled it, an in-place edit) makes the
+  // next unscale_()/step() throw rather than unscale it twice.
+  using Ticket = uint64_t;
+  Ticket accept_unscaled(UnscaledGrads verdict);
+  // Multiplies the gradients of `ticket` that no optimizer has taken since by their scale
+  // again, so that a further backward accumulates scaled gradients onto scaled ones (two
+  // backwards before one step). Exact unless a value fell into fp32's subnormal range when it
+  // was unscaled. A ticket already taken or withdrawn is a no-op.
+  void withdraw(Ticket ticket);
 
   // A dict with PyTorch's keys and value types (scale: float, growth_factor: float,
   // backoff_factor: float, growth_interval: int, _growth_tracker: int), so a checkpoint
@@ -176,15 +182,17 @@ class GradScaler {
   at::Tensor scale_;           // 0-dim fp32, lazily created on the first output's device
   at::Tensor growth_tracker_;  // 0-dim int32, same device
   std::map<const torch::optim::Optimizer*, OptimizerState> per_optimizer_;
-  // record_unscaled's gradients, by TensorImpl, until an optimizer takes them or update().
+  // accept_unscaled's gradients, by TensorImpl, until an optimizer takes them, their ticket
+  // is withdrawn, or update().
   struct Unscaled {
     at::Tensor grad;  // held, so the address is not reused while recorded
     int64_t version = 0;
     float scale = 1;
     bool found_inf = false;
-    const void* owner = nullptr;
+    Ticket ticket = 0;
   };
   std::unordered_map<const c10::TensorImpl*, Unscaled> unscaled_;
+  Ticket last_ticket_ = 0;
 };
 
 }  // namespace dtrain::amp

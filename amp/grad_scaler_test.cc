@@ -74,6 +74,56 @@ TEST(GradScaler, UnscaleDividesAndStepSkipsAndBacksOffOnInf) {
   EXPECT_EQ(s.get_growth_tracker(), 0);
 }
 
+// A verdict handed over by code that unscaled and checked gradients itself: step() takes the
+// gradients as they are (no second division) and skips on its found_inf; withdraw() scales
+// them back; a gradient changed after the verdict is refused.
+TEST(GradScaler, AcceptsAVerdictOnGradientsUnscaledElsewhere) {
+  Fixture plain, handed;
+  GradScaler a(GradScalerOptions().init_scale(8.0)), b(GradScalerOptions().init_scale(8.0));
+  a.scale(plain.loss()).backward();
+  b.scale(handed.loss()).backward();
+  ASSERT_EQ(b.exact_unscale_divisor(), 8.0f);
+  handed.w.mutable_grad().div_(8.0);
+  b.accept_unscaled({{handed.w.grad()}, 8.0f, {false}});
+  EXPECT_TRUE(a.step(plain.opt));
+  EXPECT_TRUE(b.step(handed.opt));
+  EXPECT_TRUE(at::equal(plain.w.detach(), handed.w.detach()));
+  a.update();
+  b.update();
+
+  // A verdict of inf skips the step; the scale backs off as for any inf.
+  handed.opt.zero_grad();
+  b.scale(handed.loss()).backward();
+  handed.w.mutable_grad().div_(8.0);
+  b.accept_unscaled({{handed.w.grad()}, 8.0f, {true}});
+  at::Tensor before = handed.w.detach().clone();
+  EXPECT_FALSE(b.step(handed.opt));
+  EXPECT_TRUE(at::equal(handed.w.detach(), before));
+  b.update();
+  EXPECT_EQ(b.get_scale(), 4.0);
+
+  // Withdrawn: the gradients are scaled again, and unscale_ divides them itself.
+  handed.opt.zero_grad();
+  b.scale(handed.loss()).backward();
+  const at::Tensor scaled = handed.w.grad().clone();
+  handed.w.mutable_grad().div_(4.0);
+  GradScaler::Ticket t = b.accept_unscaled({{handed.w.grad()}, 4.0f, {false}});
+  b.withdraw(t);
+  EXPECT_TRUE(at::equal(handed.w.grad(), scaled));
+  b.unscale_(handed.opt);
+  EXPECT_TRUE(at::equal(handed.w.grad(), at::arange(3, at::kFloat)));
+  b.step(handed.opt);
+  b.update();
+
+  // Changed in place after the verdict: unscaling it again would be wrong.
+  handed.opt.zero_grad();
+  b.scale(handed.loss()).backward();
+  handed.w.mutable_grad().div_(4.0);
+  b.accept_unscaled({{handed.w.grad()}, 4.0f, {false}});
+  handed.w.mutable_grad().add_(1.0);
+  expect_usage_error([&] { b.unscale_(handed.opt); }, "handed over as unscaled");
+}
+
 TEST(GradScaler, RefusesFp16GradientsWithPyTorchsMessage) {
   at::Tensor w = at::ones({2}, at::kHalf).requires_grad_();
   torch::optim::SGD opt{std::vector<at::Tensor>{w}, torch::optim::SGDOptions(0.1)};

@@ -88,7 +88,7 @@ torch_pch = rule(
 
 # Labels whose code never sees LibTorch: their dependents get no precompiled header unless
 # they name LibTorch themselves.
-_TORCH_FREE = ["//core", "//launcher", "//third_party", "//tests:flags"]
+_TORCH_FREE = ["//comm:backend", "//core", "//launcher", "//third_party", "//tests:flags"]
 
 def _uses_torch(deps):
     if type(deps) != "list":

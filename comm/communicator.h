@@ -1,4 +1,4 @@
-// Communicator: the one interface every dtrain rank talks through (DESIGN.md, comm/).
+// Communicator: the one interface every dtrain rank talks through (docs/architecture.md).
 //
 // All collectives are asynchronous and return a Work; `Work::wait()` rethrows failures and
 // never hangs past the communicator's timeout. Tensors are used in place: the caller keeps

@@ -18,26 +18,10 @@ const char* to_string(ReduceOp op) {
   return "?";
 }
 
-const char* to_string(Backend backend) {
-  switch (backend) {
-    case Backend::kAuto:
-      return "auto";
-    case Backend::kMpi:
-      return "mpi";
-    case Backend::kGloo:
-      return "gloo";
-    case Backend::kNccl:
-      return "nccl";
-  }
-  return "?";
-}
-
 Backend parse_backend(const std::string& name) {
-  for (Backend b : {Backend::kAuto, Backend::kMpi, Backend::kGloo, Backend::kNccl}) {
-    if (name == to_string(b)) return b;
-  }
-  DTRAIN_FAIL(ConfigError, "unknown communication backend '", name,
-              "'; expected one of auto, mpi, gloo, nccl");
+  if (std::optional<Backend> b = backend_from_name(name)) return *b;
+  DTRAIN_FAIL(ConfigError, "unknown communication backend '", name, "'; expected one of ",
+              backend_choices());
 }
 
 std::string dtype_name(c10::ScalarType dtype) {

@@ -5,16 +5,15 @@
 
 #include <string>
 
+#include "comm/backend.h"
+
 namespace dtrain::comm {
 
 enum class ReduceOp { kSum, kAvg, kMax, kMin };
 
-enum class Backend { kAuto, kMpi, kGloo, kNccl };
-
 const char* to_string(ReduceOp op);
-const char* to_string(Backend backend);
 
-// Parses "auto" | "mpi" | "gloo" | "nccl"; throws ConfigError naming the choices.
+// Parses a name of comm/backend.h's list; throws ConfigError naming the choices.
 Backend parse_backend(const std::string& name);
 
 // Short dtype names used in messages and configs: fp32 fp64 fp16 bf16 int32 int64 uint8.

@@ -2,9 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <map>
 
 #include "core/env.h"
+#include "core/faults.h"
 #include "core/logging.h"
 
 namespace dtrain {
@@ -74,6 +76,30 @@ TEST(Env, ParsesIntegersAndRejectsGarbageNamingTheVariable) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("B='x1'"), std::string::npos) << e.what();
   }
+}
+
+TEST(Faults, ParseByNameAndRefuseAMalformedValueNamingTheVariable) {
+  ::unsetenv("DTRAIN_TEST_UNIT_AT");
+  EXPECT_FALSE(faults::step_rank("UNIT_AT"));
+  ::setenv("DTRAIN_TEST_UNIT_AT", "12:3", 1);
+  std::optional<faults::StepRank> at = faults::step_rank("UNIT_AT");
+  ASSERT_TRUE(at);
+  EXPECT_EQ(at->step, 12);
+  EXPECT_EQ(at->rank, 3);
+  for (const char* bad : {"12", "12:", "x:1", "1:2:3", "1;2"}) {
+    ::setenv("DTRAIN_TEST_UNIT_AT", bad, 1);
+    try {
+      faults::step_rank("UNIT_AT");
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("DTRAIN_TEST_UNIT_AT"), std::string::npos) << e.what();
+    }
+  }
+  ::setenv("DTRAIN_TEST_UNIT_AT", "prog  -a b", 1);
+  EXPECT_EQ(faults::words("UNIT_AT"), (std::vector<std::string>{"prog", "-a", "b"}));
+  EXPECT_EQ(*faults::text("UNIT_AT"), "prog  -a b");
+  ::unsetenv("DTRAIN_TEST_UNIT_AT");
+  EXPECT_TRUE(faults::words("UNIT_AT").empty());
 }
 
 TEST(Logging, RejectsUnknownLevel) {

@@ -21,6 +21,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/faults.h"
 
 namespace dtrain::framework::ckpt {
 namespace {
@@ -214,10 +215,9 @@ class PendingFile {
       DTRAIN_FAIL(CheckpointError, "checkpoint: syncing '", tmp_, "' failed: ", errno_text(e));
     }
     fd_ = -1;
-    const char* crash = std::getenv("DTRAIN_TEST_CRASH_BEFORE_RENAME");
-    if (crash != nullptr) {
+    if (std::optional<std::string> crash = faults::text("CRASH_BEFORE_RENAME")) {
       const std::string last = dir_.substr(dir_.find_last_of('/') + 1) + "/" + name_;
-      if (name_ == crash || last == crash) ::raise(SIGKILL);
+      if (name_ == *crash || last == *crash) ::raise(SIGKILL);
     }
     if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
       const int e = errno;

@@ -15,8 +15,8 @@
 //   unpickle     reads such files, and torch.save's files from Python (state_dict() with its
 //                OrderedDict included).
 //
-// Test hook: DTRAIN_TEST_CRASH_BEFORE_RENAME=<name> (or <directory>/<name>, e.g.
-// step_00000040/meta.json) kills the process (SIGKILL) after that file's temporary copy is
+// Fault injection (core/faults.h): DTRAIN_TEST_CRASH_BEFORE_RENAME=<name> (or <directory>/<name>,
+// e.g. step_00000040/meta.json) kills the process (SIGKILL) after that file's temporary copy is
 // written and synced, before it is renamed (checkpoint crash tests).
 #pragma once
 

@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "comm/backend.h"
 #include "core/error.h"
 #include "framework/hardware.h"
 
@@ -291,7 +292,7 @@ void read_train(Section s, TrainConfig& t) {
 
 void read_parallel(Section s, ParallelConfig& p) {
   s.read_choice("strategy", p.strategy, {"none", "ddp", "fsdp"});
-  s.read_choice("backend", p.backend, {"auto", "mpi", "gloo", "nccl"});
+  s.read_choice("backend", p.backend, comm::backend_names());
   s.read("bucket_cap_mb", p.bucket_cap_mb);
   s.read("find_unused_parameters", p.find_unused_parameters);
   s.read("broadcast_buffers", p.broadcast_buffers);

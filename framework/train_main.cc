@@ -13,6 +13,7 @@
 #include "comm/factory.h"
 #include "core/cli.h"
 #include "core/error.h"
+#include "core/faults.h"
 #include "core/logging.h"
 #include "framework/config.h"
 #include "framework/memory.h"
@@ -35,23 +36,11 @@ namespace {
   std::_Exit(code);
 }
 
-// Test hook (tests/faults_test.py): DTRAIN_TEST_CHILD="program args..." starts that program
-// as a child of this rank, run by argv, like a user's data-loader helper. The fault tests
-// check it does not outlive the job.
+// Fault injection (core/faults.h, tests/faults_test.py): DTRAIN_TEST_CHILD="program args..."
+// starts that program as a child of this rank, run by argv, like a user's data-loader helper.
+// The fault tests check it does not outlive the job.
 void start_test_child() {
-  const char* spec = std::getenv("DTRAIN_TEST_CHILD");
-  if (spec == nullptr || *spec == '\0') return;
-  std::vector<std::string> words;
-  std::string w;
-  for (const char* c = spec;; ++c) {
-    if (*c == ' ' || *c == '\0') {
-      if (!w.empty()) words.push_back(w);
-      w.clear();
-      if (*c == '\0') break;
-    } else {
-      w += *c;
-    }
-  }
+  std::vector<std::string> words = dtrain::faults::words("CHILD");
   if (words.empty() || ::fork() != 0) return;
   std::vector<char*> argv;
   for (auto& s : words) argv.push_back(s.data());

@@ -24,6 +24,7 @@
 #include "comm/factory.h"
 #include "comm/rendezvous.h"
 #include "core/error.h"
+#include "core/faults.h"
 #include "core/logging.h"
 #include "core/trace.h"
 #include "framework/checkpoint.h"
@@ -482,12 +483,12 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
       result.skipped_steps = restored->skipped_steps;
     }
   }
-  std::ofstream metrics =
-      open_metrics(c, rank, first_step,
-                   "{\"config\":\"" + c.source + "\",\"model\":\"" + model_desc +
-                       "\",\"strategy\":\"" + c.parallel.strategy + "\",\"precision\":\"" +
-                       c.precision.policy + "\",\"ranks\":" + std::to_string(world) +
-                       ",\"backend\":\"" + (comm ? comm->backend() : std::string("none")) + "\"}");
+  std::ofstream metrics = open_metrics(
+      c, rank, first_step,
+      "{\"config\":\"" + trace::json_escape(c.source) + "\",\"model\":\"" +
+          trace::json_escape(model_desc) + "\",\"strategy\":\"" + c.parallel.strategy +
+          "\",\"precision\":\"" + c.precision.policy + "\",\"ranks\":" + std::to_string(world) +
+          ",\"backend\":\"" + (comm ? comm->backend() : std::string("none")) + "\"}");
   DTRAIN_CHECK_AS(ConfigError, c.train.eval_every == 0 || c.train.eval_samples >= world, c.source,
                   ": train.eval_samples (", c.train.eval_samples,
                   ") must be at least the number of ranks (", world,
@@ -503,24 +504,18 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
               << std::flush;
     }
   }
-  // Test hook (launcher restarts): DTRAIN_TEST_KILL_AT_STEP=<step>:<rank> SIGKILLs that rank
-  // once <step> steps are done (and their checkpoint written), in the first attempt only
-  // (TORCHELASTIC_RESTART_COUNT 0).
-  int64_t kill_step = -1, kill_rank = -1;
-  if (const char* k = std::getenv("DTRAIN_TEST_KILL_AT_STEP")) {
+  // Fault injection (core/faults.h). KILL_AT_STEP: SIGKILL that rank once <step> steps are
+  // done (and their checkpoint written), in the first attempt only (launcher restarts;
+  // TORCHELASTIC_RESTART_COUNT 0). NAN_FROM_STEP: that rank's loss is NaN from step <step>
+  // (1-based) on.
+  std::optional<faults::StepRank> kill_at;
+  {
     const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
     if (restarts == nullptr || std::string(restarts) == "0") {
-      std::sscanf(k, "%lld:%lld", reinterpret_cast<long long*>(&kill_step),
-                  reinterpret_cast<long long*>(&kill_rank));
+      kill_at = faults::step_rank("KILL_AT_STEP");
     }
   }
-  // Test hook (non-finite losses): DTRAIN_TEST_NAN_FROM_STEP=<step>:<rank> makes that rank's
-  // loss NaN from step <step> (1-based) on.
-  int64_t nan_step = -1, nan_rank = -1;
-  if (const char* k = std::getenv("DTRAIN_TEST_NAN_FROM_STEP")) {
-    std::sscanf(k, "%lld:%lld", reinterpret_cast<long long*>(&nan_step),
-                reinterpret_cast<long long*>(&nan_rank));
-  }
+  const std::optional<faults::StepRank> nan_from = faults::step_rank("NAN_FROM_STEP");
   double window_loss = 0, window_time = 0;
   int64_t window_steps = 0;
   bool first_logged = false;
@@ -557,7 +552,8 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
         amp::AutocastGuard ac(
             device, autocast ? std::optional<c10::ScalarType>(compute) : std::nullopt, autocast);
         loss = model->loss(b) / static_cast<double>(c.train.micro_batches);
-        if (nan_step >= 1 && step + 1 >= nan_step && rank == nan_rank) {
+        if (nan_from && nan_from->step >= 1 && step + 1 >= nan_from->step &&
+            rank == nan_from->rank) {
           loss = loss * std::numeric_limits<double>::quiet_NaN();
         }
       }
@@ -670,7 +666,7 @@ TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator
                     logging::fixed(std::chrono::duration<double>(Clock::now() - t).count(), 2),
                     " s");
     }
-    if (step + 1 == kill_step && rank == kill_rank) {
+    if (kill_at && step + 1 == kill_at->step && rank == kill_at->rank) {
       logging::warn("DTRAIN_TEST_KILL_AT_STEP: rank ", rank, " kills itself after step ", step);
       std::raise(SIGKILL);
     }

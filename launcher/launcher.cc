@@ -16,6 +16,7 @@
 #include <iostream>
 #include <map>
 
+#include "comm/backend.h"
 #include "core/cli.h"
 #include "core/error.h"
 #include "core/guardian.h"
@@ -340,9 +341,13 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
 }  // namespace
 
 std::string usage() {
+  std::string backends;
+  for (const auto& [b, name] : comm::kBackends) {
+    backends += (backends.empty() ? "" : "|") + std::string(name);
+  }
   return "usage: dtrain-launch [--nproc-per-node N] [--nnodes M --node-rank R] "
-         "[--master-addr A] [--master-port P] [--max-restarts K] [--backend auto|mpi|gloo|nccl] "
-         "[--grace-period S] [--version] [--] program [args...]";
+         "[--master-addr A] [--master-port P] [--max-restarts K] [--backend " +
+         backends + "] [--grace-period S] [--version] [--] program [args...]";
 }
 
 // A day: longer than any rank needs to write a checkpoint and exit.
@@ -372,8 +377,8 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
                  "restart the whole group up to K times after a failure (with checkpoint.resume: "
                  "auto, it resumes)");
   app.add_option("--backend", o.backend,
-                 "sets DTRAIN_BACKEND for the ranks: auto, mpi, gloo or nccl (replaces a "
-                 "config's auto only)");
+                 "sets DTRAIN_BACKEND for the ranks: " + comm::backend_choices() +
+                     " (replaces a config's auto only)");
   app.add_option("--run-id,--rdzv-id,--rdzv_id", o.run_id,
                  "the job's id (TORCHELASTIC_RUN_ID); the rendezvous refuses ranks of another "
                  "job. Default: a new random id with --nnodes 1; give the same one to every "
@@ -422,10 +427,9 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
   DTRAIN_CHECK_AS(UsageError, o.grace_period_s >= 0 && o.grace_period_s <= kMaxGracePeriodS,
                   "--grace-period must be a number of seconds in [0, ", kMaxGracePeriodS, "], got ",
                   o.grace_period_s, "\n", usage());
-  DTRAIN_CHECK_AS(UsageError,
-                  o.backend.empty() || o.backend == "auto" || o.backend == "mpi" ||
-                      o.backend == "gloo" || o.backend == "nccl",
-                  "--backend must be auto, mpi, gloo or nccl, got '", o.backend, "'\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.backend.empty() || comm::backend_from_name(o.backend),
+                  "--backend must be ", comm::backend_choices(), ", got '", o.backend, "'\n",
+                  usage());
   return o;
 }
 

@@ -16,6 +16,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 
 #include "amp/grad_scaler.h"
@@ -28,6 +29,10 @@
 #include "sharding/widen.h"
 
 namespace dtrain::sharding {
+
+static_assert(std::is_same_v<amp::GradScaler::Ticket, uint64_t>,
+              "reducer.h keeps the scaler's tickets as uint64_t");
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -346,7 +351,7 @@ void Reducer::finalize_backward() {
   // is written back, and each gradient's verdict handed to the scaler.
   float scale = 0;  // 0: leave the gradients scaled
   if (amp::GradScaler* scaler = options_.grad_scaler()) {
-    scale = scaler->scale_for_reduction().value_or(0.0f);
+    scale = scaler->exact_unscale_divisor().value_or(0.0f);
     for (const auto& b : buckets_) {
       if (!b.contents.is_cpu() || b.contents.scalar_type() != at::kFloat) scale = 0;
     }
@@ -393,7 +398,8 @@ void Reducer::finalize_backward() {
   }
   stats_ = stats;
   if (scale != 0 && !unscaled.empty()) {
-    options_.grad_scaler()->record_unscaled(this, unscaled, scale, unscaled_found);
+    unscaled_tickets_.push_back(options_.grad_scaler()->accept_unscaled(
+        {std::move(unscaled), scale, std::move(unscaled_found)}));
   }
   if (options_.check_finite()) {
     if (!found_inf_.defined()) found_inf_ = at::zeros({1}, at::kFloat);
@@ -528,7 +534,10 @@ void Reducer::prepare_for_forward(bool will_sync) {
   std::lock_guard<std::mutex> lock(mu_);
   // Gradients the last backward unscaled that no optimizer stepped with: scaled again, so
   // this iteration's backward accumulates onto values of its own scale.
-  if (options_.grad_scaler() != nullptr) options_.grad_scaler()->rescale_unscaled(this);
+  if (options_.grad_scaler() != nullptr) {
+    for (uint64_t t : unscaled_tickets_) options_.grad_scaler()->withdraw(t);
+  }
+  unscaled_tickets_.clear();
   if (unfinished_) {
     std::ostringstream names;
     int64_t count = 0;

@@ -199,6 +199,9 @@ class Reducer : public GradientSync {
   bool rebuild_due_ = false;
   bool rebuilt_ = false;
   at::Tensor found_inf_;
+  // The verdicts on unscaled gradients this reducer handed its grad_scaler since the last
+  // forward, withdrawn at the next one if no optimizer took them.
+  std::vector<uint64_t> unscaled_tickets_;  // amp::GradScaler::Ticket
   mutable ReducerStats stats_;
   mutable std::vector<comm::Work> stats_works_;  // the last backward's, summed on demand
 };

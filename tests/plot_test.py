@@ -3,13 +3,15 @@
 An fp32 run plots loss, grad norm, lr, tokens/s and communication hidden, and no loss-scale
 panel; an fp16 run whose loss overflows (DTRAIN_TEST_NAN_FROM_STEP) adds the scale panel with
 its skipped steps, and says how many in the title; the title names the model, strategy,
-precision and ranks; two runs overlay into one PNG; a file that is not a metrics file, a
+precision and ranks; a config path with a quote and a backslash is escaped in the JSON;
+two runs overlay into one PNG; a file that is not a metrics file, a
 missing file and an empty one end with a one-line error, not a traceback.
 Usage: plot_test.py --trainer PATH --plot scripts/plot_metrics.py
 """
 import argparse
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,12 +46,18 @@ def main():
     spec.loader.exec_module(plot)
     tmp = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
     m32, m16 = os.path.join(tmp, "fp32.jsonl"), os.path.join(tmp, "fp16.jsonl")
-    train(args.trainer, "configs/tiny/ddp_fp32.yaml", m32, [])
+    # The fp32 config from a path with a quote and a backslash, which the metrics file's JSON
+    # must escape.
+    odd = os.path.join(tmp, 'odd "name" \\ here.yaml')
+    shutil.copyfile("configs/tiny/ddp_fp32.yaml", odd)
+    train(args.trainer, odd, m32, [])
     train(args.trainer, "configs/tiny/ddp_fp16.yaml", m16,
           ["precision.scaler.min_scale=0", "precision.scaler.max_consecutive_skips=0"],
           {"DTRAIN_TEST_NAN_FROM_STEP": "3:0"})
 
     fp32 = [(m32, *plot.load(m32))]
+    check(fp32[0][1].get("config") == odd,
+          f"the run line names the config path as given ({fp32[0][1]})")
     panels, scaled = plot.choose_panels(fp32)
     keys = [k for k, _ in panels]
     check(keys == ["loss", "grad_norm", "lr", "tokens_per_s", "comm_hidden"],

@@ -9,8 +9,8 @@ Prints one JSON line on rank 0.
               parallelism (run it without a launcher)
     --fused   AdamW(fused=True) instead of PyTorch's default (foreach)
 
-Parity (sharding/ddp_parity_test.sh): with --init DIR/init.pt, train the small TransformerLM
-of sharding/ddp_parity.cc from dtrain's initial weights on the same data, as a PyTorch user
+Parity (tests/parity/ddp_parity_test.sh): with --init DIR/init.pt, train the small TransformerLM
+of tests/parity/ddp_parity.cc from dtrain's initial weights on the same data, as a PyTorch user
 would: DDP (with bf16_compress_hook / fp16_compress_hook for those precisions), the forward
 and the loss under torch.autocast, AdamW(fused=True), torch.amp.GradScaler for fp16. Rank 0
 then compares the losses, scales and final weights with dtrain's (DIR/dtrain.json,

@@ -4,7 +4,7 @@
 Two uses, one process per rank under dtrain-launch (or torchrun):
 
   parity: train from dtrain's initial weights on the same data and write the loss and scale
-          trajectory, for sharding/fsdp_parity_test.sh to compare with dtrain's
+          trajectory, for tests/parity/fsdp_parity_test.sh to compare with dtrain's
       dtrain-launch --nproc-per-node 2 -- .venv/bin/python bench/reference/fsdp_reference.py \\
           parity --precision bf16 --init DIR/init.pt --out DIR/pytorch.json
 

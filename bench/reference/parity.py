@@ -1,4 +1,4 @@
-"""PyTorch's side of the comparisons with dtrain (sharding/ddp_parity.cc, fsdp_parity.cc and
+"""PyTorch's side of the comparisons with dtrain (tests/parity/ddp_parity.cc, fsdp_parity.cc and
 their parity_run.h): the same small TransformerLM, the same data, the same loop."""
 import os
 import sys
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# The model and batch of sharding/parity_run.h.
+# The model and batch of tests/parity/parity_run.h.
 VOCAB, SEQ, D_MODEL, LAYERS, HEADS, BATCH = 64, 16, 32, 2, 4, 4
 
 

@@ -1,4 +1,4 @@
-// dtrain's side of the FSDP-against-PyTorch comparison (sharding/fsdp_parity_test.sh runs it
+// dtrain's side of the FSDP-against-PyTorch comparison (tests/parity/fsdp_parity_test.sh runs it
 // beside bench/reference/fsdp_reference.py, PyTorch's fully_shard, on the same machine).
 //
 //   dtrain-launch --nproc-per-node 2 -- fsdp_parity --precision bf16 --steps 20 --out DIR
@@ -23,7 +23,7 @@
 #include "framework/models/transformer_lm.h"
 #include "optim/fused.h"
 #include "sharding/fsdp.h"
-#include "sharding/parity_run.h"
+#include "tests/parity/parity_run.h"
 
 using dtrain::framework::TransformerLM;
 

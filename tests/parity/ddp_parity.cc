@@ -1,4 +1,4 @@
-// dtrain's side of the DDP-against-PyTorch comparison, bit for bit (sharding/ddp_parity_test.sh
+// dtrain's side of the DDP-against-PyTorch comparison, bit for bit (tests/parity/ddp_parity_test.sh
 // runs it beside bench/reference/ddp_reference.py --init, PyTorch's DDP, on the same machine).
 //
 //   dtrain-launch --nproc-per-node 2 -- ddp_parity --precision bf16 --steps 12 --out DIR
@@ -31,7 +31,7 @@
 #include "framework/models/transformer_lm.h"
 #include "optim/fused.h"
 #include "sharding/ddp.h"
-#include "sharding/parity_run.h"
+#include "tests/parity/parity_run.h"
 
 using dtrain::framework::TransformerLM;
 

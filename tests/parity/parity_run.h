@@ -1,4 +1,4 @@
-// What dtrain's side of a comparison with PyTorch shares (sharding/ddp_parity.cc and
+// What dtrain's side of a comparison with PyTorch shares (tests/parity/ddp_parity.cc and
 // fsdp_parity.cc; bench/reference/parity.py is PyTorch's side): the command line, the small
 // TransformerLM both sides train, each step's data, and the files the Python side reads.
 //

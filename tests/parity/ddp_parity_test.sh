@@ -1,7 +1,7 @@
 #!/bin/bash
 # A dtrain DDP run and the same PyTorch DDP run, bit for bit: at 2 ranks over Gloo, from the
 # same initial weights on the same data, the losses, the loss scales and every final weight
-# must be equal (not close) in fp32, bf16 and fp16. See sharding/ddp_parity.cc for what each
+# must be equal (not close) in fp32, bf16 and fp16. See tests/parity/ddp_parity.cc for what each
 # side runs; bench/reference/ddp_reference.py --init trains PyTorch's side and compares.
 # Usage: ddp_parity_test.sh LAUNCHER DDP_PARITY PYTHON REFERENCE [STEPS]
 set -euo pipefail

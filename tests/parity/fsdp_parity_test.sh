@@ -1,6 +1,6 @@
 #!/bin/bash
 # dtrain's FSDP against PyTorch's fully_shard, both over Gloo at 2 ranks on this machine,
-# from the same initial weights on the same data (see sharding/fsdp_parity.cc):
+# from the same initial weights on the same data (see tests/parity/fsdp_parity.cc):
 #   fp32  loss within 1e-5 relative at every one of 20 steps
 #   bf16  within 1e-3: half of bf16's unit roundoff (2^-9). Both sides run the same ops in
 #         bf16; what differs is the order of a few reductions, which moves the loss by a few

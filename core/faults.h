@@ -1,0 +1,33 @@
+// Fault injection for dtrain's own tests, in one place. Production code asks for a fault by
+// name; each is the environment variable DTRAIN_TEST_<NAME>, and an unset one injects nothing.
+// A value that does not parse throws UsageError naming the variable, so a test cannot arm a
+// fault that silently never fires.
+//
+//   DTRAIN_TEST_KILL_AT_STEP=<step>:<rank>    framework/trainer.cc: SIGKILL after that step
+//   DTRAIN_TEST_NAN_FROM_STEP=<step>:<rank>   framework/trainer.cc: NaN losses from that step
+//   DTRAIN_TEST_CRASH_BEFORE_RENAME=<name>    framework/checkpoint_io.cc: SIGKILL before the
+//                                             rename that publishes that file
+//   DTRAIN_TEST_CHILD="program args..."       framework/train_main.cc: a child process
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dtrain::faults {
+
+// A fault at a step of a rank: "<step>:<rank>", both integers.
+struct StepRank {
+  int64_t step = 0;
+  int64_t rank = 0;
+};
+
+// DTRAIN_TEST_<name>'s value; nullopt when unset or empty.
+std::optional<std::string> text(const char* name);
+// DTRAIN_TEST_<name> as "<step>:<rank>".
+std::optional<StepRank> step_rank(const char* name);
+// DTRAIN_TEST_<name> split at spaces (a command line); empty when unset.
+std::vector<std::string> words(const char* name);
+
+}  // namespace dtrain::faults
