@@ -5,8 +5,8 @@ nearly every translation unit includes them. `torch_pch` precompiles them once p
 configuration (ci, asan, a user's workspace), with the flags of that configuration, and the
 macros below pass `-include bazel/pch/torch.h` to every target that uses LibTorch. GCC takes
 the precompiled copy next to that header when it was made with the same flags (the `pic` one
-for position-independent objects, the `nopic` one for the rest) and parses the header text
-otherwise, so a mismatch costs time, never correctness. `--define=dtrain_pch=off` leaves the
+for position-independent objects, the `nopic` one, made under -c opt only, for the rest) and
+parses the header text otherwise, so a mismatch costs time, never correctness. `--define=dtrain_pch=off` leaves the
 precompiled header out (a compiler other than GCC). The CMake build does the same with
 target_precompile_headers (CMakeLists.txt, DTRAIN_PCH).
 """
@@ -33,7 +33,10 @@ def _torch_pch_impl(ctx):
         action_name = ACTION_NAMES.cpp_compile,
     )
     outputs = []
-    for pic in [True, False]:
+
+    # Bazel compiles position-independent objects only, binaries' too, unless the compilation
+    # mode is opt (where binaries get non-PIC objects): the unused copy would cost 40 s.
+    for pic in ([True, False] if ctx.var["COMPILATION_MODE"] == "opt" else [True]):
         gch = ctx.actions.declare_file("pch/torch.h.gch/%s" % ("pic" if pic else "nopic"))
         variables = cc_common.create_compile_variables(
             feature_configuration = features,

@@ -8,7 +8,8 @@
 #include <string>
 #include <string_view>
 #include <utility>
-#include <vector>
+
+#include "core/choices.h"
 
 namespace dtrain::comm {
 
@@ -21,25 +22,13 @@ inline constexpr std::array<std::pair<Backend, const char*>, 4> kBackends{{
     {Backend::kNccl, "nccl"},
 }};
 
-inline const char* to_string(Backend backend) {
-  for (const auto& [b, name] : kBackends) {
-    if (b == backend) return name;
-  }
-  return "?";
-}
+// The table core/choices.h reads (name_of, choice_from_name, choice_list).
+constexpr const auto& choices(Backend) { return kBackends; }
+
+inline const char* to_string(Backend backend) { return name_of(backend); }
 
 inline std::optional<Backend> backend_from_name(std::string_view name) {
-  for (const auto& [b, n] : kBackends) {
-    if (name == n) return b;
-  }
-  return std::nullopt;
-}
-
-// Every name, in order: a config's list of choices.
-inline std::vector<std::string> backend_names() {
-  std::vector<std::string> names;
-  for (const auto& [b, name] : kBackends) names.emplace_back(name);
-  return names;
+  return choice_from_name<Backend>(name);
 }
 
 // "auto, mpi, gloo or nccl", for messages.

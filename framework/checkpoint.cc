@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <future>
 #include <map>
+#include <optional>
 #include <sstream>
 
 #include "amp/grad_scaler.h"
@@ -32,8 +33,6 @@ namespace {
 namespace fs = std::filesystem;
 using ckpt::FileInfo;
 
-constexpr const char* kFormat = "dtrain-checkpoint";
-constexpr int kVersion = 1;
 const std::vector<std::string> kStateKeys = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq",
                                              "momentum_buffer"};
 
@@ -47,27 +46,6 @@ std::string rank_file(const char* kind, int rank) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "%s_%05d.pt", kind, rank);
   return buf;
-}
-
-std::string quote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
-}
-
-std::string shape_json(at::IntArrayRef shape) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  return os.str() + "]";
-}
-
-std::string file_json(const FileInfo& f) {
-  return "{\"name\": " + quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
-         ", \"xxh64\": \"" + ckpt::hex(f.checksum) + "\"}";
 }
 
 // --- collectives (no-ops for one process) -------------------------------------------------
@@ -327,231 +305,251 @@ std::optional<std::string> Checkpointer::newest_complete(const std::string& dir)
   return dir + "/" + found.back();
 }
 
-std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& progress) {
-  const auto& cc = config_.checkpoint;
-  const int rank = rank_of(p), world = world_of(p);
-  const bool sharded = p.fsdp != nullptr && cc.format != "full";
-  const std::string dir = cc.dir + "/" + step_name(progress.step);
-  if (rank == 0) {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    DTRAIN_CHECK_AS(CheckpointError, !ec, "checkpoint.dir: cannot create '", dir,
-                    "': ", ec.message());
-    // Saving into a step folder that exists (a run restarted from an older checkpoint passes
-    // this step again): its COMPLETE marker goes first, so no marker ever stands over files
-    // being rewritten, and a killed writer's temporary files with it.
-    fs::remove(fs::path(dir) / "COMPLETE", ec);
-    for (const auto& e : fs::directory_iterator(dir, ec)) {
-      if (e.path().filename().string().find(".tmp.") != std::string::npos) {
-        fs::remove(e.path(), ec);
-      }
-    }
-    ckpt::sync_dir(dir);
-    ckpt::sync_dir(cc.dir);
-  }
-  barrier(p);
-  c10::NoGradGuard no_grad;
+namespace {
 
-  // Every rank: its RNG states and numerics history, and its shard (sharded mode).
-  std::vector<FileInfo> mine;
-  {
-    auto d = tensor_dict();
-    d.insert("rng_cpu", rng_state_of(c10::Device(c10::kCPU)));
-    c10::impl::GenericList cuda(c10::AnyType::get());
-    for (int i = 0; i < cuda_devices(); ++i) {
-      cuda.push_back(rng_state_of(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))));
-    }
-    d.insert("rng_cuda", cuda);
-    if (p.monitor != nullptr) {
-      std::vector<double> flat;
-      for (const auto& [s, v] : p.monitor->scale_history()) {
-        flat.push_back(static_cast<double>(s));
-        flat.push_back(v);
-      }
-      d.insert("scale_history", at::tensor(flat, at::kDouble).reshape({-1, 2}));
-    }
-    mine.push_back(ckpt::write_pickle(dir, rank_file("rank", rank), d));
+// --- save, step by step ---------------------------------------------------------------------
+
+// Rank 0: the step folder. Saving into one that exists (a run restarted from an older
+// checkpoint passes this step again): its COMPLETE marker goes first, so no marker ever stands
+// over files being rewritten, and a killed writer's temporary files with it.
+void prepare_step_dir(const std::string& root, const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  DTRAIN_CHECK_AS(CheckpointError, !ec, "checkpoint.dir: cannot create '", dir,
+                  "': ", ec.message());
+  fs::remove(fs::path(dir) / "COMPLETE", ec);
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().filename().string().find(".tmp.") != std::string::npos) fs::remove(e.path(), ec);
   }
-  // Optimizer state in the model's order (model_parameters).
-  const std::vector<int64_t> slots =
-      p.optimizer == nullptr ? std::vector<int64_t>{} : optimizer_slots(p);
-  std::vector<ParamState> states =
-      p.optimizer == nullptr ? std::vector<ParamState>{}
-                             : to_model_order(export_optimizer_state(*p.optimizer), slots);
+  ckpt::sync_dir(dir);
+  ckpt::sync_dir(root);
+}
+
+// Every rank: its RNG states and its numerics history (rank_<r>.pt).
+FileInfo write_rank_state(const CheckpointParts& p, const std::string& dir, int rank) {
+  auto d = tensor_dict();
+  d.insert("rng_cpu", rng_state_of(c10::Device(c10::kCPU)));
+  c10::impl::GenericList cuda(c10::AnyType::get());
+  for (int i = 0; i < cuda_devices(); ++i) {
+    cuda.push_back(rng_state_of(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))));
+  }
+  d.insert("rng_cuda", cuda);
+  if (p.monitor != nullptr) {
+    std::vector<double> flat;
+    for (const auto& [s, v] : p.monitor->scale_history()) {
+      flat.push_back(static_cast<double>(s));
+      flat.push_back(v);
+    }
+    d.insert("scale_history", at::tensor(flat, at::kDouble).reshape({-1, 2}));
+  }
+  return ckpt::write_pickle(dir, rank_file("rank", rank), d);
+}
+
+// The optimizer's state in the model's order (model_parameters), and the keys it has.
+struct OptimizerExport {
+  std::vector<int64_t> slots;  // optimizer_slots
+  std::vector<ParamState> states;
   std::vector<std::string> keys;
+};
+
+OptimizerExport export_in_model_order(const CheckpointParts& p) {
+  OptimizerExport o;
+  if (p.optimizer == nullptr) return o;
+  o.slots = optimizer_slots(p);
+  o.states = to_model_order(export_optimizer_state(*p.optimizer), o.slots);
   for (const auto& k : kStateKeys) {
-    if (has_key(states, k)) keys.push_back(k);
+    if (has_key(o.states, k)) o.keys.push_back(k);
   }
-  if (sharded) {
-    auto d = tensor_dict();
-    std::vector<at::Tensor> masters;
-    for (const auto& m : p.fsdp->all_parameters()) masters.push_back(m.second);
-    const auto layouts = p.fsdp->layouts();
-    auto put = [&](const std::string& what, const std::vector<at::Tensor>& parts) {
-      auto flats = p.fsdp->flat_shards(parts);
-      for (size_t u = 0; u < flats.size(); ++u)
-        d.insert(layouts[u].name + "|" + what, flats[u].cpu());
-    };
-    put("params", masters);
-    for (const auto& k : keys) put(k, key_parts(states, k));
-    std::vector<double> steps;
-    for (const auto& s : states)
-      steps.push_back(s.count("step") ? s.at("step").item<double>() : -1);
-    d.insert("optim_step", at::tensor(steps, at::kDouble));
-    // Buffers are not sharded: every rank writes its own, and a restore takes rank 0's (the
-    // values a DDP or FSDP run broadcasts at construction), at any world size.
-    for (const auto& item : p.module->named_buffers()) {
-      d.insert(kBufferPrefix + item.key(), item.value().detach().cpu());
-    }
-    mine.push_back(ckpt::write_pickle(dir, rank_file("shard", rank), d));
-  }
+  return o;
+}
 
-  // Rank 0: the full model and optimizer (gathered: every rank takes part), the scaler.
-  std::vector<FileInfo> shared;
-  if (!sharded) {
-    // Rank 0 writes model.pt on a thread while every rank gathers the optimizer state.
-    auto tensors = model_tensors(p);
-    std::future<FileInfo> model_file;
-    if (rank == 0) {
-      auto model = tensor_dict();
-      for (const auto& t : tensors) model.insert(t.name, t.tensor.cpu());
-      model_file = std::async(std::launch::async,
-                              [&dir, model] { return ckpt::write_pickle(dir, "model.pt", model); });
-    }
-    std::vector<std::vector<at::Tensor>> full_state(keys.size());
-    if (p.fsdp != nullptr) {
-      for (size_t k = 0; k < keys.size(); ++k) {
-        full_state[k] = p.fsdp->gather_full(key_parts(states, keys[k]));
-      }
-    }
-    if (rank == 0) {
-      if (p.optimizer != nullptr) {
-        // PyTorch's layout: state keyed by the optimizer's parameter index, and each group's
-        // parameter names (which a restore matches by).
-        c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
-        const auto model = model_parameters(p);
-        std::vector<std::string> names(optimizer_parameters(*p.optimizer).size());
-        for (size_t i = 0; i < states.size(); ++i) {
-          if (slots[i] < 0) continue;
-          names[static_cast<size_t>(slots[i])] = model[i].first;
-          auto entry = tensor_dict();
-          if (states[i].count("step")) entry.insert("step", states[i].at("step").cpu());
-          for (size_t k = 0; k < keys.size(); ++k) {
-            if (!states[i].count(keys[k])) continue;
-            entry.insert(keys[k],
-                         p.fsdp != nullptr ? full_state[k][i].cpu() : states[i].at(keys[k]).cpu());
-          }
-          if (entry.size() > 0) state.insert(slots[i], entry);
-        }
-        auto optim = tensor_dict();
-        optim.insert("state", state);
-        optim.insert("param_groups", optimizer_param_groups(*p.optimizer, names));
-        shared.push_back(ckpt::write_pickle(dir, "optim.pt", optim));
-      }
-      shared.insert(shared.begin(), model_file.get());
-    }
+// Sharded, every rank: its slice of each unit's masters and optimizer state, and its buffers
+// (shard_<r>.pt).
+FileInfo write_shard(const CheckpointParts& p, const OptimizerExport& o, const std::string& dir,
+                     int rank) {
+  auto d = tensor_dict();
+  std::vector<at::Tensor> masters;
+  for (const auto& m : p.fsdp->all_parameters()) masters.push_back(m.second);
+  const auto layouts = p.fsdp->layouts();
+  auto put = [&](const std::string& what, const std::vector<at::Tensor>& parts) {
+    auto flats = p.fsdp->flat_shards(parts);
+    for (size_t u = 0; u < flats.size(); ++u)
+      d.insert(layouts[u].name + "|" + what, flats[u].cpu());
+  };
+  put("params", masters);
+  for (const auto& k : o.keys) put(k, key_parts(o.states, k));
+  std::vector<double> steps;
+  for (const auto& s : o.states)
+    steps.push_back(s.count("step") ? s.at("step").item<double>() : -1);
+  d.insert("optim_step", at::tensor(steps, at::kDouble));
+  // Buffers are not sharded: every rank writes its own, and a restore takes rank 0's (the
+  // values a DDP or FSDP run broadcasts at construction), at any world size.
+  for (const auto& item : p.module->named_buffers()) {
+    d.insert(kBufferPrefix + item.key(), item.value().detach().cpu());
   }
-  if (rank == 0 && p.scaler != nullptr) {
-    shared.push_back(ckpt::write_pickle(dir, "scaler.pt", p.scaler->state_dict()));
-  }
+  return ckpt::write_pickle(dir, rank_file("shard", rank), d);
+}
 
-  // Every rank's files, then the metadata, then COMPLETE (rank 0).
+// Rank 0's optim.pt in PyTorch's layout: state keyed by the optimizer's parameter index, and
+// each group's parameter names (which a restore matches by). `full_state[k][i]`: key k of
+// model parameter i gathered (FSDP), or empty to take the state as it is.
+FileInfo write_full_optimizer(const CheckpointParts& p, const OptimizerExport& o,
+                              const std::vector<std::vector<at::Tensor>>& full_state,
+                              const std::string& dir) {
+  c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
+  const auto model = model_parameters(p);
+  std::vector<std::string> names(optimizer_parameters(*p.optimizer).size());
+  for (size_t i = 0; i < o.states.size(); ++i) {
+    if (o.slots[i] < 0) continue;
+    names[static_cast<size_t>(o.slots[i])] = model[i].first;
+    auto entry = tensor_dict();
+    if (o.states[i].count("step")) entry.insert("step", o.states[i].at("step").cpu());
+    for (size_t k = 0; k < o.keys.size(); ++k) {
+      if (!o.states[i].count(o.keys[k])) continue;
+      entry.insert(o.keys[k],
+                   p.fsdp != nullptr ? full_state[k][i].cpu() : o.states[i].at(o.keys[k]).cpu());
+    }
+    if (entry.size() > 0) state.insert(o.slots[i], entry);
+  }
+  auto optim = tensor_dict();
+  optim.insert("state", state);
+  optim.insert("param_groups", optimizer_param_groups(*p.optimizer, names));
+  return ckpt::write_pickle(dir, "optim.pt", optim);
+}
+
+// Full: the model (model.pt) and optimizer (optim.pt), gathered on every rank under FSDP and
+// written by rank 0, model.pt on a thread while the optimizer state is gathered. Rank 0's
+// files, in order; none on other ranks.
+std::vector<FileInfo> write_full(const CheckpointParts& p, const OptimizerExport& o,
+                                 const std::string& dir, int rank) {
+  auto tensors = model_tensors(p);
+  std::future<FileInfo> model_file;
+  if (rank == 0) {
+    auto model = tensor_dict();
+    for (const auto& t : tensors) model.insert(t.name, t.tensor.cpu());
+    model_file = std::async(std::launch::async,
+                            [&dir, model] { return ckpt::write_pickle(dir, "model.pt", model); });
+  }
+  std::vector<std::vector<at::Tensor>> full_state(o.keys.size());
+  if (p.fsdp != nullptr) {
+    for (size_t k = 0; k < o.keys.size(); ++k) {
+      full_state[k] = p.fsdp->gather_full(key_parts(o.states, o.keys[k]));
+    }
+  }
+  if (rank != 0) return {};
+  std::vector<FileInfo> files;
+  if (p.optimizer != nullptr) files.push_back(write_full_optimizer(p, o, full_state, dir));
+  files.insert(files.begin(), model_file.get());
+  return files;
+}
+
+// Every rank's own files (rank_<r>.pt, shard_<r>.pt), as rank 0 lists them. Collective.
+std::vector<FileInfo> gather_rank_files(const CheckpointParts& p,
+                                        const std::vector<FileInfo>& mine) {
   std::vector<int64_t> sizes;
   for (size_t i = 0; i < 2; ++i) {
     sizes.push_back(i < mine.size() ? static_cast<int64_t>(mine[i].bytes) : -1);
     sizes.push_back(i < mine.size() ? static_cast<int64_t>(mine[i].checksum) : 0);
   }
   const std::vector<int64_t> all = gather_values(p, sizes);
+  std::vector<FileInfo> files;
+  for (int r = 0; r < world_of(p); ++r) {
+    const char* kinds[2] = {"rank", "shard"};
+    for (int i = 0; i < 2; ++i) {
+      if (all[4 * r + 2 * i] < 0) continue;
+      files.push_back({rank_file(kinds[i], r), static_cast<uint64_t>(all[4 * r + 2 * i]),
+                       static_cast<uint64_t>(all[4 * r + 2 * i + 1])});
+    }
+  }
+  return files;
+}
+
+// The model's side of meta.json: its parameters, and under sharding its FSDP units.
+void describe_model(const CheckpointParts& p, bool sharded, ckpt::Meta& m) {
+  if (p.fsdp != nullptr) {
+    for (const auto& l : p.fsdp->layouts()) {
+      for (const auto& e : l.params) m.parameters.push_back({e.name, e.shape, "fp32"});
+    }
+  } else {
+    for (const auto& item : p.module->named_parameters()) {
+      m.parameters.push_back(
+          {item.key(), item.value().sizes().vec(), comm::dtype_name(item.value().scalar_type())});
+    }
+  }
+  if (!sharded) return;
+  for (const auto& l : p.fsdp->layouts()) {
+    ckpt::UnitMeta unit{l.name, l.numel, l.shard_size, l.shard_group_size, {}};
+    for (const auto& e : l.params) unit.params.push_back({e.name, e.shape, e.offset, e.numel});
+    m.units.push_back(std::move(unit));
+  }
+}
+
+// Rank 0: keeps the newest `keep` complete checkpoints, and drops incomplete ones (crashed
+// writes) older than the newest complete one.
+void prune(const CheckpointConfig& cc) {
+  std::vector<std::pair<std::string, bool>> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(cc.dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("step_", 0) == 0) found.push_back({name, fs::exists(e.path() / "COMPLETE", ec)});
+  }
+  std::sort(found.begin(), found.end());
+  int64_t complete_seen = 0;
+  for (auto it = found.rbegin(); it != found.rend(); ++it) {
+    if (it->second && ++complete_seen <= cc.keep) continue;
+    if (!it->second && complete_seen == 0) continue;  // newer than every complete one
+    fs::remove_all(cc.dir + "/" + it->first, ec);
+  }
+}
+
+}  // namespace
+
+// Every rank's files, then rank 0's metadata (meta.json), then the COMPLETE marker that holds
+// meta.json's checksum: a checkpoint without its marker was never finished.
+std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& progress) {
+  const auto& cc = config_.checkpoint;
+  const int rank = rank_of(p);
+  const bool sharded = p.fsdp != nullptr && cc.format != CheckpointFormat::kFull;
+  const std::string dir = cc.dir + "/" + step_name(progress.step);
+  if (rank == 0) prepare_step_dir(cc.dir, dir);
+  barrier(p);
+  c10::NoGradGuard no_grad;
+
+  std::vector<FileInfo> mine{write_rank_state(p, dir, rank)};
+  const OptimizerExport optim = export_in_model_order(p);
+  if (sharded) mine.push_back(write_shard(p, optim, dir, rank));
+  std::vector<FileInfo> shared =
+      sharded ? std::vector<FileInfo>{} : write_full(p, optim, dir, rank);
+  if (rank == 0 && p.scaler != nullptr) {
+    shared.push_back(ckpt::write_pickle(dir, "scaler.pt", p.scaler->state_dict()));
+  }
+  const std::vector<FileInfo> ranks_files = gather_rank_files(p, mine);
   // Each rank's shard rank (HYBRID_SHARD repeats them): which file holds which slice.
   const std::vector<int64_t> shard_ranks =
       gather_values(p, {p.fsdp != nullptr ? p.fsdp->layouts().front().shard_rank : 0});
   if (rank == 0) {
-    std::ostringstream m;
-    m << "{\"format\": " << quote(kFormat) << ", \"version\": " << kVersion
-      << ", \"step\": " << progress.step << ", \"world_size\": " << world
-      << ", \"strategy\": " << quote(config_.parallel.strategy)
-      << ", \"mode\": " << quote(sharded ? "sharded" : "full")
-      << ",\n \"trainer\": {\"step\": " << progress.step
-      << ", \"skipped_steps\": " << progress.skipped_steps << ", \"lr\": " << progress.lr
-      << ", \"consecutive_skips\": " << progress.consecutive_skips
-      << ", \"nonfinite_run\": " << progress.nonfinite_run
-      << ", \"data\": \"a function of the step\"},\n";
-    m << " \"parameters\": [";
-    if (p.fsdp != nullptr) {
-      bool first = true;
-      for (const auto& l : p.fsdp->layouts()) {
-        for (const auto& e : l.params) {
-          m << (first ? "" : ", ") << "{\"name\": " << quote(e.name)
-            << ", \"shape\": " << shape_json(e.shape) << ", \"dtype\": \"fp32\"}";
-          first = false;
-        }
-      }
-    } else {
-      bool first = true;
-      for (const auto& item : p.module->named_parameters()) {
-        m << (first ? "" : ", ") << "{\"name\": " << quote(item.key())
-          << ", \"shape\": " << shape_json(item.value().sizes())
-          << ", \"dtype\": " << quote(comm::dtype_name(item.value().scalar_type())) << "}";
-        first = false;
-      }
-    }
-    m << "],\n \"optimizer_keys\": [";
-    for (size_t k = 0; k < keys.size(); ++k) m << (k ? ", " : "") << quote(keys[k]);
-    m << "],\n";
-    if (sharded) {
-      m << " \"units\": [";
-      const auto layouts = p.fsdp->layouts();
-      for (size_t u = 0; u < layouts.size(); ++u) {
-        const auto& l = layouts[u];
-        m << (u ? ",\n  " : "") << "{\"name\": " << quote(l.name) << ", \"numel\": " << l.numel
-          << ", \"shard_size\": " << l.shard_size
-          << ", \"shard_group_size\": " << l.shard_group_size << ", \"params\": [";
-        for (size_t i = 0; i < l.params.size(); ++i) {
-          const auto& e = l.params[i];
-          m << (i ? ", " : "") << "{\"name\": " << quote(e.name)
-            << ", \"shape\": " << shape_json(e.shape) << ", \"offset\": " << e.offset
-            << ", \"numel\": " << e.numel << "}";
-        }
-        m << "]}";
-      }
-      m << "],\n";
-    }
-    m << " \"shard_ranks\": " << shape_json(shard_ranks) << ",\n \"files\": [";
-    std::vector<FileInfo> listed = shared;
-    for (int r = 0; r < world; ++r) {
-      const char* kinds[2] = {"rank", "shard"};
-      for (int i = 0; i < 2; ++i) {
-        if (all[4 * r + 2 * i] < 0) continue;
-        listed.push_back({rank_file(kinds[i], r), static_cast<uint64_t>(all[4 * r + 2 * i]),
-                          static_cast<uint64_t>(all[4 * r + 2 * i + 1])});
-      }
-    }
-    for (size_t i = 0; i < listed.size(); ++i) m << (i ? ",\n  " : "") << file_json(listed[i]);
-    m << "]}\n";
-    const std::string meta_text = m.str();
-    FileInfo meta =
+    ckpt::Meta m;
+    m.strategy = name_of(config_.parallel.strategy);
+    m.mode = sharded ? "sharded" : "full";
+    m.world_size = world_of(p);
+    describe_model(p, sharded, m);
+    m.optimizer_keys = optim.keys;
+    m.shard_ranks = shard_ranks;
+    for (const auto& f : shared) m.files[f.name] = f;
+    for (const auto& f : ranks_files) m.files[f.name] = f;
+    m.step = progress.step;
+    m.skipped_steps = progress.skipped_steps;
+    m.lr = progress.lr;
+    m.consecutive_skips = progress.consecutive_skips;
+    m.nonfinite_run = progress.nonfinite_run;
+    const std::string meta_text = ckpt::write_meta(m);
+    const FileInfo meta =
         ckpt::write_file(dir, "meta.json", std::vector<char>(meta_text.begin(), meta_text.end()));
-    const std::string complete = "{\"meta\": " + file_json(meta) + "}\n";
+    const std::string complete = ckpt::write_complete(meta);
     ckpt::write_file(dir, "COMPLETE", std::vector<char>(complete.begin(), complete.end()));
   }
   barrier(p);
-  // Keep the newest `keep` complete checkpoints; drop older incomplete ones (crashed writes).
-  if (rank == 0) {
-    std::vector<std::pair<std::string, bool>> found;
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(cc.dir, ec)) {
-      const std::string name = e.path().filename().string();
-      if (name.rfind("step_", 0) == 0)
-        found.push_back({name, fs::exists(e.path() / "COMPLETE", ec)});
-    }
-    std::sort(found.begin(), found.end());
-    int64_t complete_seen = 0;
-    for (auto it = found.rbegin(); it != found.rend(); ++it) {
-      if (it->second && ++complete_seen <= cc.keep) continue;
-      if (!it->second && complete_seen == 0) continue;  // newer than every complete one
-      fs::remove_all(cc.dir + "/" + it->first, ec);
-    }
-  }
+  if (rank == 0) prune(cc);
   return dir;
 }
 
@@ -633,233 +631,284 @@ std::optional<TrainerProgress> Checkpointer::restore_agreed(const CheckpointPart
   }
 }
 
+namespace {
+
+// --- restore, step by step ------------------------------------------------------------------
+
+// A checkpoint directory being read: its verified metadata, and its files by name, each
+// verified as it is read.
+struct Source {
+  std::string dir;
+  ckpt::Meta meta;
+
+  c10::IValue load(const std::string& name) const {
+    DTRAIN_CHECK_AS(CheckpointError, meta.files.count(name), "checkpoint '", dir,
+                    "': meta.json lists no '", name, "'");
+    return ckpt::unpickle(ckpt::read_file(dir, meta.files.at(name)), dir + "/" + name);
+  }
+  c10::impl::GenericDict dict(const std::string& name) const {
+    return as_dict(load(name), dir + "/" + name);
+  }
+};
+
+// What a restore changes, read and checked on this rank before anything is: per model
+// parameter its new value (full, or this rank's parts under FSDP), buffers by name, the
+// optimizer's state in its own order, the scaler's, and this rank's RNG and numerics state
+// (when the world size is the one saved).
+struct Loaded {
+  std::vector<at::Tensor> values;
+  std::map<std::string, at::Tensor> buffers;
+  std::vector<ParamState> optimizer_states;
+  c10::impl::GenericDict scaler = tensor_dict();
+  std::optional<c10::impl::GenericDict> rank_state;
+};
+
+// The model's parameters as the restore addresses them (FSDP: its fp32 masters).
+using Params = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Full optim.pt -> per model parameter, its state (full values). Saved names map the state
+// back to the parameter of that name, whatever order this optimizer's groups are in.
+std::vector<ParamState> read_full_optimizer_state(const Source& src, const Params& params,
+                                                  const std::vector<int64_t>& slots_now) {
+  auto optim = src.dict("optim.pt");
+  auto state = as_dict(optim.at("state"), src.dir + "/optim.pt state");
+  std::map<std::string, int64_t> saved_index;  // name -> saved index, where names are saved
+  bool named = false;
+  if (optim.contains("param_groups") && optim.at("param_groups").isList()) {
+    named = true;
+    for (const auto& g : optim.at("param_groups").toListRef()) {
+      if (!g.isGenericDict() || !g.toGenericDict().contains("param_names")) {
+        named = false;
+        break;
+      }
+      const auto ids = g.toGenericDict().at("params").toListRef();
+      const auto names = g.toGenericDict().at("param_names").toListRef();
+      for (size_t k = 0; k < ids.size() && k < names.size(); ++k) {
+        saved_index[names[k].toStringRef()] = ids[k].toInt();
+      }
+    }
+  }
+  std::map<int64_t, ParamState> saved;
+  for (const auto& kv : state) {
+    saved[kv.key().toInt()] = tensors_of(as_dict(kv.value(), "optimizer state"));
+  }
+  std::vector<ParamState> out(params.size());  // model order (model_parameters)
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (slots_now[i] < 0) continue;
+    int64_t j = slots_now[i];
+    if (named) {
+      auto it = saved_index.find(params[i].first);
+      DTRAIN_CHECK_AS(CheckpointError, it != saved_index.end(), "checkpoint '", src.dir,
+                      "/optim.pt': its optimizer did not hold parameter '", params[i].first,
+                      "', which this optimizer does. Nothing was loaded.");
+      j = it->second;
+    }
+    if (saved.count(j)) out[i] = saved.at(j);
+  }
+  return out;
+}
+
+// A full checkpoint (model.pt, optim.pt) into any strategy: under FSDP each rank keeps its
+// parts of the full values.
+void read_full(const CheckpointParts& p, const Source& src, const Params& params,
+               const std::vector<int64_t>& slots_now, size_t held_now, Loaded& out) {
+  auto model = tensors_of(src.dict("model.pt"));
+  std::map<std::string, std::vector<int64_t>> fsdp_shapes;
+  if (p.fsdp != nullptr) {
+    for (const auto& l : p.fsdp->layouts()) {
+      for (const auto& e : l.params) fsdp_shapes[e.name] = e.shape;
+    }
+  }
+  std::vector<Wanted> want;
+  for (const auto& [name, t] : params) {
+    want.push_back({name, p.fsdp != nullptr ? fsdp_shapes[name] : t.sizes().vec(), at::kFloat});
+  }
+  for (const auto& item : p.module->named_buffers()) {
+    want.push_back({item.key(), item.value().sizes().vec(), item.value().scalar_type()});
+  }
+  std::vector<at::Tensor> matched = match(model, want, src.dir + "/model.pt");
+  std::vector<at::Tensor> full(matched.begin(), matched.begin() + params.size());
+  for (auto& t : full) t = t.to(at::kFloat);
+  size_t b = params.size();
+  for (const auto& item : p.module->named_buffers()) out.buffers[item.key()] = matched[b++];
+  out.values = p.fsdp != nullptr ? p.fsdp->local_parts(full) : full;
+  if (p.optimizer == nullptr || !src.meta.files.count("optim.pt")) return;
+  std::vector<ParamState> states = read_full_optimizer_state(src, params, slots_now);
+  if (p.fsdp != nullptr) {
+    // Full state -> this rank's parts, per key.
+    for (const auto& key : src.meta.optimizer_keys) {
+      std::vector<at::Tensor> fulls;
+      for (size_t i = 0; i < params.size(); ++i) {
+        fulls.push_back(states[i].count(key) ? states[i].at(key)
+                                             : at::zeros(fsdp_shapes[params[i].first]));
+      }
+      auto parts = p.fsdp->local_parts(fulls);
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (states[i].count(key)) states[i][key] = parts[i];
+      }
+    }
+  }
+  out.optimizer_states = to_optimizer_order(states, slots_now, held_now);
+}
+
+// Sharded checkpoints need the same FSDP units (the world size may differ).
+void check_same_units(const CheckpointParts& p, const Source& src) {
+  const auto layouts = p.fsdp->layouts();
+  const std::vector<ckpt::UnitMeta>& units = src.meta.units;
+  DTRAIN_CHECK_AS(CheckpointError, units.size() == layouts.size(), "checkpoint '", src.dir,
+                  "' has ", units.size(), " FSDP units, this model ", layouts.size(),
+                  ": resume with the same wrap policy. Nothing was loaded.");
+  for (size_t u = 0; u < layouts.size(); ++u) {
+    const std::vector<ckpt::UnitParamMeta>& ps = units[u].params;
+    DTRAIN_CHECK_AS(CheckpointError, ps.size() == layouts[u].params.size(), "checkpoint '", src.dir,
+                    "': unit '", layouts[u].name, "' holds ", ps.size(), " parameters there, ",
+                    layouts[u].params.size(), " here. Nothing was loaded.");
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const auto& e = layouts[u].params[i];
+      DTRAIN_CHECK_AS(CheckpointError, ps[i].name == e.name && ps[i].shape == e.shape,
+                      "checkpoint '", src.dir, "': parameter '", ps[i].name, "' of shape ",
+                      at::IntArrayRef(ps[i].shape), " does not match the model's '", e.name,
+                      "' of shape ", at::IntArrayRef(e.shape), ". Nothing was loaded.");
+    }
+  }
+}
+
+// A sharded checkpoint into FSDP: this rank's new ranges read from whichever old ranks'
+// shard files hold them (resharding), buffers from rank 0's file.
+void read_sharded(const CheckpointParts& p, const Source& src, const Params& params,
+                  const std::vector<int64_t>& slots_now, size_t held_now, Loaded& out) {
+  check_same_units(p, src);
+  const auto layouts = p.fsdp->layouts();
+  const std::vector<ckpt::UnitMeta>& units = src.meta.units;
+  const std::vector<int64_t>& shard_ranks = src.meta.shard_ranks;
+  std::map<int, c10::impl::GenericDict> cache;
+  auto shard_file = [&](int64_t shard_rank) -> const c10::impl::GenericDict& {
+    const int w = static_cast<int>(std::find(shard_ranks.begin(), shard_ranks.end(), shard_rank) -
+                                   shard_ranks.begin());
+    if (!cache.count(w)) cache.emplace(w, src.dict(rank_file("shard", w)));
+    return cache.at(w);
+  };
+  const c10::Device device = p.fsdp->all_parameters().front().second.device();
+  auto reader = [&](const std::string& what) {
+    return [&, what](int64_t unit, int64_t begin, int64_t count) {
+      const int64_t size = units[unit].shard_size;
+      at::Tensor flat_out = at::empty({count}, at::kFloat);
+      for (int64_t pos = begin; pos < begin + count;) {
+        const int64_t q = pos / size, in = pos - q * size;
+        const int64_t n = std::min(begin + count - pos, size - in);
+        at::Tensor flat = shard_file(q).at(layouts[unit].name + "|" + what).toTensor();
+        flat_out.narrow(0, pos - begin, n).copy_(flat.narrow(0, in, n));
+        pos += n;
+      }
+      return flat_out.to(device);
+    };
+  };
+  out.values = p.fsdp->parts_from(reader("params"));
+  std::map<std::string, at::Tensor> saved;
+  for (const auto& [key, t] : tensors_of(shard_file(0))) {
+    if (key.rfind(kBufferPrefix, 0) == 0) saved[key.substr(sizeof(kBufferPrefix) - 1)] = t;
+  }
+  for (const auto& item : p.module->named_buffers()) {
+    out.buffers[item.key()] =
+        match_one(saved, {item.key(), item.value().sizes().vec(), item.value().scalar_type()},
+                  src.dir + "/" + rank_file("shard", 0));
+  }
+  if (p.optimizer == nullptr || src.meta.optimizer_keys.empty()) return;
+  std::vector<ParamState> states(params.size());
+  at::Tensor steps = shard_file(0).at("optim_step").toTensor();
+  for (const auto& key : src.meta.optimizer_keys) {
+    auto parts = p.fsdp->parts_from(reader(key));
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (steps[static_cast<int64_t>(i)].item<double>() >= 0) states[i][key] = parts[i];
+    }
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double s = steps[static_cast<int64_t>(i)].item<double>();
+    if (s >= 0) states[i]["step"] = at::scalar_tensor(s, at::kFloat);
+  }
+  out.optimizer_states = to_optimizer_order(states, slots_now, held_now);
+}
+
+// This rank's RNG states and numerics history back (rank_<r>.pt).
+void apply_rank_state(const CheckpointParts& p, const c10::impl::GenericDict& mine) {
+  at::Generator cpu = at::detail::getDefaultCPUGenerator();  // a handle: shares the state
+  cpu.set_state(mine.at("rng_cpu").toTensor());
+  auto cuda = mine.at("rng_cuda").toList();
+  for (int i = 0; i < std::min<int>(static_cast<int>(cuda.size()), cuda_devices()); ++i) {
+    at::Generator g = at::globalContext().defaultGenerator(
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
+    g.set_state(cuda.get(i).toTensor());
+  }
+  if (p.monitor != nullptr && mine.contains("scale_history")) {
+    at::Tensor h = mine.at("scale_history").toTensor();
+    std::vector<std::pair<int64_t, double>> history;
+    for (int64_t i = 0; i < h.size(0); ++i) {
+      history.push_back({static_cast<int64_t>(h[i][0].item<double>()), h[i][1].item<double>()});
+    }
+    p.monitor->restore_scale_history(std::move(history));
+  }
+}
+
+// Everything read, on every rank (after agree()): the parts take it.
+void apply(const CheckpointParts& p, const Params& params, const Loaded& in) {
+  if (p.fsdp != nullptr) {
+    p.fsdp->set_parameters(in.values);
+  } else {
+    for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_(in.values[i]);
+  }
+  for (const auto& item : p.module->named_buffers()) {
+    if (in.buffers.count(item.key())) item.value().copy_(in.buffers.at(item.key()));
+  }
+  if (p.optimizer != nullptr && !in.optimizer_states.empty()) {
+    import_optimizer_state(*p.optimizer, in.optimizer_states);
+  }
+  if (p.scaler != nullptr && (in.scaler.size() > 0 || p.scaler->is_enabled())) {
+    p.scaler->load_state_dict(in.scaler);
+  }
+  if (in.rank_state) apply_rank_state(p, *in.rank_state);
+}
+
+}  // namespace
+
+// COMPLETE -> meta.json (verified) -> every file (verified as it is read) -> checked against
+// the model -> agree() -> applied. Nothing changes until every rank has read its part.
 std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts& p,
                                                           const std::string& dir) {
   const int rank = rank_of(p), world = world_of(p);
-  // COMPLETE -> meta.json (verified) -> every file (verified as it is read).
-  const ckpt::Meta meta = ckpt::read_meta(dir);
-  const std::map<std::string, FileInfo>& files = meta.files;
-  auto load = [&](const std::string& name) {
-    DTRAIN_CHECK_AS(CheckpointError, files.count(name), "checkpoint '", dir,
-                    "': meta.json lists no '", name, "'");
-    return ckpt::unpickle(ckpt::read_file(dir, files.at(name)), dir + "/" + name);
-  };
-  const std::string& mode = meta.mode;
-  const int saved_world = meta.world_size;
-  DTRAIN_CHECK_AS(CheckpointError, mode == "full" || p.fsdp != nullptr, "checkpoint '", dir,
-                  "' is sharded (FSDP), but this run's strategy is ", config_.parallel.strategy,
+  const Source src{dir, ckpt::read_meta(dir)};
+  const ckpt::Meta& meta = src.meta;
+  DTRAIN_CHECK_AS(CheckpointError, meta.mode == "full" || p.fsdp != nullptr, "checkpoint '", dir,
+                  "' is sharded (FSDP), but this run's strategy is ",
+                  name_of(config_.parallel.strategy),
                   "; resume it with parallel.strategy: fsdp, or save it with checkpoint.format: "
                   "full");
   c10::NoGradGuard no_grad;
-
-  // 1. Read and check everything; nothing is changed until all of it matches.
-  std::vector<std::pair<std::string, at::Tensor>> params;  // current: name -> where it goes
+  Params params;
   if (p.fsdp != nullptr) {
     params = p.fsdp->all_parameters();
   } else {
     for (const auto& item : p.module->named_parameters())
       params.push_back({item.key(), item.value()});
   }
-  std::vector<at::Tensor> new_values;  // per params entry: full (plain) or parts (FSDP)
-  std::vector<ParamState> new_states;  // in the optimizer's order
   // Where each model parameter sits in this optimizer (optimizer_slots).
   const std::vector<int64_t> slots_now =
       p.optimizer == nullptr ? std::vector<int64_t>{} : optimizer_slots(p);
   const size_t held_now = p.optimizer == nullptr ? 0 : optimizer_parameters(*p.optimizer).size();
-  std::map<std::string, at::Tensor> buffers;
-  const std::vector<std::string>& keys = meta.optimizer_keys;
-  if (mode == "full") {
-    auto model = tensors_of(as_dict(load("model.pt"), dir + "/model.pt"));
-    std::map<std::string, std::vector<int64_t>> fsdp_shapes;
-    if (p.fsdp != nullptr) {
-      for (const auto& l : p.fsdp->layouts()) {
-        for (const auto& e : l.params) fsdp_shapes[e.name] = e.shape;
-      }
-    }
-    std::vector<Wanted> want;
-    for (const auto& [name, t] : params) {
-      want.push_back({name, p.fsdp != nullptr ? fsdp_shapes[name] : t.sizes().vec(), at::kFloat});
-    }
-    for (const auto& item : p.module->named_buffers()) {
-      want.push_back({item.key(), item.value().sizes().vec(), item.value().scalar_type()});
-    }
-    std::vector<at::Tensor> matched = match(model, want, dir + "/model.pt");
-    std::vector<at::Tensor> full(matched.begin(), matched.begin() + params.size());
-    for (auto& t : full) t = t.to(at::kFloat);
-    size_t b = params.size();
-    for (const auto& item : p.module->named_buffers()) buffers[item.key()] = matched[b++];
-    new_values = p.fsdp != nullptr ? p.fsdp->local_parts(full) : full;
-    if (p.optimizer != nullptr && files.count("optim.pt")) {
-      auto optim = as_dict(load("optim.pt"), dir + "/optim.pt");
-      auto state = as_dict(optim.at("state"), dir + "/optim.pt state");
-      // Saved index -> name, where the checkpoint has names (dtrain's do): state goes back to
-      // the parameter of that name, whatever order this optimizer's groups are in.
-      std::map<std::string, int64_t> saved_index;
-      bool named = false;
-      if (optim.contains("param_groups") && optim.at("param_groups").isList()) {
-        named = true;
-        for (const auto& g : optim.at("param_groups").toListRef()) {
-          if (!g.isGenericDict() || !g.toGenericDict().contains("param_names")) {
-            named = false;
-            break;
-          }
-          const auto ids = g.toGenericDict().at("params").toListRef();
-          const auto names = g.toGenericDict().at("param_names").toListRef();
-          for (size_t k = 0; k < ids.size() && k < names.size(); ++k) {
-            saved_index[names[k].toStringRef()] = ids[k].toInt();
-          }
-        }
-      }
-      std::map<int64_t, ParamState> saved;
-      for (const auto& kv : state) {
-        saved[kv.key().toInt()] = tensors_of(as_dict(kv.value(), "optimizer state"));
-      }
-      // Model order (model_parameters).
-      std::vector<ParamState> all_states(params.size());
-      for (size_t i = 0; i < params.size(); ++i) {
-        if (slots_now[i] < 0) continue;
-        int64_t j = slots_now[i];
-        if (named) {
-          auto it = saved_index.find(params[i].first);
-          DTRAIN_CHECK_AS(CheckpointError, it != saved_index.end(), "checkpoint '", dir,
-                          "/optim.pt': its optimizer did not hold parameter '", params[i].first,
-                          "', which this optimizer does. Nothing was loaded.");
-          j = it->second;
-        }
-        if (saved.count(j)) all_states[i] = saved.at(j);
-      }
-      if (p.fsdp != nullptr) {
-        // Full state -> this rank's parts, per key.
-        for (const auto& key : keys) {
-          std::vector<at::Tensor> fulls;
-          for (size_t i = 0; i < params.size(); ++i) {
-            fulls.push_back(all_states[i].count(key) ? all_states[i].at(key)
-                                                     : at::zeros(fsdp_shapes[params[i].first]));
-          }
-          auto parts = p.fsdp->local_parts(fulls);
-          for (size_t i = 0; i < params.size(); ++i) {
-            if (all_states[i].count(key)) all_states[i][key] = parts[i];
-          }
-        }
-      }
-      new_states = to_optimizer_order(all_states, slots_now, held_now);
-    }
+  Loaded loaded;
+  if (meta.mode == "full") {
+    read_full(p, src, params, slots_now, held_now, loaded);
   } else {
-    // Sharded: the units must be the same; the world size may differ.
-    const auto layouts = p.fsdp->layouts();
-    const std::vector<ckpt::UnitMeta>& units = meta.units;
-    DTRAIN_CHECK_AS(CheckpointError, units.size() == layouts.size(), "checkpoint '", dir, "' has ",
-                    units.size(), " FSDP units, this model ", layouts.size(),
-                    ": resume with the same wrap policy. Nothing was loaded.");
-    for (size_t u = 0; u < layouts.size(); ++u) {
-      const std::vector<ckpt::UnitParamMeta>& ps = units[u].params;
-      DTRAIN_CHECK_AS(CheckpointError, ps.size() == layouts[u].params.size(), "checkpoint '", dir,
-                      "': unit '", layouts[u].name, "' holds ", ps.size(), " parameters there, ",
-                      layouts[u].params.size(), " here. Nothing was loaded.");
-      for (size_t i = 0; i < ps.size(); ++i) {
-        const auto& e = layouts[u].params[i];
-        DTRAIN_CHECK_AS(CheckpointError, ps[i].name == e.name && ps[i].shape == e.shape,
-                        "checkpoint '", dir, "': parameter '", ps[i].name, "' of shape ",
-                        at::IntArrayRef(ps[i].shape), " does not match the model's '", e.name,
-                        "' of shape ", at::IntArrayRef(e.shape), ". Nothing was loaded.");
-      }
-    }
-    const std::vector<int64_t>& shard_ranks = meta.shard_ranks;
-    std::map<int, c10::impl::GenericDict> cache;
-    auto shard_file = [&](int64_t shard_rank) -> const c10::impl::GenericDict& {
-      const int w = static_cast<int>(std::find(shard_ranks.begin(), shard_ranks.end(), shard_rank) -
-                                     shard_ranks.begin());
-      if (!cache.count(w)) {
-        cache.emplace(w, as_dict(load(rank_file("shard", w)), dir + "/" + rank_file("shard", w)));
-      }
-      return cache.at(w);
-    };
-    auto reader = [&](const std::string& what) {
-      return [&, what](int64_t unit, int64_t begin, int64_t count) {
-        const int64_t size = units[unit].shard_size;
-        at::Tensor out = at::empty({count}, at::kFloat);
-        for (int64_t pos = begin; pos < begin + count;) {
-          const int64_t q = pos / size, in = pos - q * size;
-          const int64_t n = std::min(begin + count - pos, size - in);
-          at::Tensor flat = shard_file(q).at(layouts[unit].name + "|" + what).toTensor();
-          out.narrow(0, pos - begin, n).copy_(flat.narrow(0, in, n));
-          pos += n;
-        }
-        return out.to(p.fsdp->all_parameters().front().second.device());
-      };
-    };
-    new_values = p.fsdp->parts_from(reader("params"));
-    {
-      std::map<std::string, at::Tensor> saved;
-      for (const auto& [key, t] : tensors_of(shard_file(0))) {
-        if (key.rfind(kBufferPrefix, 0) == 0) saved[key.substr(sizeof(kBufferPrefix) - 1)] = t;
-      }
-      for (const auto& item : p.module->named_buffers()) {
-        buffers[item.key()] =
-            match_one(saved, {item.key(), item.value().sizes().vec(), item.value().scalar_type()},
-                      dir + "/" + rank_file("shard", 0));
-      }
-    }
-    if (p.optimizer != nullptr && !keys.empty()) {
-      std::vector<ParamState> all_states(params.size());
-      at::Tensor steps = shard_file(0).at("optim_step").toTensor();
-      for (const auto& key : keys) {
-        auto parts = p.fsdp->parts_from(reader(key));
-        for (size_t i = 0; i < params.size(); ++i) {
-          if (steps[static_cast<int64_t>(i)].item<double>() >= 0) all_states[i][key] = parts[i];
-        }
-      }
-      for (size_t i = 0; i < params.size(); ++i) {
-        const double s = steps[static_cast<int64_t>(i)].item<double>();
-        if (s >= 0) all_states[i]["step"] = at::scalar_tensor(s, at::kFloat);
-      }
-      new_states = to_optimizer_order(all_states, slots_now, held_now);
-    }
+    read_sharded(p, src, params, slots_now, held_now, loaded);
   }
-  c10::impl::GenericDict scaler_state = tensor_dict();
-  if (p.scaler != nullptr && files.count("scaler.pt")) {
-    scaler_state = as_dict(load("scaler.pt"), dir + "/scaler.pt");
-  }
-  const bool same_world = saved_world == world;
-  c10::impl::GenericDict mine = tensor_dict();
-  if (same_world)
-    mine = as_dict(load(rank_file("rank", rank)), dir + "/" + rank_file("rank", rank));
+  if (p.scaler != nullptr && meta.files.count("scaler.pt")) loaded.scaler = src.dict("scaler.pt");
+  if (meta.world_size == world) loaded.rank_state = src.dict(rank_file("rank", rank));
 
-  // 2. Apply, once every rank has read and checked its part.
   agree(p, "");
-  if (p.fsdp != nullptr) {
-    p.fsdp->set_parameters(new_values);
-  } else {
-    for (size_t i = 0; i < params.size(); ++i) params[i].second.copy_(new_values[i]);
-  }
-  for (const auto& item : p.module->named_buffers()) {
-    if (buffers.count(item.key())) item.value().copy_(buffers[item.key()]);
-  }
-  if (p.optimizer != nullptr && !new_states.empty())
-    import_optimizer_state(*p.optimizer, new_states);
-  if (p.scaler != nullptr && (scaler_state.size() > 0 || p.scaler->is_enabled())) {
-    p.scaler->load_state_dict(scaler_state);
-  }
-  if (same_world) {
-    at::Generator cpu = at::detail::getDefaultCPUGenerator();  // a handle: shares the state
-    cpu.set_state(mine.at("rng_cpu").toTensor());
-    auto cuda = mine.at("rng_cuda").toList();
-    for (int i = 0; i < std::min<int>(static_cast<int>(cuda.size()), cuda_devices()); ++i) {
-      at::Generator g = at::globalContext().defaultGenerator(
-          c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
-      g.set_state(cuda.get(i).toTensor());
-    }
-    if (p.monitor != nullptr && mine.contains("scale_history")) {
-      at::Tensor h = mine.at("scale_history").toTensor();
-      std::vector<std::pair<int64_t, double>> history;
-      for (int64_t i = 0; i < h.size(0); ++i) {
-        history.push_back({static_cast<int64_t>(h[i][0].item<double>()), h[i][1].item<double>()});
-      }
-      p.monitor->restore_scale_history(std::move(history));
-    }
-  } else {
-    logging::warn("checkpoint '", dir, "' was written at ", saved_world, " ranks, this run has ",
-                  world, ": resharded; random-number generators keep this run's seeding");
+  apply(p, params, loaded);
+  if (meta.world_size != world) {
+    logging::warn("checkpoint '", dir, "' was written at ", meta.world_size,
+                  " ranks, this run has ", world,
+                  ": resharded; random-number generators keep this run's seeding");
   }
   TrainerProgress progress;
   progress.step = meta.step;
@@ -867,8 +916,8 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
   progress.lr = meta.lr;
   progress.consecutive_skips = meta.consecutive_skips;
   progress.nonfinite_run = meta.nonfinite_run;
-  logging::info("resumed from ", dir, " at step ", progress.step, " (", mode, ", written at ",
-                saved_world, " rank(s))");
+  logging::info("resumed from ", dir, " at step ", progress.step, " (", meta.mode, ", written at ",
+                meta.world_size, " rank(s))");
   return progress;
 }
 

@@ -4,15 +4,56 @@
 
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <limits>
+#include <sstream>
 
 #include "core/error.h"
 
 namespace dtrain::framework::ckpt {
 namespace {
 
-constexpr const char* kFormat = "dtrain-checkpoint";
-constexpr int kVersion = 1;
+constexpr int64_t kMost = std::numeric_limits<int64_t>::max();
+
+// --- writing ----------------------------------------------------------------------------
+
+// A JSON string: quotes, backslashes and control characters escaped (YAML reads the same).
+std::string quote(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", static_cast<unsigned>(c));
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+std::string ints(const std::vector<int64_t>& v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
+// Every digit: the parser gets back the same double.
+std::string number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
+}
+
+std::string file_json(const FileInfo& f) {
+  return "{\"name\": " + quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
+         ", \"xxh64\": \"" + hex(f.checksum) + "\"}";
+}
+
+// --- reading ----------------------------------------------------------------------------
 
 // Typed access to a parsed metadata file. Every lookup checks the node's kind before using
 // it (yaml-cpp throws its own exceptions, not dtrain's, on a scalar where a mapping was
@@ -103,6 +144,35 @@ class Reader {
     return f;
   }
 
+  // A list of sizes, none negative.
+  std::vector<int64_t> shape(const YAML::Node& map, const std::string& path) const {
+    const YAML::Node v = sequence(map, path, "shape");
+    std::vector<int64_t> out;
+    for (size_t d = 0; d < v.size(); ++d) {
+      const int64_t n = scalar<int64_t>(v[d], at(path + ".shape", d));
+      if (n < 0) fail(at(path + ".shape", d), "a size cannot be negative");
+      out.push_back(n);
+    }
+    return out;
+  }
+
+  UnitMeta unit(const YAML::Node& n, const std::string& path) const {
+    UnitMeta unit;
+    unit.name = text(n, path, "name");
+    unit.numel = integer(n, path, "numel", 0, kMost);
+    // Positions in the flat buffer are divided by it (which shard file holds them).
+    unit.shard_size = integer(n, path, "shard_size", 1, kMost);
+    unit.shard_group_size = integer(n, path, "shard_group_size", 1, INT_MAX);
+    const YAML::Node ps = sequence(n, path, "params");
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const std::string ppath = at(path + ".params", i);
+      unit.params.push_back({text(ps[i], ppath, "name"), shape(ps[i], ppath),
+                             integer(ps[i], ppath, "offset", 0, kMost),
+                             integer(ps[i], ppath, "numel", 0, kMost)});
+    }
+    return unit;
+  }
+
   static std::string join(const std::string& path, const std::string& key) {
     return path.empty() ? key : path + "." + key;
   }
@@ -155,63 +225,94 @@ Meta parse_meta(const std::string& text, const std::string& where) {
     if (m.files.count(f.name)) r.fail(Reader::at("files", i), "'" + f.name + "' listed twice");
     m.files[f.name] = f;
   }
+  m.strategy = r.text(root, "", "strategy");
   m.mode = r.text(root, "", "mode");
   if (m.mode != "full" && m.mode != "sharded") {
     r.fail("mode", "'" + m.mode + "' is neither full nor sharded");
   }
   m.world_size = static_cast<int>(r.integer(root, "", "world_size", 1, INT_MAX));
+  const YAML::Node params = r.sequence(root, "", "parameters");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string path = Reader::at("parameters", i);
+    m.parameters.push_back({r.text(params[i], path, "name"), r.shape(params[i], path),
+                            r.text(params[i], path, "dtype")});
+  }
   const YAML::Node keys = r.sequence(root, "", "optimizer_keys");
   for (size_t i = 0; i < keys.size(); ++i) {
     m.optimizer_keys.push_back(r.scalar<std::string>(keys[i], Reader::at("optimizer_keys", i)));
   }
   if (m.mode == "sharded") {
     const YAML::Node units = r.sequence(root, "", "units");
-    for (size_t u = 0; u < units.size(); ++u) {
-      const std::string path = Reader::at("units", u);
-      UnitMeta unit;
-      // Positions in the flat buffer are divided by it (which shard file holds them).
-      unit.shard_size =
-          r.integer(units[u], path, "shard_size", 1, std::numeric_limits<int64_t>::max());
-      const YAML::Node ps = r.sequence(units[u], path, "params");
-      for (size_t i = 0; i < ps.size(); ++i) {
-        const std::string ppath = Reader::at(path + ".params", i);
-        UnitParamMeta param;
-        param.name = r.text(ps[i], ppath, "name");
-        const YAML::Node shape = r.sequence(ps[i], ppath, "shape");
-        for (size_t d = 0; d < shape.size(); ++d) {
-          const int64_t n = r.scalar<int64_t>(shape[d], Reader::at(ppath + ".shape", d));
-          if (n < 0) r.fail(Reader::at(ppath + ".shape", d), "a size cannot be negative");
-          param.shape.push_back(n);
-        }
-        unit.params.push_back(std::move(param));
-      }
-      m.units.push_back(std::move(unit));
-    }
-    const YAML::Node ranks = r.sequence(root, "", "shard_ranks");
-    if (ranks.size() != static_cast<size_t>(m.world_size)) {
-      r.fail("shard_ranks", "has " + std::to_string(ranks.size()) + " entries for world_size " +
-                                std::to_string(m.world_size));
-    }
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      const int64_t s = r.scalar<int64_t>(ranks[i], Reader::at("shard_ranks", i));
-      if (s < 0 || s >= m.world_size) r.fail(Reader::at("shard_ranks", i), "not a rank");
-      m.shard_ranks.push_back(s);
-    }
+    for (size_t u = 0; u < units.size(); ++u)
+      m.units.push_back(r.unit(units[u], Reader::at("units", u)));
+  }
+  // Which file holds which slice (sharded); written for every checkpoint.
+  const YAML::Node ranks = r.sequence(root, "", "shard_ranks");
+  if (ranks.size() != static_cast<size_t>(m.world_size)) {
+    r.fail("shard_ranks", "has " + std::to_string(ranks.size()) + " entries for world_size " +
+                              std::to_string(m.world_size));
+  }
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int64_t s = r.scalar<int64_t>(ranks[i], Reader::at("shard_ranks", i));
+    if (s < 0 || s >= m.world_size) r.fail(Reader::at("shard_ranks", i), "not a rank");
+    m.shard_ranks.push_back(s);
   }
   const YAML::Node trainer = r.field(root, "", "trainer");
-  m.step = r.integer(trainer, "trainer", "step", 0, std::numeric_limits<int64_t>::max());
-  m.skipped_steps =
-      r.integer(trainer, "trainer", "skipped_steps", 0, std::numeric_limits<int64_t>::max());
+  m.step = r.integer(trainer, "trainer", "step", 0, kMost);
+  m.skipped_steps = r.integer(trainer, "trainer", "skipped_steps", 0, kMost);
   m.lr = r.get<double>(trainer, "trainer", "lr");
   if (!std::isfinite(m.lr)) r.fail("trainer.lr", "must be a finite number");
-  const int64_t most = std::numeric_limits<int64_t>::max();
   if (trainer["consecutive_skips"]) {
-    m.consecutive_skips = r.integer(trainer, "trainer", "consecutive_skips", 0, most);
+    m.consecutive_skips = r.integer(trainer, "trainer", "consecutive_skips", 0, kMost);
   }
   if (trainer["nonfinite_run"])
-    m.nonfinite_run = r.integer(trainer, "trainer", "nonfinite_run", 0, most);
+    m.nonfinite_run = r.integer(trainer, "trainer", "nonfinite_run", 0, kMost);
   return m;
 }
+
+std::string write_meta(const Meta& m) {
+  std::ostringstream o;
+  o << "{\"format\": " << quote(kFormat) << ", \"version\": " << kVersion
+    << ", \"step\": " << m.step << ", \"world_size\": " << m.world_size
+    << ", \"strategy\": " << quote(m.strategy) << ", \"mode\": " << quote(m.mode)
+    << ",\n \"trainer\": {\"step\": " << m.step << ", \"skipped_steps\": " << m.skipped_steps
+    << ", \"lr\": " << number(m.lr) << ", \"consecutive_skips\": " << m.consecutive_skips
+    << ", \"nonfinite_run\": " << m.nonfinite_run
+    << ", \"data\": \"a function of the step\"},\n \"parameters\": [";
+  for (size_t i = 0; i < m.parameters.size(); ++i) {
+    const ParamMeta& p = m.parameters[i];
+    o << (i ? ", " : "") << "{\"name\": " << quote(p.name) << ", \"shape\": " << ints(p.shape)
+      << ", \"dtype\": " << quote(p.dtype) << "}";
+  }
+  o << "],\n \"optimizer_keys\": [";
+  for (size_t k = 0; k < m.optimizer_keys.size(); ++k) {
+    o << (k ? ", " : "") << quote(m.optimizer_keys[k]);
+  }
+  o << "],\n";
+  if (m.mode == "sharded") {
+    o << " \"units\": [";
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      const UnitMeta& l = m.units[u];
+      o << (u ? ",\n  " : "") << "{\"name\": " << quote(l.name) << ", \"numel\": " << l.numel
+        << ", \"shard_size\": " << l.shard_size << ", \"shard_group_size\": " << l.shard_group_size
+        << ", \"params\": [";
+      for (size_t i = 0; i < l.params.size(); ++i) {
+        const UnitParamMeta& e = l.params[i];
+        o << (i ? ", " : "") << "{\"name\": " << quote(e.name) << ", \"shape\": " << ints(e.shape)
+          << ", \"offset\": " << e.offset << ", \"numel\": " << e.numel << "}";
+      }
+      o << "]}";
+    }
+    o << "],\n";
+  }
+  o << " \"shard_ranks\": " << ints(m.shard_ranks) << ",\n \"files\": [";
+  size_t i = 0;
+  for (const auto& [name, f] : m.files) o << (i++ ? ",\n  " : "") << file_json(f);
+  o << "]}\n";
+  return o.str();
+}
+
+std::string write_complete(const FileInfo& meta) { return "{\"meta\": " + file_json(meta) + "}\n"; }
 
 Meta read_meta(const std::string& dir) {
   const std::vector<char> complete = read_raw(dir + "/COMPLETE");

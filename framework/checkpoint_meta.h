@@ -1,6 +1,11 @@
 // A checkpoint's metadata: meta.json (what Checkpointer::save writes, see checkpoint.h) and
-// the COMPLETE marker that holds meta.json's size and checksum, parsed into plain structs.
+// the COMPLETE marker that holds meta.json's size and checksum. This file owns the format:
+// its name and version, and a writer and a parser that are each other's inverse
+// (parse_meta(write_meta(m)) holds everything m held; checkpoint_meta_test.cc, and the fuzz
+// target checks it on every input it accepts).
 //
+//   write_meta      Meta -> meta.json's text
+//   write_complete  meta.json's FileInfo -> COMPLETE's text
 //   parse_complete  COMPLETE's text -> meta.json's FileInfo
 //   parse_meta      meta.json's text -> Meta
 //   read_meta       <dir>/COMPLETE, then <dir>/meta.json verified against it, parsed
@@ -18,24 +23,41 @@
 
 namespace dtrain::framework::ckpt {
 
+inline constexpr const char* kFormat = "dtrain-checkpoint";
+inline constexpr int64_t kVersion = 1;
+
+// A model parameter as saved (full checkpoints: its dtype; sharded: the fp32 master's).
+struct ParamMeta {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string dtype;  // comm::dtype_name: fp32, bf16, ...
+};
+
 // One parameter's slice of an FSDP unit's flat buffer.
 struct UnitParamMeta {
   std::string name;
   std::vector<int64_t> shape;
+  int64_t offset = 0;  // in the unit's flat buffer
+  int64_t numel = 0;
 };
 
 // One FSDP unit (sharded checkpoints).
 struct UnitMeta {
+  std::string name;
+  int64_t numel = 0;       // the unit's flat buffer, unpadded
   int64_t shard_size = 0;  // elements per shard file
+  int64_t shard_group_size = 1;
   std::vector<UnitParamMeta> params;
 };
 
 struct Meta {
-  std::string mode;  // full | sharded
+  std::string strategy;  // the saving run's parallel.strategy (for people; restore reads mode)
+  std::string mode;      // full | sharded
   int world_size = 1;
+  std::vector<ParamMeta> parameters;
   std::vector<std::string> optimizer_keys;
   std::vector<UnitMeta> units;            // sharded only
-  std::vector<int64_t> shard_ranks;       // sharded only: each writing rank's shard rank
+  std::vector<int64_t> shard_ranks;       // each writing rank's shard rank
   std::map<std::string, FileInfo> files;  // by name
   // The trainer's state at the save.
   int64_t step = 0;
@@ -47,6 +69,9 @@ struct Meta {
   int64_t consecutive_skips = 0;
   int64_t nonfinite_run = 0;
 };
+
+std::string write_meta(const Meta& m);
+std::string write_complete(const FileInfo& meta);
 
 FileInfo parse_complete(const std::string& text, const std::string& where);
 Meta parse_meta(const std::string& text, const std::string& where);

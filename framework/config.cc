@@ -125,6 +125,16 @@ class Section {
     }
   }
 
+  // An enum with named choices (core/choices.h): its names are the only ones accepted.
+  template <typename E>
+  void read_choice(const std::string& key, E& out, bool required = false) {
+    std::string name = name_of(out);
+    read(key, name, required);
+    const std::optional<E> v = choice_from_name<E>(name);
+    if (!v) fail(key, "expected one of " + choice_list<E>() + ", got '" + name + "'");
+    out = *v;
+  }
+
   [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
     YAML::Mark m = has(key) ? node_[key].Mark() : mark_;
     fail_at(key_path(key), m, msg);
@@ -210,7 +220,7 @@ void apply_override(YAML::Node& root, const std::string& text, Origin& origin) {
 }
 
 void read_model(Section s, ModelConfig& m) {
-  s.read_choice("type", m.type, {"transformer", "mlp", "custom"}, /*required=*/true);
+  s.read_choice("type", m.type, /*required=*/true);
   s.read("vocab_size", m.vocab_size);
   s.read("seq_len", m.seq_len);
   s.read("d_model", m.d_model);
@@ -242,10 +252,10 @@ void read_model(Section s, ModelConfig& m) {
 }
 
 void read_data(Section s, DataConfig& d) {
-  s.read_choice("source", d.source, {"synthetic", "corpus"});
+  s.read_choice("source", d.source);
   s.read("path", d.path);
   s.read("seed", d.seed);
-  if (d.source == "corpus") {
+  if (d.source == DataSource::kCorpus) {
     s.check(!std::filesystem::is_directory(d.path), "path",
             "'" + d.path + "' is a directory; give a text file, or use source: synthetic");
     std::ifstream f(d.path);
@@ -266,7 +276,7 @@ void read_train(Section s, TrainConfig& t) {
   s.read("clip_grad_norm", t.clip_grad_norm);
   s.read("eval_every", t.eval_every);
   s.read("eval_samples", t.eval_samples);
-  s.read_choice("optimizer", t.optimizer, {"adamw", "sgd"});
+  s.read_choice("optimizer", t.optimizer);
   s.read("momentum", t.momentum);
   s.read("seed", t.seed);
   s.read("max_nonfinite_steps", t.max_nonfinite_steps);
@@ -291,8 +301,8 @@ void read_train(Section s, TrainConfig& t) {
 }
 
 void read_parallel(Section s, ParallelConfig& p) {
-  s.read_choice("strategy", p.strategy, {"none", "ddp", "fsdp"});
-  s.read_choice("backend", p.backend, comm::backend_names());
+  s.read_choice("strategy", p.strategy);
+  s.read_choice("backend", p.backend);
   s.read("bucket_cap_mb", p.bucket_cap_mb);
   s.read("find_unused_parameters", p.find_unused_parameters);
   s.read("broadcast_buffers", p.broadcast_buffers);
@@ -315,15 +325,15 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.finish();
 }
 
-void read_precision(Section s, const std::string& device, PrecisionConfig& p,
+void read_precision(Section s, ComputeDevice device, PrecisionConfig& p,
                     std::vector<std::string>& warnings) {
   s.read_choice("policy", p.policy, {"fp32", "bf16", "fp16", "auto"});
-  const auto hw = low_precision_support(device == "cuda" ? c10::kCUDA : c10::kCPU);
+  const auto hw = low_precision_support(torch_device(device));
   if (p.policy == "auto") {
     // bf16 where the hardware has it, else fp16 with loss scaling where that is native (GPUs
     // before Ampere), else fp32.
     p.policy = hw.bf16 ? "bf16" : hw.fp16 ? "fp16" : "fp32";
-    p.chosen_by = "precision.policy auto chose " + p.policy + " on this " + device + " (" +
+    p.chosen_by = "precision.policy auto chose " + p.policy + " on this " + name_of(device) + " (" +
                   (hw.bf16   ? hw.bf16_how
                    : hw.fp16 ? hw.fp16_how
                              : hw.bf16_how) +
@@ -407,7 +417,7 @@ void read_checkpoint(Section s, CheckpointConfig& c) {
   s.read("every_steps", c.every_steps);
   s.read("keep", c.keep);
   s.read("resume", c.resume);
-  s.read_choice("format", c.format, {"auto", "full", "sharded"});
+  s.read_choice("format", c.format);
   s.check(c.every_steps >= 0, "every_steps", "must be >= 0 (0: only at the end)");
   s.check(c.keep >= 1, "keep", "must be >= 1");
   s.finish();
@@ -434,7 +444,7 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
   cfg.source = origin.file;
   Section top(root, "", origin, YAML::Mark());
   if (!root || root.IsNull()) DTRAIN_FAIL(ConfigError, origin.file, ": the config is empty");
-  top.read_choice("device", cfg.device, {"cpu", "cuda"});
+  top.read_choice("device", cfg.device);
   read_model(top.section("model"), cfg.model);
   read_data(top.section("data"), cfg.data);
   read_train(top.section("train"), cfg.train);
@@ -442,12 +452,13 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
   read_precision(top.section("precision"), cfg.device, cfg.precision, cfg.warnings);
   read_checkpoint(top.section("checkpoint"), cfg.checkpoint);
   read_logging(top.section("logging"), cfg.logging);
-  if (cfg.parallel.strategy != "fsdp") {
+  if (cfg.parallel.strategy != ParallelStrategy::kFsdp) {
     // PyTorch's DDP mixed precision has param, reduce and buffer dtypes only; dtrain's DDP
     // computes under autocast in param_dtype. The FSDP-only fields are refused, not ignored.
     Section prec = top.section("precision");
     const auto& mp = cfg.precision.mixed;
-    const std::string why = " is an FSDP setting that strategy " + cfg.parallel.strategy +
+    const std::string why = " is an FSDP setting that strategy " +
+                            std::string(name_of(cfg.parallel.strategy)) +
                             " cannot honour; use parallel.strategy: fsdp, or remove it";
     if (mp.output_dtype) prec.fail("output_dtype", "output_dtype" + why);
     if (mp.cast_forward_inputs) prec.fail("cast_forward_inputs", "cast_forward_inputs" + why);
@@ -465,7 +476,7 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
               "or use it through the library with an optimizer that takes low-precision "
               "gradients");
   }
-  if (cfg.parallel.backend == "nccl" && cfg.device != "cuda") {
+  if (cfg.parallel.backend == comm::Backend::kNccl && cfg.device != ComputeDevice::kCuda) {
     Section p = top.section("parallel");
     p.fail("backend",
            "nccl needs device: cuda (it moves CUDA tensors only); use gloo or mpi on cpu");

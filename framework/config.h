@@ -7,18 +7,82 @@
 // Overrides (`--set key.path=value`, parsed as YAML scalars) pass through the same checks.
 // Required keys: model.type, train.steps, train.batch_size, train.lr. Everything else has the
 // default shown in configs/README.md.
+//
+// A key with named choices is an enum, parsed once: its names are listed once, in the table
+// beside it (core/choices.h), which the parser, its "expected one of" messages and the logs
+// read (name_of). The backend's table is comm/backend.h's.
 #pragma once
 
+#include <c10/core/DeviceType.h>
+
+#include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "amp/policy.h"
+#include "comm/backend.h"
+#include "core/choices.h"
 
 namespace dtrain::framework {
 
+// model.type. custom: a model given in code (framework/trainer.h).
+enum class ModelType { kTransformer, kMlp, kCustom };
+inline constexpr std::array<std::pair<ModelType, const char*>, 3> kModelTypes{{
+    {ModelType::kTransformer, "transformer"},
+    {ModelType::kMlp, "mlp"},
+    {ModelType::kCustom, "custom"},
+}};
+constexpr const auto& choices(ModelType) { return kModelTypes; }
+
+// data.source
+enum class DataSource { kSynthetic, kCorpus };
+inline constexpr std::array<std::pair<DataSource, const char*>, 2> kDataSources{{
+    {DataSource::kSynthetic, "synthetic"},
+    {DataSource::kCorpus, "corpus"},
+}};
+constexpr const auto& choices(DataSource) { return kDataSources; }
+
+// train.optimizer
+enum class OptimizerType { kAdamW, kSgd };
+inline constexpr std::array<std::pair<OptimizerType, const char*>, 2> kOptimizerTypes{{
+    {OptimizerType::kAdamW, "adamw"},
+    {OptimizerType::kSgd, "sgd"},
+}};
+constexpr const auto& choices(OptimizerType) { return kOptimizerTypes; }
+
+// parallel.strategy
+enum class ParallelStrategy { kNone, kDdp, kFsdp };
+inline constexpr std::array<std::pair<ParallelStrategy, const char*>, 3> kParallelStrategies{{
+    {ParallelStrategy::kNone, "none"},
+    {ParallelStrategy::kDdp, "ddp"},
+    {ParallelStrategy::kFsdp, "fsdp"},
+}};
+constexpr const auto& choices(ParallelStrategy) { return kParallelStrategies; }
+
+// device
+enum class ComputeDevice { kCpu, kCuda };
+inline constexpr std::array<std::pair<ComputeDevice, const char*>, 2> kComputeDevices{{
+    {ComputeDevice::kCpu, "cpu"},
+    {ComputeDevice::kCuda, "cuda"},
+}};
+constexpr const auto& choices(ComputeDevice) { return kComputeDevices; }
+inline c10::DeviceType torch_device(ComputeDevice d) {
+  return d == ComputeDevice::kCuda ? c10::kCUDA : c10::kCPU;
+}
+
+// checkpoint.format. auto: sharded under FSDP, else full.
+enum class CheckpointFormat { kAuto, kFull, kSharded };
+inline constexpr std::array<std::pair<CheckpointFormat, const char*>, 3> kCheckpointFormats{{
+    {CheckpointFormat::kAuto, "auto"},
+    {CheckpointFormat::kFull, "full"},
+    {CheckpointFormat::kSharded, "sharded"},
+}};
+constexpr const auto& choices(CheckpointFormat) { return kCheckpointFormats; }
+
 struct ModelConfig {
-  std::string type;  // transformer | mlp | custom (a model given in code: framework/trainer.h)
+  ModelType type = ModelType::kTransformer;  // required: no default is read
   // transformer
   int64_t vocab_size = 256;
   int64_t seq_len = 128;
@@ -35,7 +99,7 @@ struct ModelConfig {
 };
 
 struct DataConfig {
-  std::string source = "synthetic";                       // synthetic | corpus
+  DataSource source = DataSource::kSynthetic;
   std::string path = "/usr/share/common-licenses/GPL-3";  // corpus: a text file
   int64_t seed = 1;
 };
@@ -47,11 +111,11 @@ struct TrainConfig {
   double lr = 0;
   double weight_decay = 0.0;
   int64_t warmup_steps = 0;
-  double clip_grad_norm = 0.0;      // 0: off
-  int64_t eval_every = 0;           // validation loss every N steps (and at the end); 0: off
-  int64_t eval_samples = 12;        // the fixed validation set, split over the ranks
-  std::string optimizer = "adamw";  // adamw | sgd
-  double momentum = 0.9;            // sgd
+  double clip_grad_norm = 0.0;  // 0: off
+  int64_t eval_every = 0;       // validation loss every N steps (and at the end); 0: off
+  int64_t eval_samples = 12;    // the fixed validation set, split over the ranks
+  OptimizerType optimizer = OptimizerType::kAdamW;
+  double momentum = 0.9;  // sgd
   int64_t seed = 1234;
   // Without loss scaling (fp32, bf16), this many consecutive steps with a non-finite loss
   // stop the run (with a scaler, such steps are skipped and the scale backs off).
@@ -59,8 +123,8 @@ struct TrainConfig {
 };
 
 struct ParallelConfig {
-  std::string strategy = "ddp";  // none | ddp | fsdp
-  std::string backend = "auto";  // auto | mpi | gloo | nccl
+  ParallelStrategy strategy = ParallelStrategy::kDdp;
+  comm::Backend backend = comm::Backend::kAuto;
   double bucket_cap_mb = 25.0;
   bool find_unused_parameters = false;
   bool broadcast_buffers = true;
@@ -102,7 +166,7 @@ struct CheckpointConfig {
   int64_t every_steps = 0;  // 0: only at the end
   int64_t keep = 2;
   std::string resume = "auto";  // auto | never | <path of a step_* directory>
-  std::string format = "auto";  // auto (fsdp: sharded, else full) | full | sharded
+  CheckpointFormat format = CheckpointFormat::kAuto;
 };
 
 struct LoggingConfig {
@@ -120,8 +184,8 @@ struct LoggingConfig {
 };
 
 struct RunConfig {
-  std::string source;          // the file it came from
-  std::string device = "cpu";  // cpu | cuda
+  std::string source;  // the file it came from
+  ComputeDevice device = ComputeDevice::kCpu;
   ModelConfig model;
   DataConfig data;
   TrainConfig train;

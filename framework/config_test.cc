@@ -54,7 +54,7 @@ std::string replace(std::string s, const std::string& from, const std::string& t
 
 TEST(Config, ParsesAValidConfigWithDefaults) {
   RunConfig c = parse_config(kGood, "run.yaml");
-  EXPECT_EQ(c.model.type, "transformer");
+  EXPECT_EQ(c.model.type, ModelType::kTransformer);
   EXPECT_EQ(c.model.d_model, 64);
   EXPECT_EQ(c.train.steps, 10);
   EXPECT_EQ(c.train.micro_batches, 1);

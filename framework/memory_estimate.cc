@@ -48,7 +48,7 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
   const double cb = bytes_of(mp.param_dtype);  // compute dtype
   const double tokens = static_cast<double>(c.train.batch_size / c.train.micro_batches);
   double largest_unit = 0, root = 0;
-  if (m.type == "transformer") {
+  if (m.type == ModelType::kTransformer) {
     auto o = TransformerLMOptions()
                  .vocab_size(m.vocab_size)
                  .seq_len(m.seq_len)
@@ -81,9 +81,10 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
     e.activations = tokens * static_cast<double>(2 * m.hidden * m.depth + m.out_features) * 4;
   }
   const double p = static_cast<double>(e.parameter_count);
-  const double opt_per_param = c.train.optimizer == "adamw" ? 8 : (c.train.momentum > 0 ? 4 : 0);
+  const double opt_per_param =
+      c.train.optimizer == OptimizerType::kAdamW ? 8 : (c.train.momentum > 0 ? 4 : 0);
   e.construction = 4 * p;
-  if (c.parallel.strategy == "fsdp") {
+  if (c.parallel.strategy == ParallelStrategy::kFsdp) {
     const std::string& s = c.parallel.sharding_strategy;
     double n = world;
     if (s == "no_shard") n = 1;
@@ -101,7 +102,8 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
   } else {
     e.parameters = 4 * p;
     e.gradients = 4 * p;
-    if (c.parallel.strategy == "ddp" && mp.effective_reduce_dtype() != c10::kFloat) {
+    if (c.parallel.strategy == ParallelStrategy::kDdp &&
+        mp.effective_reduce_dtype() != c10::kFloat) {
       e.gradients += bytes_of(mp.effective_reduce_dtype()) * p;
     }
     e.optimizer = opt_per_param * p;
@@ -127,15 +129,15 @@ void check_memory_fits(const RunConfig& c, int world, int ranks_here, int64_t av
   const double need = e.peak() * ranks_here;
   if (need <= 0.9 * static_cast<double>(available)) return;
   std::ostringstream hint;
-  if (c.parallel.strategy != "fsdp" && world > 1) {
+  if (c.parallel.strategy != ParallelStrategy::kFsdp && world > 1) {
     RunConfig f = c;
-    f.parallel.strategy = "fsdp";
+    f.parallel.strategy = ParallelStrategy::kFsdp;
     f.parallel.sharding_strategy = "full_shard";
     hint << "parallel.strategy: fsdp (full_shard shards parameters, gradients and optimizer "
             "state over the "
          << world << " ranks: about " << format_bytes(estimate_memory(f, world).peak())
          << " per rank)";
-  } else if (c.parallel.strategy != "fsdp") {
+  } else if (c.parallel.strategy != ParallelStrategy::kFsdp) {
     hint << "more ranks with parallel.strategy: fsdp (it shards parameters, gradients and "
             "optimizer state over them)";
   } else {

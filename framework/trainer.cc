@@ -1,55 +1,39 @@
 #include "framework/trainer.h"
 
 #include <ATen/ATen.h>
-#include <sys/resource.h>
+#include <torch/optim/optimizer.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
+#include <cstdlib>
 #include <limits>
 #include <optional>
-#include <sstream>
+#include <string>
 
 #include "amp/autocast.h"
-#include "amp/grad_scaler.h"
-#include "amp/numerics.h"
 #include "amp/sharded_grad_scaler.h"
 #include "comm/factory.h"
 #include "comm/rendezvous.h"
-#include "core/error.h"
-#include "core/faults.h"
 #include "core/logging.h"
 #include "core/trace.h"
-#include "framework/checkpoint.h"
-#include "framework/checkpoint_io.h"
-#include "framework/data.h"
 #include "framework/memory.h"
 #include "framework/memory_estimate.h"
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
+#include "framework/report.h"
 #include "optim/fused.h"
-#include "sharding/clip_grad.h"
-#include "sharding/ddp.h"
-#include "sharding/fsdp.h"
 
 namespace dtrain::framework {
 namespace {
 
-using internal::Model;
-
 using Clock = std::chrono::steady_clock;
 
-double peak_rss_mb() {
-  rusage r{};
-  getrusage(RUSAGE_SELF, &r);
-  return r.ru_maxrss / 1024.0;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
 double lr_at(const TrainConfig& t, int64_t step) {
@@ -61,98 +45,6 @@ double lr_at(const TrainConfig& t, int64_t step) {
   return t.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
-std::string progress_bar(int64_t done, int64_t total, int width = 30) {
-  int filled = static_cast<int>(width * done / std::max<int64_t>(1, total));
-  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "] " +
-         std::to_string(done) + "/" + std::to_string(total);
-}
-
-// ",\"key\":<value with every digit>" for JSON lines (losses compared bitwise across runs).
-// `prefix` then v in `format`; a non-finite v (a diverged loss) is JSON's null, since JSON
-// has no nan or inf.
-std::string json_number(const char* prefix, double v, const char* format = "%.17g") {
-  char buf[96];
-  int n = std::snprintf(buf, sizeof(buf), "%s", prefix);
-  if (std::isfinite(v)) {
-    std::snprintf(buf + n, sizeof(buf) - n, format, v);
-  } else {
-    std::snprintf(buf + n, sizeof(buf) - n, "null");
-  }
-  return buf;
-}
-
-// Rank 0's metrics file. A resumed run keeps the rows up to its checkpoint's step (a crashed
-// attempt may have logged beyond it) and appends.
-// The first row describes the run (for plot titles and legends): {"run": {...}}.
-std::ofstream open_metrics(const RunConfig& c, int rank, int64_t resumed_at,
-                           const std::string& run_json) {
-  std::ofstream metrics;
-  if (rank != 0 || c.logging.metrics_file.empty()) return metrics;
-  const std::string& path = c.logging.metrics_file;
-  std::vector<std::string> kept;
-  if (resumed_at > 0) {
-    std::ifstream in(path);
-    for (std::string line; std::getline(in, line);) {
-      const auto at = line.find("\"step\":");
-      if (at != std::string::npos && std::atoll(line.c_str() + at + 7) <= resumed_at) {
-        kept.push_back(line);
-      }
-    }
-  }
-  std::error_code ec;
-  auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-  metrics.open(path, std::ios::trunc);
-  DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(metrics), c.source,
-                  ": logging.metrics_file: cannot write '", path, "': ", std::strerror(errno),
-                  "; choose a writable place");
-  metrics << "{\"run\":" << run_json << "}\n";
-  for (const auto& line : kept) metrics << line << "\n";
-  return metrics;
-}
-
-// The step timeline: every rank's events gathered to rank 0, which writes one Chrome
-// trace-event file (core/trace.h). Collective: every rank calls it.
-void write_trace(const RunConfig& c, comm::Communicator* comm, int rank, int world) {
-  const std::string mine = trace::take_events_json();
-  std::vector<std::string> all{mine};
-  if (comm != nullptr && world > 1) {
-    const auto on = [&](at::ScalarType t) { return at::TensorOptions(t).device(comm->device()); };
-    at::Tensor lens = at::empty({world}, on(at::kLong));
-    comm->all_gather(at::full({1}, static_cast<int64_t>(mine.size()), on(at::kLong)), lens).wait();
-    lens = lens.cpu();
-    const int64_t longest = lens.max().item<int64_t>();
-    at::Tensor buf = at::zeros({std::max<int64_t>(1, longest)}, at::kByte);
-    std::memcpy(buf.data_ptr(), mine.data(), mine.size());
-    at::Tensor out = at::empty({buf.numel() * world}, on(at::kByte));
-    comm->all_gather(buf.to(comm->device()), out).wait();
-    out = out.cpu();
-    all.clear();
-    for (int r = 0; r < world; ++r) {
-      all.emplace_back(static_cast<const char*>(out.data_ptr()) + r * buf.numel(),
-                       lens[r].item<int64_t>());
-    }
-  }
-  if (rank != 0) return;
-  const std::string& path = c.logging.trace;
-  std::error_code ec;
-  auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
-  std::ofstream f(path, std::ios::trunc);
-  DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(f), c.source, ": logging.trace: cannot write '",
-                  path, "': ", std::strerror(errno), "; choose a writable place");
-  f << "{\"traceEvents\":[";
-  for (int r = 0; r < world; ++r) f << (r ? "," : "") << all[r];
-  f << "],\"displayTimeUnit\":\"ms\",\"otherData\":{\"config\":\"" << trace::json_escape(c.source)
-    << "\",\"strategy\":\"" << c.parallel.strategy << "\",\"precision\":\"" << c.precision.policy
-    << "\",\"ranks\":" << world << ",\"first_step\":" << c.logging.trace_start
-    << ",\"steps\":" << c.logging.trace_steps << "}}\n";
-  f.close();
-  logging::info("trace: ", path, " (steps ", c.logging.trace_start, "-",
-                c.logging.trace_start + c.logging.trace_steps - 1,
-                ", every rank; open it in Perfetto or chrome://tracing, or scripts/plot it)");
-}
-
 double mean_over_ranks(comm::Communicator* comm, double v) {
   if (comm == nullptr || comm->size() == 1) return v;
   at::Tensor t = at::full({1}, v, at::TensorOptions().dtype(at::kDouble).device(comm->device()));
@@ -160,172 +52,54 @@ double mean_over_ranks(comm::Communicator* comm, double v) {
   return t.item<double>();
 }
 
-// Mean per-token loss over the validation set, the same number at any world size: every rank
-// evaluates its share; sums and counts are added over the ranks.
-double validation_loss(Model& model, BatchSource& data, comm::Communicator* comm,
-                       c10::DeviceType device, bool autocast, c10::ScalarType compute) {
-  const int rank = comm ? comm->rank() : 0, world = comm ? comm->size() : 1;
-  Batch b = data.validation(rank, world);
-  b.inputs = b.inputs.to(device);
-  b.targets = b.targets.to(device);
-  c10::NoGradGuard no_grad;
-  std::pair<at::Tensor, double> sum;
-  {
-    amp::AutocastGuard ac(device, autocast ? std::optional<c10::ScalarType>(compute) : std::nullopt,
-                          autocast);
-    sum = model.loss_sum(b);
-  }
-  at::Tensor t = at::stack({sum.first.to(at::kDouble).reshape({}),
-                            at::scalar_tensor(sum.second, at::kDouble).to(sum.first.device())});
-  if (comm != nullptr && world > 1) {
-    t = t.to(comm->device());
-    comm->all_reduce(t, comm::ReduceOp::kSum).wait();
-  }
-  t = t.cpu();
-  return t[0].item<double>() / t[1].item<double>();
-}
-
-// Greedy decoding from a prompt (byte vocabulary): what the model has learned, in words. Every
-// rank runs it (FSDP's forwards are collective); rank 0 prints.
-std::string sample_text(Model& model, c10::DeviceType device, int64_t seq_len, int64_t count) {
-  c10::NoGradGuard no_grad;
-  std::vector<int64_t> tokens = {'T', 'h', 'e', ' '};
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - seq_len);
-    at::Tensor in =
-        at::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), at::kLong)
-            .unsqueeze(0)
-            .to(device);
-    at::Tensor logits = model.logits(in);
-    tokens.push_back(logits[0][-1].argmax().item<int64_t>());
-  }
-  std::string text;
-  for (int64_t t : tokens)
-    text += (t >= 32 && t < 127) ? static_cast<char>(t) : (t == '\n' ? ' ' : '?');
-  return text;
-}
-
-// A checksum of every parameter's bytes (full values), gathered: ranks hold bitwise the same
-// model, or the run says which do not.
-void check_parameters_agree(Model& model, comm::Communicator* comm) {
-  std::vector<at::Tensor> full;
-  if (auto* f = model.fsdp()) {
-    for (auto& [name, t] : f->full_parameters()) full.push_back(t);
-  } else {
-    for (const auto& t : model.module().parameters()) full.push_back(t.detach());
-  }
-  ckpt::Hasher hash;
-  for (const auto& t : full) {
-    at::Tensor c = t.cpu().contiguous();
-    hash.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
-  }
-  const int64_t sum = static_cast<int64_t>(hash.digest());
-  std::vector<int64_t> all{sum};
-  if (comm != nullptr && comm->size() > 1) {
-    at::Tensor in = at::full({1}, sum, at::kLong).to(comm->device());
-    at::Tensor out = at::empty({comm->size()}, at::TensorOptions(at::kLong).device(comm->device()));
-    comm->all_gather(in, out).wait();
-    out = out.cpu();
-    all.assign(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
-  }
-  if (std::all_of(all.begin(), all.end(), [&](int64_t v) { return v == all.front(); })) {
-    logging::info("parameters identical on all ", all.size(), " rank(s) (xxh64 ",
-                  ckpt::hex(static_cast<uint64_t>(all.front())), ")");
-  } else {
-    std::ostringstream os;
-    for (size_t r = 0; r < all.size(); ++r) {
-      os << (r ? ", " : "") << "rank " << r << ": " << ckpt::hex(static_cast<uint64_t>(all[r]));
-    }
-    logging::error("parameters differ across ranks (xxh64 ", os.str(),
-                   "): the ranks fell out of sync");
-  }
-}
-
 void check_supported(const RunConfig& c, const comm::Communicator* comm) {
-  DTRAIN_CHECK_AS(ConfigError,
-                  c.parallel.strategy != "none" || comm == nullptr || comm->size() == 1, c.source,
-                  ": parallel.strategy: none trains one process, but this job has ",
-                  comm ? comm->size() : 1, " ranks; use ddp");
-  DTRAIN_CHECK_AS(ConfigError, c.device == "cpu" || at::hasCUDA(), c.source,
+  DTRAIN_CHECK_AS(
+      ConfigError,
+      c.parallel.strategy != ParallelStrategy::kNone || comm == nullptr || comm->size() == 1,
+      c.source, ": parallel.strategy: none trains one process, but this job has ",
+      comm ? comm->size() : 1, " ranks; use ddp");
+  DTRAIN_CHECK_AS(ConfigError, c.device == ComputeDevice::kCpu || at::hasCUDA(), c.source,
                   ": device: cuda, but this LibTorch has no CUDA device; use device: cpu");
 }
 
-// Loss-scale collapse: the scale keeps halving because the gradients overflow whatever it
-// is, so every step is skipped and the run trains nothing while looking alive. After the
-// first skipped step the numerics monitor is switched on (if it was off), so that the error
-// can name the unit that went non-finite first; it goes back off after a step that stepped.
-class ScaleCollapseGuard {
- public:
-  explicit ScaleCollapseGuard(const ScalerConfig& c) : c_(c) {}
-
-  // Steps skipped in a row, for checkpoints; resume() takes it back (with the monitor on, as
-  // after_step would have left it).
-  int64_t skips() const { return skips_; }
-  void resume(int64_t skips, amp::NumericsMonitor& monitor) {
-    skips_ = skips;
-    if (skips_ > 0 && !monitor.enabled()) {
-      monitor.set_enabled(true);
-      switched_monitor_on_ = true;
-    }
+// ATen's fused kernels, as Python's AdamW(fused=True) and SGD(fused=True): one pass per step,
+// PyTorch's rounding, and the GradScaler's skip inside the kernel (optim/fused.h).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& t,
+                                                        std::vector<at::Tensor> params) {
+  if (t.optimizer == OptimizerType::kAdamW) {
+    return std::make_unique<optim::AdamW>(
+        std::move(params), torch::optim::AdamWOptions(t.lr).weight_decay(t.weight_decay));
   }
+  return std::make_unique<optim::SGD>(
+      std::move(params),
+      torch::optim::SGDOptions(t.lr).momentum(t.momentum).weight_decay(t.weight_decay));
+}
 
-  void after_step(int64_t step, bool stepped, double scale, amp::NumericsMonitor& monitor) {
-    if (const auto& unit = monitor.first_nonfinite_unit()) last_unit_ = *unit;
-    if (stepped) {
-      skips_ = 0;
-      if (switched_monitor_on_) {
-        monitor.set_enabled(false);
-        switched_monitor_on_ = false;
-      }
-    } else {
-      ++skips_;
-      if (!monitor.enabled()) {
-        monitor.set_enabled(true);
-        switched_monitor_on_ = true;
-      }
-    }
-    if (scale < 1024 && !warned_) {
-      warned_ = true;
-      logging::warn("step ", step + 1, ": the loss scale fell to ", scale,
-                    ", below 2^10: fp16 gradients are overflowing often. ", advice());
-    }
-    const bool too_small = scale < c_.min_scale;
-    const bool too_many = c_.max_consecutive_skips > 0 && skips_ >= c_.max_consecutive_skips;
-    if (!too_small && !too_many) return;
-    std::ostringstream history;
-    const auto& h = monitor.scale_history();
-    for (size_t i = h.size() > 8 ? h.size() - 8 : 0; i < h.size(); ++i) {
-      history << "step " << h[i].first + 1 << ": " << h[i].second << (i + 1 < h.size() ? ", " : "");
-    }
-    DTRAIN_FAIL(Error, "step ", step + 1, ": the loss scale collapsed (",
-                too_small ? detail::str("scale ", scale, " is below precision.scaler.min_scale ",
-                                        c_.min_scale)
-                          : detail::str(skips_,
-                                        " steps skipped in a row, precision.scaler."
-                                        "max_consecutive_skips: ",
-                                        c_.max_consecutive_skips),
-                "); stopping. The first unit with an inf/NaN: ",
-                last_unit_.empty() ? std::string("none recorded") : last_unit_,
-                ". Recent scales: ", history.str(), ". ", advice());
-  }
+// FSDP's gradients are shards (and may be fp16): the inf verdict must be agreed over ranks.
+std::unique_ptr<amp::GradScaler> make_scaler(const RunConfig& c,
+                                             const std::shared_ptr<comm::Communicator>& comm) {
+  const auto& sc = c.precision.scaler;
+  const auto o = amp::GradScalerOptions()
+                     .init_scale(sc.init_scale)
+                     .growth_factor(sc.growth_factor)
+                     .backoff_factor(sc.backoff_factor)
+                     .growth_interval(sc.growth_interval)
+                     .enabled(sc.enabled);
+  if (comm && c.parallel.strategy == ParallelStrategy::kFsdp)
+    return std::make_unique<amp::ShardedGradScaler>(comm, o);
+  return std::make_unique<amp::GradScaler>(o);
+}
 
- private:
-  static std::string advice() {
-    return "Try precision.policy: bf16 (no loss scaling needed), a lower "
-           "precision.scaler.init_scale, a lower train.lr, or fp32 for the unstable part "
-           "(amp::CustomOpRegion).";
-  }
-
-  const ScalerConfig& c_;
-  int64_t skips_ = 0;
-  bool warned_ = false;
-  bool switched_monitor_on_ = false;
-  std::string last_unit_;
-};
+// Fault injection (core/faults.h). KILL_AT_STEP: SIGKILL that rank once <step> steps are done
+// (and their checkpoint written), in the first attempt only (launcher restarts;
+// TORCHELASTIC_RESTART_COUNT 0).
+std::optional<faults::StepRank> kill_hook() {
+  const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (restarts != nullptr && std::string(restarts) != "0") return std::nullopt;
+  return faults::step_rank("KILL_AT_STEP");
+}
 
 }  // namespace
-
-namespace internal {
 
 at::Tensor cross_entropy(const at::Tensor& output, const Batch& batch) {
   at::Tensor logits = output.to(at::kFloat);  // fp32 whatever the output's dtype, as autocast
@@ -333,12 +107,10 @@ at::Tensor cross_entropy(const at::Tensor& output, const Batch& batch) {
   return at::cross_entropy_loss(logits, batch.targets.reshape(-1));
 }
 
-}  // namespace internal
-
 std::shared_ptr<comm::Communicator> connect(const RunConfig& config) {
   comm::CommOptions co;
-  co.backend = comm::parse_backend(config.parallel.backend);
-  co.device = config.device == "cuda" ? c10::kCUDA : c10::kCPU;
+  co.backend = config.parallel.backend;
+  co.device = torch_device(config.device);
   // DTRAIN_COMM_TIMEOUT_S, when set, wins over parallel.timeout_s (like DTRAIN_LOG_LEVEL): an
   // operator's knob that needs no config edit.
   if (std::getenv("DTRAIN_COMM_TIMEOUT_S") == nullptr) {
@@ -346,18 +118,18 @@ std::shared_ptr<comm::Communicator> connect(const RunConfig& config) {
   }
   auto info = comm::detect_rank_info(co.rendezvous);
   logging::configure(info.rank, {config.logging.level, config.logging.all_ranks});
-  if (config.parallel.strategy == "none" && info.world_size == 1) return nullptr;
+  if (config.parallel.strategy == ParallelStrategy::kNone && info.world_size == 1) return nullptr;
   return comm::create_world(co);
 }
 
 TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) {
-  DTRAIN_CHECK_AS(ConfigError, c.model.type != "custom", c.source,
+  DTRAIN_CHECK_AS(ConfigError, c.model.type != ModelType::kCustom, c.source,
                   ": model.type: custom is a model given in code, through "
                   "framework::train(module, data, loss, config, comm) (examples/); dtrain-train "
                   "trains transformer or mlp");
   const int rank = comm ? comm->rank() : 0;
   const int world = comm ? comm->size() : 1;
-  const c10::DeviceType device = c.device == "cuda" ? c10::kCUDA : c10::kCPU;
+  const c10::DeviceType device = torch_device(c.device);
   // Before anything is allocated: refuse a run that cannot fit (a real OOM is the kernel's
   // killer). Host memory only; a CUDA run's device memory is not estimated here.
   check_supported(c, comm.get());
@@ -370,9 +142,10 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
   std::unique_ptr<BatchSource> data;
   const int64_t micro_batch = c.train.batch_size / c.train.micro_batches;
   const uint64_t data_seed = static_cast<uint64_t>(c.data.seed);
-  std::string model_desc;
-  internal::ModelFactory make;
-  if (c.model.type == "transformer") {
+  Task task;
+  task.loss = cross_entropy;
+  task.per_token_validation = true;
+  if (c.model.type == ModelType::kTransformer) {
     auto o = TransformerLMOptions()
                  .vocab_size(c.model.vocab_size)
                  .seq_len(c.model.seq_len)
@@ -385,13 +158,12 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
     lm->to(device);
     logging::info("model: TransformerLM, ", transformer_lm_parameter_count(o) / 1e6,
                   "M parameters");
-    model_desc =
+    task.description =
         "TransformerLM " + logging::fixed(transformer_lm_parameter_count(o) / 1e6, 1) + "M";
-    make = [lm, &comm, &c](amp::NumericsMonitor* monitor) -> std::unique_ptr<Model> {
-      return std::make_unique<internal::Wrapped<TransformerLM>>(lm, comm, c, monitor,
-                                                                internal::cross_entropy, true);
+    task.make_strategy = [lm, &comm, &c](amp::NumericsMonitor* monitor) {
+      return make_strategy(lm, comm, c, monitor);
     };
-    if (c.data.source == "corpus") {
+    if (c.data.source == DataSource::kCorpus) {
       DTRAIN_CHECK_AS(ConfigError, c.model.vocab_size >= 256, c.source,
                       ": model.vocab_size must be >= 256 for the byte corpus");
       data = std::make_unique<ByteCorpusSource>(c.data.path, c.model.seq_len, micro_batch,
@@ -409,305 +181,307 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
     mlp->to(device);
     int64_t n = 0;
     for (const auto& p : mlp->parameters()) n += p.numel();
-    model_desc = "MLP " + logging::fixed(n / 1e6, 2) + "M";
-    make = [mlp, &comm, &c](amp::NumericsMonitor* monitor) -> std::unique_ptr<Model> {
-      return std::make_unique<internal::Wrapped<MLP>>(mlp, comm, c, monitor,
-                                                      internal::cross_entropy, true);
+    task.description = "MLP " + logging::fixed(n / 1e6, 2) + "M";
+    task.make_strategy = [mlp, &comm, &c](amp::NumericsMonitor* monitor) {
+      return make_strategy(mlp, comm, c, monitor);
     };
     data = std::make_unique<SyntheticClassificationSource>(
         c.model.in_features, c.model.out_features, micro_batch, rank, data_seed);
   }
-  return internal::run(c, comm, make, std::move(data), model_desc);
+  return Trainer(c, comm, std::move(task), std::move(data)).train();
 }
 
-TrainResult internal::run(const RunConfig& c, std::shared_ptr<comm::Communicator> comm,
-                          const ModelFactory& make_model, std::unique_ptr<BatchSource> data,
-                          const std::string& model_desc) {
-  check_supported(c, comm.get());
-  const int rank = comm ? comm->rank() : 0;
-  const int world = comm ? comm->size() : 1;
-  const c10::DeviceType device = c.device == "cuda" ? c10::kCUDA : c10::kCPU;
-  if (rank == 0) {  // once per job, not once per rank
-    for (const auto& w : c.warnings) logging::warn(c.source, ": ", w);
-    if (!c.precision.chosen_by.empty()) logging::info(c.precision.chosen_by);
-  }
-  amp::NumericsMonitor monitor(c.logging.numerics);
-  std::unique_ptr<Model> model = make_model(&monitor);
+Trainer::Trainer(const RunConfig& config, std::shared_ptr<comm::Communicator> comm, Task task,
+                 std::unique_ptr<BatchSource> data)
+    : c_(config),
+      comm_(std::move(comm)),
+      task_(std::move(task)),
+      data_(std::move(data)),
+      rank_(comm_ ? comm_->rank() : 0),
+      world_(comm_ ? comm_->size() : 1),
+      device_(torch_device(config.device)),
+      tty_(rank_ == 0 && config.logging.progress_bar && ::isatty(2)),
+      monitor_(config.logging.numerics),
+      checkpointer_(config),
+      collapse_(config.precision.scaler),
+      nonfinite_(config.train),
+      kill_at_(kill_hook()),
+      nan_from_(faults::step_rank("NAN_FROM_STEP")) {}
 
-  // ATen's fused kernels, as Python's AdamW(fused=True) and SGD(fused=True): one pass per
-  // step, PyTorch's rounding, and the GradScaler's skip inside the kernel (optim/fused.h).
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  if (c.train.optimizer == "adamw") {
-    opt = std::make_unique<optim::AdamW>(
-        model->parameters(),
-        torch::optim::AdamWOptions(c.train.lr).weight_decay(c.train.weight_decay));
-  } else {
-    opt =
-        std::make_unique<optim::SGD>(model->parameters(), torch::optim::SGDOptions(c.train.lr)
-                                                              .momentum(c.train.momentum)
-                                                              .weight_decay(c.train.weight_decay));
-  }
-  const auto& sc = c.precision.scaler;
-  const auto scaler_options = amp::GradScalerOptions()
-                                  .init_scale(sc.init_scale)
-                                  .growth_factor(sc.growth_factor)
-                                  .backoff_factor(sc.backoff_factor)
-                                  .growth_interval(sc.growth_interval)
-                                  .enabled(sc.enabled);
-  // FSDP's gradients are shards (and may be fp16): the inf verdict must be agreed.
-  std::unique_ptr<amp::GradScaler> scaler_ptr =
-      comm && c.parallel.strategy == "fsdp"
-          ? std::make_unique<amp::ShardedGradScaler>(comm, scaler_options)
-          : std::make_unique<amp::GradScaler>(scaler_options);
-  amp::GradScaler& scaler = *scaler_ptr;
-  // DDP unscales and judges the gradients as it writes them back, so unscale_ below makes no
-  // pass of its own.
-  if (sc.enabled) model->use_grad_scaler(&scaler);
-  const bool autocast = c.precision.mixed.is_low_precision() && model->uses_autocast();
-  const c10::ScalarType compute = c.precision.mixed.param_dtype;
-  logging::info("run: ", c.source, ", ", world, " rank(s), strategy ", c.parallel.strategy,
-                comm ? ", backend " + comm->backend() : std::string(), ", precision ",
-                c.precision.policy, " ", c.precision.mixed.to_string(), ", loss scaling ",
-                sc.enabled ? "on" : "off");
+Trainer::~Trainer() = default;
 
-  const bool tty = rank == 0 && c.logging.progress_bar && ::isatty(2);
-
-  TrainResult result;
-  Checkpointer checkpointer(c);
-  CheckpointParts parts{&model->module(), model->fsdp(), opt.get(), &scaler, &monitor, comm.get()};
-  int64_t first_step = 0;
-  std::optional<TrainerProgress> restored;
-  if (checkpointer.enabled() || (c.checkpoint.resume != "auto" && c.checkpoint.resume != "never")) {
-    if ((restored = checkpointer.restore(parts, c.checkpoint.resume))) {
-      first_step = restored->step;
-      result.skipped_steps = restored->skipped_steps;
-    }
+void Trainer::setup() {
+  DTRAIN_CHECK(!model_, "Trainer::setup: called twice");
+  check_supported(c_, comm_.get());
+  if (rank_ == 0) {  // once per job, not once per rank
+    for (const auto& w : c_.warnings) logging::warn(c_.source, ": ", w);
+    if (!c_.precision.chosen_by.empty()) logging::info(c_.precision.chosen_by);
   }
-  std::ofstream metrics = open_metrics(
-      c, rank, first_step,
-      "{\"config\":\"" + trace::json_escape(c.source) + "\",\"model\":\"" +
-          trace::json_escape(model_desc) + "\",\"strategy\":\"" + c.parallel.strategy +
-          "\",\"precision\":\"" + c.precision.policy + "\",\"ranks\":" + std::to_string(world) +
-          ",\"backend\":\"" + (comm ? comm->backend() : std::string("none")) + "\"}");
-  DTRAIN_CHECK_AS(ConfigError, c.train.eval_every == 0 || c.train.eval_samples >= world, c.source,
-                  ": train.eval_samples (", c.train.eval_samples,
-                  ") must be at least the number of ranks (", world,
+  DTRAIN_CHECK_AS(ConfigError, c_.train.eval_every == 0 || c_.train.eval_samples >= world_,
+                  c_.source, ": train.eval_samples (", c_.train.eval_samples,
+                  ") must be at least the number of ranks (", world_,
                   "): every rank evaluates its share");
-  if (first_step > 0 && c.train.eval_every > 0) {
+  model_ = task_.make_strategy(&monitor_);
+  opt_ = make_optimizer(c_.train, model_->parameters());
+  scaler_ = make_scaler(c_, comm_);
+  const auto& sc = c_.precision.scaler;
+  // DDP unscales and judges the gradients as it writes them back, so unscale_ makes no pass
+  // of its own.
+  if (sc.enabled) model_->use_grad_scaler(scaler_.get());
+  autocast_ = c_.precision.mixed.is_low_precision() && model_->uses_autocast();
+  logging::info(
+      "run: ", c_.source, ", ", world_, " rank(s), strategy ", name_of(c_.parallel.strategy),
+      comm_ ? ", backend " + comm_->backend() : std::string(), ", precision ", c_.precision.policy,
+      " ", c_.precision.mixed.to_string(), ", loss scaling ", sc.enabled ? "on" : "off");
+  restore();
+  metrics_.emplace(c_, rank_, first_step_,
+                   JsonObject()
+                       .string("config", c_.source)
+                       .string("model", task_.description)
+                       .string("strategy", name_of(c_.parallel.strategy))
+                       .string("precision", c_.precision.policy)
+                       .integer("ranks", world_)
+                       .string("backend", comm_ ? comm_->backend() : std::string("none")));
+  if (first_step_ > 0 && c_.train.eval_every > 0) {
     // The restored model's validation loss: the same number, at any world size, as the run
     // that wrote the checkpoint logged at this step.
-    const double v = validation_loss(*model, *data, comm.get(), device, autocast, compute);
-    logging::info("step ", first_step, " (restored) val_loss ", logging::fixed(v, 6));
-    if (metrics) {
-      metrics << "{\"step\":" << first_step << json_number(",\"val_loss\":", v)
-              << ",\"restored\":true}\n"
-              << std::flush;
-    }
+    const double v = validation_loss();
+    logging::info("step ", first_step_, " (restored) val_loss ", logging::fixed(v, 6));
+    metrics_->write(
+        JsonObject().integer("step", first_step_).number("val_loss", v).boolean("restored", true));
   }
-  // Fault injection (core/faults.h). KILL_AT_STEP: SIGKILL that rank once <step> steps are
-  // done (and their checkpoint written), in the first attempt only (launcher restarts;
-  // TORCHELASTIC_RESTART_COUNT 0). NAN_FROM_STEP: that rank's loss is NaN from step <step>
-  // (1-based) on.
-  std::optional<faults::StepRank> kill_at;
+}
+
+void Trainer::restore() {
+  const std::string& resume = c_.checkpoint.resume;
+  if (!checkpointer_.enabled() && (resume == "auto" || resume == "never")) return;
+  const CheckpointParts parts{&model_->module(), model_->fsdp(), opt_.get(),
+                              scaler_.get(),     &monitor_,      comm_.get()};
+  const std::optional<TrainerProgress> p = checkpointer_.restore(parts, resume);
+  if (!p) return;
+  step_ = first_step_ = p->step;
+  result_.skipped_steps = p->skipped_steps;
+  nonfinite_.resume(p->nonfinite_run);
+  collapse_.resume(p->consecutive_skips, monitor_);
+}
+
+at::Tensor Trainer::forward_loss(const Batch& b) {
+  amp::AutocastGuard ac(
+      device_,
+      autocast_ ? std::optional<c10::ScalarType>(c_.precision.mixed.param_dtype) : std::nullopt,
+      autocast_);
+  at::Tensor out = model_->forward(b.inputs);
+  monitor_.record("model.output", out);
+  return task_.loss(out, b);
+}
+
+// Mean loss over the validation set, the same number at any world size: every rank evaluates
+// its share; sums and counts are added over the ranks.
+double Trainer::validation_loss() {
+  Batch b = data_->validation(rank_, world_);
+  b.inputs = b.inputs.to(device_);
+  b.targets = b.targets.to(device_);
+  c10::NoGradGuard no_grad;
+  at::Tensor sum;
+  double count = 0;
   {
-    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
-    if (restarts == nullptr || std::string(restarts) == "0") {
-      kill_at = faults::step_rank("KILL_AT_STEP");
+    amp::AutocastGuard ac(
+        device_,
+        autocast_ ? std::optional<c10::ScalarType>(c_.precision.mixed.param_dtype) : std::nullopt,
+        autocast_);
+    at::Tensor out = model_->forward(b.inputs);
+    if (task_.per_token_validation) {  // per token: the mean over every target of the set
+      at::Tensor flat = out.to(at::kFloat);
+      flat = flat.reshape({-1, flat.size(-1)});
+      sum = at::cross_entropy_loss(flat, b.targets.reshape(-1), {}, at::Reduction::Sum);
+      count = static_cast<double>(b.targets.numel());
+    } else {
+      count = static_cast<double>(b.inputs.size(0));
+      sum = task_.loss(out, b).to(at::kFloat) * count;
     }
   }
-  const std::optional<faults::StepRank> nan_from = faults::step_rank("NAN_FROM_STEP");
-  double window_loss = 0, window_time = 0;
-  int64_t window_steps = 0;
-  bool first_logged = false;
-  int64_t nonfinite_run = restored ? restored->nonfinite_run : 0;
-  ScaleCollapseGuard collapse(sc);
-  if (restored) collapse.resume(restored->consecutive_skips, monitor);
-  const bool trace_on = !c.logging.trace.empty();
+  at::Tensor t = at::stack(
+      {sum.to(at::kDouble).reshape({}), at::scalar_tensor(count, at::kDouble).to(sum.device())});
+  if (comm_ && world_ > 1) {
+    t = t.to(comm_->device());
+    comm_->all_reduce(t, comm::ReduceOp::kSum).wait();
+  }
+  t = t.cpu();
+  return t[0].item<double>() / t[1].item<double>();
+}
+
+StepStats Trainer::train_step() {
+  DTRAIN_CHECK(model_ != nullptr, "Trainer::train_step: call setup() first");
+  const auto t0 = Clock::now();
+  const int64_t step = step_;  // 0-based here; the stats and the log count from 1
+  const bool tracing = !c_.logging.trace.empty() && step + 1 >= c_.logging.trace_start &&
+                       step + 1 < c_.logging.trace_start + c_.logging.trace_steps;
+  trace::set_recording(tracing);
+  const int64_t step_start_us = tracing ? trace::now_us() : 0;
+  const int64_t micro_batches = c_.train.micro_batches;
+  StepStats s;
+  s.step = step + 1;
+  s.lr = lr_at(c_.train, step);
+  monitor_.begin_step(step);
+  for (auto& g : opt_->param_groups()) g.options().set_lr(s.lr);
+  opt_->zero_grad(/*set_to_none=*/true);
+  for (int64_t m = 0; m < micro_batches; ++m) {
+    Batch b = data_->next(step, m);
+    b.inputs = b.inputs.to(device_);
+    b.targets = b.targets.to(device_);
+    // Every micro-batch but the last accumulates locally.
+    std::optional<sharding::NoSyncGuard> local =
+        m + 1 < micro_batches ? model_->no_sync() : std::nullopt;
+    at::Tensor loss;
+    {
+      std::optional<trace::Scope> span;
+      if (tracing) span.emplace("forward " + std::to_string(m), "compute");
+      loss = forward_loss(b) / static_cast<double>(micro_batches);
+      // Fault injection: NAN_FROM_STEP makes that rank's loss NaN from <step> (1-based) on.
+      if (nan_from_ && nan_from_->step >= 1 && s.step >= nan_from_->step &&
+          rank_ == nan_from_->rank) {
+        loss = loss * std::numeric_limits<double>::quiet_NaN();
+      }
+    }
+    {
+      std::optional<trace::Scope> span;
+      if (tracing) span.emplace("backward " + std::to_string(m), "compute");
+      scaler_->scale(loss).backward();
+    }
+    s.loss += loss.item<double>();
+  }
+  {
+    std::optional<trace::Scope> span;
+    if (tracing) span.emplace("optimizer", "compute");
+    scaler_->unscale_(*opt_);
+    s.grad_norm = model_->clip_grad_norm(c_.train.clip_grad_norm);
+    s.scale_used = scaler_->get_scale();
+    s.stepped = scaler_->step(*opt_);
+    scaler_->update();
+  }
+  if (tracing) {
+    trace::complete("step " + std::to_string(s.step), "step", trace::kMain, step_start_us,
+                    trace::now_us());
+    trace::set_recording(false);
+  }
+  step_ = s.step;
+  const double scale = scaler_->get_scale();
+  if (!c_.precision.scaler.enabled) nonfinite_.after_step(step, s.loss, comm_.get(), monitor_);
+  monitor_.record_scale(step, scale);
+  if (!s.stepped) {
+    ++result_.skipped_steps;
+    if (tty_) std::fprintf(stderr, "\r\033[K");
+    logging::warn("step ", s.step, ": inf/NaN gradients, step skipped; loss scale ", s.scale_used,
+                  " -> ", scale);
+    if (c_.logging.numerics) logging::warn(monitor_.report());
+  }
+  if (c_.precision.scaler.enabled) collapse_.after_step(step, s.stepped, scale, monitor_);
+  s.seconds = seconds_since(t0);
+  return s;
+}
+
+// One line in the log and one row in the metrics file for the steps since the last logged
+// one (the loss is their mean, over ranks too). Collective (the mean).
+void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
+  const double loss = mean_over_ranks(comm_.get(), window_loss_ / window_steps_);
+  if (!first_logged_) {
+    result_.first_loss = loss;
+    first_logged_ = true;
+  }
+  result_.last_loss = loss;
+  const double avg_time = window_time_ / window_steps_;
+  const double tokens_per_s = world_ * c_.train.batch_size * data_->items_per_sample() / avg_time;
+  const double scale = scaler_->get_scale();
+  const sharding::ReducerStats* rs = model_->stats();
+  if (tty_) std::fprintf(stderr, "\r\033[K");  // the bar gives way to the line
+  logging::info(
+      "step ", s.step, "/", c_.train.steps, " loss ", logging::fixed(loss, 4),
+      val_loss ? " val_loss " + logging::fixed(*val_loss, 4) : std::string(), " scale ", scale,
+      " grad_norm ", logging::fixed(s.grad_norm, 3), " skipped ", result_.skipped_steps, " lr ",
+      s.lr, " tokens/s ", logging::fixed(tokens_per_s, 0), " step ",
+      logging::fixed(avg_time * 1000, 1), " ms",
+      rs ? " comm hidden " + logging::fixed(100 * rs->hidden_fraction(), 0) + "%" : std::string(),
+      " peak_rss ", logging::fixed(peak_rss_mb(), 0), " MB",
+      tty_ ? "" : "  " + progress_bar(s.step, c_.train.steps));
+  JsonObject row;
+  row.integer("step", s.step)
+      .number("loss", loss)
+      .number("scale", scale)
+      .number("grad_norm", s.grad_norm, "%.6g")
+      .integer("skipped", result_.skipped_steps)
+      .number("lr", s.lr, "%.6g")
+      .number("tokens_per_s", tokens_per_s, "%.1f")
+      .number("step_time_s", avg_time, "%.6f")
+      .number("comm_hidden", rs ? rs->hidden_fraction() : 1.0, "%.4f")
+      .number("peak_rss_mb", peak_rss_mb(), "%.1f");
+  if (val_loss) row.number("val_loss", *val_loss);
+  metrics_->write(row);
+  window_loss_ = window_time_ = 0;
+  window_steps_ = 0;
+}
+
+void Trainer::save_checkpoint(const StepStats& s) {
+  const auto t = Clock::now();
+  const CheckpointParts parts{&model_->module(), model_->fsdp(), opt_.get(),
+                              scaler_.get(),     &monitor_,      comm_.get()};
+  const std::string path = checkpointer_.save(
+      parts,
+      TrainerProgress{s.step, result_.skipped_steps, s.lr, collapse_.skips(), nonfinite_.run()});
+  if (tty_) std::fprintf(stderr, "\r\033[K");
+  logging::info("checkpoint ", path, " written in ", logging::fixed(seconds_since(t), 2), " s");
+}
+
+TrainResult Trainer::train() {
+  if (!model_) setup();
+  const bool trace_on = !c_.logging.trace.empty();
   if (trace_on) {
     // The time origin of every rank's timeline, taken as they leave a barrier.
-    if (comm && world > 1) comm->barrier().wait();
-    trace::configure(rank);
+    if (comm_ && world_ > 1) comm_->barrier().wait();
+    trace::configure(rank_);
   }
-  for (int64_t step = first_step; step < c.train.steps; ++step) {
-    auto t0 = Clock::now();
-    const bool tracing = trace_on && step + 1 >= c.logging.trace_start &&
-                         step + 1 < c.logging.trace_start + c.logging.trace_steps;
-    trace::set_recording(tracing);
-    const int64_t step_start_us = tracing ? trace::now_us() : 0;
-    monitor.begin_step(step);
-    const double lr = lr_at(c.train, step);
-    for (auto& g : opt->param_groups()) g.options().set_lr(lr);
-    opt->zero_grad(/*set_to_none=*/true);
-    double loss_sum = 0;
-    for (int64_t m = 0; m < c.train.micro_batches; ++m) {
-      Batch b = data->next(step, m);
-      b.inputs = b.inputs.to(device);
-      b.targets = b.targets.to(device);
-      std::optional<sharding::NoSyncGuard> local =
-          m + 1 < c.train.micro_batches ? model->no_sync() : std::nullopt;
-      at::Tensor loss;
-      {
-        std::optional<trace::Scope> span;
-        if (tracing) span.emplace("forward " + std::to_string(m), "compute");
-        amp::AutocastGuard ac(
-            device, autocast ? std::optional<c10::ScalarType>(compute) : std::nullopt, autocast);
-        loss = model->loss(b) / static_cast<double>(c.train.micro_batches);
-        if (nan_from && nan_from->step >= 1 && step + 1 >= nan_from->step &&
-            rank == nan_from->rank) {
-          loss = loss * std::numeric_limits<double>::quiet_NaN();
-        }
-      }
-      {
-        std::optional<trace::Scope> span;
-        if (tracing) span.emplace("backward " + std::to_string(m), "compute");
-        scaler.scale(loss).backward();
-      }
-      loss_sum += loss.item<double>();
-    }
-    std::optional<trace::Scope> optimizer_span;
-    if (tracing) optimizer_span.emplace("optimizer", "compute");
-    scaler.unscale_(*opt);
-    double grad_norm = model->clip_grad_norm(c.train.clip_grad_norm);
-    const double scale_used = scaler.get_scale();
-    bool stepped = scaler.step(*opt);
-    scaler.update();
-    optimizer_span.reset();
-    if (tracing) {
-      trace::complete("step " + std::to_string(step + 1), "step", trace::kMain, step_start_us,
-                      trace::now_us());
-      trace::set_recording(false);
-    }
-    if (!sc.enabled) {
-      // Without loss scaling nothing skips a step whose loss is inf/NaN: the parameters are
-      // now corrupt on every rank. Every rank takes the same decision.
-      double bad = std::isfinite(loss_sum) ? 0.0 : 1.0;
-      if (comm && world > 1) {
-        at::Tensor t = at::full({1}, bad, at::TensorOptions(at::kDouble).device(comm->device()));
-        comm->all_reduce(t, comm::ReduceOp::kMax).wait();
-        bad = t.item<double>();
-      }
-      nonfinite_run = bad > 0 ? nonfinite_run + 1 : 0;
-      if (nonfinite_run >= c.train.max_nonfinite_steps) {
-        const auto& unit = monitor.first_nonfinite_unit();
-        DTRAIN_FAIL(Error, "step ", step + 1, ": the loss is not finite (this rank's: ", loss_sum,
-                    ") for ", nonfinite_run, " consecutive step(s) (train.max_nonfinite_steps: ",
-                    c.train.max_nonfinite_steps, "); stopping. ",
-                    unit ? "The first unit with an inf/NaN: " + *unit + ". "
-                         : std::string("logging.numerics: true names the first unit with an "
-                                       "inf/NaN. "),
-                    "Try a lower train.lr, train.clip_grad_norm, or fp32 for the unstable part.");
-      }
-    }
-    monitor.record_scale(step, scaler.get_scale());
-    if (!stepped) {
-      ++result.skipped_steps;
-      if (tty) std::fprintf(stderr, "\r\033[K");
-      logging::warn("step ", step + 1, ": inf/NaN gradients, step skipped; loss scale ", scale_used,
-                    " -> ", scaler.get_scale());
-      if (c.logging.numerics) logging::warn(monitor.report());
-    }
-    if (sc.enabled) collapse.after_step(step, stepped, scaler.get_scale(), monitor);
-    double step_time = std::chrono::duration<double>(Clock::now() - t0).count();
-    window_loss += loss_sum;
-    window_time += step_time;
-    ++window_steps;
-    const bool last = step + 1 == c.train.steps;
+  const int64_t steps = c_.train.steps;
+  while (step_ < steps) {
+    const StepStats s = train_step();
+    window_loss_ += s.loss;
+    window_time_ += s.seconds;
+    ++window_steps_;
+    const bool last = s.step == steps;
     std::optional<double> val_loss;
-    if (c.train.eval_every > 0 && ((step + 1) % c.train.eval_every == 0 || last)) {
-      val_loss = validation_loss(*model, *data, comm.get(), device, autocast, compute);
+    if (c_.train.eval_every > 0 && (s.step % c_.train.eval_every == 0 || last)) {
+      val_loss = validation_loss();
     }
-    if ((step + 1) % c.logging.every_steps == 0 || last || step == first_step || val_loss) {
-      double loss = mean_over_ranks(comm.get(), window_loss / window_steps);
-      if (!first_logged) {
-        result.first_loss = loss;
-        first_logged = true;
-      }
-      result.last_loss = loss;
-      double avg_time = window_time / window_steps;
-      double tokens_per_s = world * c.train.batch_size * data->items_per_sample() / avg_time;
-      const sharding::ReducerStats* rs = model->stats();
-      if (tty) std::fprintf(stderr, "\r\033[K");  // the bar gives way to the line
-      logging::info("step ", step + 1, "/", c.train.steps, " loss ", logging::fixed(loss, 4),
-                    val_loss ? " val_loss " + logging::fixed(*val_loss, 4) : std::string(),
-                    " scale ", scaler.get_scale(), " grad_norm ", logging::fixed(grad_norm, 3),
-                    " skipped ", result.skipped_steps, " lr ", lr, " tokens/s ",
-                    logging::fixed(tokens_per_s, 0), " step ", logging::fixed(avg_time * 1000, 1),
-                    " ms",
-                    rs ? " comm hidden " + logging::fixed(100 * rs->hidden_fraction(), 0) + "%"
-                       : std::string(),
-                    " peak_rss ", logging::fixed(peak_rss_mb(), 0), " MB",
-                    tty ? "" : "  " + progress_bar(step + 1, c.train.steps));
-      if (metrics) {
-        std::string line =
-            "{\"step\":" + std::to_string(step + 1) + json_number(",\"loss\":", loss) +
-            json_number(",\"scale\":", scaler.get_scale()) +
-            json_number(",\"grad_norm\":", grad_norm, "%.6g") +
-            ",\"skipped\":" + std::to_string(result.skipped_steps) +
-            json_number(",\"lr\":", lr, "%.6g") +
-            json_number(",\"tokens_per_s\":", tokens_per_s, "%.1f") +
-            json_number(",\"step_time_s\":", avg_time, "%.6f") +
-            json_number(",\"comm_hidden\":", rs ? rs->hidden_fraction() : 1.0, "%.4f") +
-            json_number(",\"peak_rss_mb\":", peak_rss_mb(), "%.1f") +
-            (val_loss ? json_number(",\"val_loss\":", *val_loss) : "") + "}\n";
-        metrics << line << std::flush;
-      }
-      window_loss = window_time = 0;
-      window_steps = 0;
+    if (s.step % c_.logging.every_steps == 0 || last || s.step == first_step_ + 1 || val_loss) {
+      log_step(s, val_loss);
     }
-    if (tty) std::fprintf(stderr, "\r%s ", progress_bar(step + 1, c.train.steps).c_str());
-    const bool due = c.checkpoint.every_steps > 0 && (step + 1) % c.checkpoint.every_steps == 0;
-    if (checkpointer.enabled() && (due || last)) {
-      auto t = Clock::now();
-      const std::string path = checkpointer.save(
-          parts,
-          TrainerProgress{step + 1, result.skipped_steps, lr, collapse.skips(), nonfinite_run});
-      if (tty) std::fprintf(stderr, "\r\033[K");
-      logging::info("checkpoint ", path, " written in ",
-                    logging::fixed(std::chrono::duration<double>(Clock::now() - t).count(), 2),
-                    " s");
-    }
-    if (kill_at && step + 1 == kill_at->step && rank == kill_at->rank) {
-      logging::warn("DTRAIN_TEST_KILL_AT_STEP: rank ", rank, " kills itself after step ", step);
+    if (tty_) std::fprintf(stderr, "\r%s ", progress_bar(s.step, steps).c_str());
+    const bool due = c_.checkpoint.every_steps > 0 && s.step % c_.checkpoint.every_steps == 0;
+    if (checkpointer_.enabled() && (due || last)) save_checkpoint(s);
+    if (kill_at_ && s.step == kill_at_->step && rank_ == kill_at_->rank) {
+      logging::warn("DTRAIN_TEST_KILL_AT_STEP: rank ", rank_, " kills itself after step ",
+                    s.step - 1);
       std::raise(SIGKILL);
     }
   }
-  if (tty) std::fprintf(stderr, "\n");
-  if (trace_on) write_trace(c, comm.get(), rank, world);
-  result.steps = c.train.steps;
-  check_parameters_agree(*model, comm.get());
-  if (c.model.type == "transformer" && c.model.vocab_size >= 256 && first_step < c.train.steps) {
-    const std::string text = sample_text(*model, device, c.model.seq_len, 48);
+  if (tty_) std::fprintf(stderr, "\n");
+  if (trace_on) write_trace(c_, comm_.get(), rank_, world_);
+  report();
+  return result_;
+}
+
+void Trainer::report() {
+  result_.steps = c_.train.steps;
+  log_parameters_agree(*model_, comm_.get());
+  if (c_.model.type == ModelType::kTransformer && c_.model.vocab_size >= 256 &&
+      first_step_ < c_.train.steps) {
+    const std::string text = sample_text(*model_, device_, c_.model.seq_len, 48);
     logging::info("sample: \"", text, "\"");
   }
-  result.final_scale = scaler.get_scale();
+  result_.final_scale = scaler_->get_scale();
   // Each rank's peak beside the estimate it started with (rank 0 prints the table).
-  {
-    at::Tensor mine = at::tensor(
-        {peak_rss_mb() * 1024 * 1024, TrackedCpuMemory::installed()
-                                          ? static_cast<double>(TrackedCpuMemory::peak_bytes())
-                                          : -1.0},
-        at::kDouble);
-    at::Tensor all = mine;
-    if (comm && world > 1) {
-      all = at::empty({2 * world}, at::TensorOptions(at::kDouble).device(comm->device()));
-      comm->all_gather(mine.to(comm->device()), all).wait();
-      all = all.cpu();
-    }
-    std::ostringstream os;
-    for (int r = 0; r < world; ++r) {
-      os << (r ? "; " : "") << "rank " << r << " RSS " << format_bytes(all[2 * r].item<double>());
-      const double tensors = all[2 * r + 1].item<double>();
-      if (tensors >= 0) os << " (tensors " << format_bytes(tensors) << ")";
-    }
-    logging::info("peak memory per rank: ", os.str(),
-                  c.model.type == "custom"
-                      ? std::string()
-                      : "; estimated " + format_bytes(estimate_memory(c, world).peak()));
-  }
-  logging::info("done: ", result.steps, " steps, loss ", logging::fixed(result.first_loss, 4),
-                " -> ", logging::fixed(result.last_loss, 4), ", ", result.skipped_steps,
+  log_peak_memory(c_, comm_.get());
+  logging::info("done: ", result_.steps, " steps, loss ", logging::fixed(result_.first_loss, 4),
+                " -> ", logging::fixed(result_.last_loss, 4), ", ", result_.skipped_steps,
                 " skipped");
-  return result;
 }
 
 }  // namespace dtrain::framework

@@ -18,8 +18,11 @@
 // skipped steps, tokens/s, step time and peak memory, writes the same as a JSON line to
 // logging.metrics_file (rank 0), and redraws a progress bar on rank 0's terminal.
 //
-// Strategies: none (one process), ddp (autocast in param_dtype, reduce in reduce_dtype), fsdp
-// (sharded parameters in param_dtype, the ShardedGradScaler for fp16, clipping over shards).
+// Strategies (framework/strategy.h): none (one process), ddp (autocast in param_dtype, reduce
+// in reduce_dtype), fsdp (sharded parameters in param_dtype, the ShardedGradScaler for fp16,
+// clipping over shards). The guards (framework/guards.h) stop a run whose loss or loss scale
+// went bad; the end-of-run report is framework/report.h. docs/architecture.md follows one
+// step through these layers.
 //
 // A user's module: a torch::nn::ModuleHolder (TORCH_MODULE) whose forward takes one tensor,
 // Batch::inputs, and returns one tensor, the `output` the loss function receives. Under DDP
@@ -40,14 +43,17 @@
 #include <utility>
 #include <vector>
 
+#include "amp/grad_scaler.h"
 #include "amp/numerics.h"
 #include "comm/communicator.h"
 #include "core/error.h"
+#include "core/faults.h"
+#include "framework/checkpoint.h"
 #include "framework/config.h"
 #include "framework/data.h"
-#include "sharding/clip_grad.h"
-#include "sharding/ddp.h"
-#include "sharding/fsdp.h"
+#include "framework/guards.h"
+#include "framework/metrics.h"
+#include "framework/strategy.h"
 
 namespace dtrain::framework {
 
@@ -71,144 +77,96 @@ std::shared_ptr<comm::Communicator> connect(const RunConfig& config);
 // Trains the model the config names. `comm` may be null for strategy none on one process.
 TrainResult train(const RunConfig& config, std::shared_ptr<comm::Communicator> comm);
 
-namespace internal {
-
-// The model behind a uniform forward and loss: plain, DDP or FSDP.
-class Model {
- public:
-  virtual ~Model() = default;
-  virtual at::Tensor loss(const Batch& b) = 0;
-  // Validation: the loss summed over the batch's items, and how many items (means over the
-  // whole validation set are then the same at any world size).
-  virtual std::pair<at::Tensor, double> loss_sum(const Batch& b) = 0;
-  // What the optimizer steps: the module's parameters, or FSDP's fp32 master shards.
-  virtual std::vector<at::Tensor> parameters() = 0;
-  virtual std::optional<sharding::NoSyncGuard> no_sync() = 0;
-  virtual const sharding::ReducerStats* stats() const = 0;
-  // Clips to max_norm (> 0) or only measures; the norm of the whole model's gradients.
-  virtual double clip_grad_norm(double max_norm) = 0;
-  // DDP and plain modules compute in param_dtype under autocast; FSDP's parameters already
-  // have it.
-  virtual bool uses_autocast() const = 0;
-  // The unwrapped module, and FSDP's state when sharded (for checkpoints).
-  virtual torch::nn::Module& module() = 0;
-  virtual sharding::FSDPState* fsdp() = 0;
-  // The output for `inputs` (no loss), through the wrapper: every rank must call it alike.
-  virtual at::Tensor logits(const at::Tensor& inputs) = 0;
-  // The loss scaler, for DDP to unscale gradients as it writes them back
-  // (DDPOptions::grad_scaler). FSDP and plain modules leave that to the scaler.
-  virtual void use_grad_scaler(amp::GradScaler* scaler) = 0;
-};
-
 // Cross-entropy in fp32 over the last dimension (classes or vocabulary): the config models'
 // loss, and a ready LossFn for users.
 at::Tensor cross_entropy(const at::Tensor& output, const Batch& batch);
 
-// A module holder M wrapped as the config's strategy says.
-template <typename M>
-class Wrapped : public Model {
- public:
-  Wrapped(M module, std::shared_ptr<comm::Communicator> comm, const RunConfig& c,
-          amp::NumericsMonitor* monitor, LossFn loss, bool sum_is_cross_entropy)
-      : monitor_(monitor), loss_(std::move(loss)), ce_sum_(sum_is_cross_entropy) {
-    const auto& p = c.parallel;
-    if (comm && p.strategy == "ddp") {
-      sharding::DDPOptions o;
-      o.bucket_cap_mb(p.bucket_cap_mb)
-          .find_unused_parameters(p.find_unused_parameters)
-          .broadcast_buffers(p.broadcast_buffers)
-          .reduce_dtype(c.precision.mixed.effective_reduce_dtype())
-          .monitor(monitor);
-      ddp_.emplace(std::move(module), std::move(comm), o);
-    } else if (comm && p.strategy == "fsdp") {
-      sharding::FSDPOptions o;
-      o.sharding_strategy(sharding::parse_sharding_strategy(p.sharding_strategy))
-          .mixed_precision(c.precision.mixed)
-          .auto_wrap(
-              sharding::AutoWrapPolicy().module_types(p.wrap_modules).min_params(p.wrap_min_params))
-          .forward_prefetch(p.forward_prefetch)
-          .backward_prefetch(p.backward_prefetch)
-          .limit_all_gathers(p.limit_all_gathers)
-          .hybrid_group_size(p.hybrid_group_size)
-          .monitor(monitor);
-      fsdp_.emplace(std::move(module), std::move(comm), o);
-    } else {
-      plain_ = std::move(module);
-    }
-  }
-
-  at::Tensor logits(const at::Tensor& inputs) override {
-    return ddp_ ? ddp_->forward(inputs) : fsdp_ ? fsdp_->forward(inputs) : plain_->forward(inputs);
-  }
-  at::Tensor loss(const Batch& b) override {
-    at::Tensor out = logits(b.inputs);
-    if (monitor_ != nullptr) monitor_->record("model.output", out);
-    return loss_(out, b);
-  }
-  std::pair<at::Tensor, double> loss_sum(const Batch& b) override {
-    at::Tensor out = logits(b.inputs);
-    if (ce_sum_) {  // per token: the mean over every target of the set
-      at::Tensor flat = out.to(at::kFloat);
-      flat = flat.reshape({-1, flat.size(-1)});
-      return {at::cross_entropy_loss(flat, b.targets.reshape(-1), {}, at::Reduction::Sum),
-              static_cast<double>(b.targets.numel())};
-    }
-    const double n = static_cast<double>(b.inputs.size(0));
-    return {loss_(out, b).to(at::kFloat) * n, n};
-  }
-  torch::nn::Module& module() override {
-    return ddp_ ? *ddp_->module() : fsdp_ ? *fsdp_->module() : *plain_;
-  }
-  sharding::FSDPState* fsdp() override { return fsdp_ ? &fsdp_->state() : nullptr; }
-  std::vector<at::Tensor> parameters() override {
-    return ddp_ ? ddp_->parameters() : fsdp_ ? fsdp_->parameters() : plain_->parameters();
-  }
-  std::optional<sharding::NoSyncGuard> no_sync() override {
-    if (ddp_) return ddp_->no_sync();
-    if (fsdp_) return fsdp_->no_sync();
-    return std::nullopt;
-  }
-  const sharding::ReducerStats* stats() const override {
-    return ddp_ ? &ddp_->last_stats() : fsdp_ ? &fsdp_->last_stats() : nullptr;
-  }
-  double clip_grad_norm(double max_norm) override {
-    comm::Communicator* shards = fsdp_ ? fsdp_->state().shard_group() : nullptr;
-    if (max_norm > 0) return sharding::clip_grad_norm_(parameters(), max_norm, 2.0, shards);
-    return sharding::grad_norm(parameters(), 2.0, shards).template item<double>();
-  }
-  bool uses_autocast() const override { return !fsdp_; }
-  void use_grad_scaler(amp::GradScaler* scaler) override {
-    if (ddp_) ddp_->reducer().set_grad_scaler(scaler);
-  }
-
- private:
-  amp::NumericsMonitor* monitor_;
-  LossFn loss_;
-  bool ce_sum_;
-  std::optional<sharding::DistributedDataParallel<M>> ddp_;
-  std::optional<sharding::FullyShardedDataParallel<M>> fsdp_;
-  M plain_{nullptr};
+// What a trainer trains: the model behind its strategy, and its loss.
+struct Task {
+  // Builds the model's strategy once the trainer's numerics monitor exists.
+  std::function<std::unique_ptr<Strategy>(amp::NumericsMonitor* monitor)> make_strategy;
+  LossFn loss;
+  // Validation per token (cross-entropy summed over every target of the set; the config
+  // models) rather than per item (the loss times the batch's items; a user's loss).
+  bool per_token_validation = false;
+  // Names the model in the log and the metrics file.
+  std::string description;
 };
 
-// Builds the wrapped model once the trainer's numerics monitor exists.
-using ModelFactory = std::function<std::unique_ptr<Model>(amp::NumericsMonitor* monitor)>;
+// One optimizer step's figures, as train_step returns them.
+struct StepStats {
+  int64_t step = 0;      // 1-based: the step just taken
+  double loss = 0;       // this rank's loss, summed over the micro-batches
+  double grad_norm = 0;  // before clipping
+  double lr = 0;
+  double scale_used = 1;  // the loss scale the step ran at
+  bool stepped = true;    // false: inf/NaN gradients, the optimizer step was skipped
+  double seconds = 0;
+};
 
-// The loop shared by both train()s. `description` names the model in logs and metrics.
-TrainResult run(const RunConfig& config, std::shared_ptr<comm::Communicator> comm,
-                const ModelFactory& make_model, std::unique_ptr<BatchSource> data,
-                const std::string& description);
+// The training loop (what both train()s run). setup() builds the strategy, optimizer and
+// scaler, restores a checkpoint and opens the metrics file; train_step() takes one optimizer
+// step over train.micro_batches micro-batches and applies the guards; train() steps to
+// train.steps with validation, logging, checkpoints and the trace, then reports. Every rank
+// constructs one and calls the same methods in the same order.
+class Trainer {
+ public:
+  Trainer(const RunConfig& config, std::shared_ptr<comm::Communicator> comm, Task task,
+          std::unique_ptr<BatchSource> data);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
 
-}  // namespace internal
+  void setup();
+  StepStats train_step();
+  TrainResult train();
 
-using internal::cross_entropy;
+  // Optimizer steps taken (restored ones included).
+  int64_t steps_done() const { return step_; }
+  Strategy& strategy() { return *model_; }
+
+ private:
+  at::Tensor forward_loss(const Batch& b);
+  double validation_loss();
+  void restore();
+  void log_step(const StepStats& s, std::optional<double> val_loss);
+  void save_checkpoint(const StepStats& s);
+  void report();
+
+  const RunConfig& c_;
+  std::shared_ptr<comm::Communicator> comm_;
+  Task task_;
+  std::unique_ptr<BatchSource> data_;
+  int rank_ = 0, world_ = 1;
+  c10::DeviceType device_ = c10::kCPU;
+  bool tty_ = false;
+  bool autocast_ = false;
+
+  amp::NumericsMonitor monitor_;
+  std::unique_ptr<Strategy> model_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::unique_ptr<amp::GradScaler> scaler_;
+  Checkpointer checkpointer_;
+  std::optional<MetricsFile> metrics_;
+  ScaleCollapseGuard collapse_;
+  NonFiniteLossGuard nonfinite_;
+  std::optional<faults::StepRank> kill_at_, nan_from_;
+
+  int64_t step_ = 0;        // steps done
+  int64_t first_step_ = 0;  // where this process started (a restored step, or 0)
+  TrainResult result_;
+  bool first_logged_ = false;
+  double window_loss_ = 0, window_time_ = 0;  // since the last logged step
+  int64_t window_steps_ = 0;
+};
 
 // Trains the user's `module` on `data` with `loss`, as `config` says (model.type: custom).
 // `description` names the model in the log and the metrics file ("custom" if empty).
 template <typename M>
 TrainResult train(M module, std::unique_ptr<BatchSource> data, LossFn loss, const RunConfig& config,
                   std::shared_ptr<comm::Communicator> comm, std::string description = "") {
-  DTRAIN_CHECK_AS(ConfigError, config.model.type == "custom", config.source, ": model.type is '",
-                  config.model.type,
+  DTRAIN_CHECK_AS(ConfigError, config.model.type == ModelType::kCustom, config.source,
+                  ": model.type is '", name_of(config.model.type),
                   "', but this run passes its own model to framework::train: set model.type: "
                   "custom");
   DTRAIN_CHECK_AS(ConfigError, data != nullptr && loss != nullptr,
@@ -217,11 +175,13 @@ TrainResult train(M module, std::unique_ptr<BatchSource> data, LossFn loss, cons
   for (const auto& p : module->parameters()) n += p.numel();
   if (description.empty()) description = "custom";
   description += " " + std::to_string(n) + " parameters";
-  auto make = [&](amp::NumericsMonitor* monitor) -> std::unique_ptr<internal::Model> {
-    return std::make_unique<internal::Wrapped<M>>(std::move(module), comm, config, monitor,
-                                                  std::move(loss), false);
+  Task task;
+  task.make_strategy = [&](amp::NumericsMonitor* monitor) {
+    return make_strategy(std::move(module), comm, config, monitor);
   };
-  return internal::run(config, comm, make, std::move(data), description);
+  task.loss = std::move(loss);
+  task.description = std::move(description);
+  return Trainer(config, comm, std::move(task), std::move(data)).train();
 }
 
 }  // namespace dtrain::framework

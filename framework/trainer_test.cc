@@ -2,17 +2,26 @@
 // train(config) and the same MLP, data and loss handed in through train(module, data, loss,
 // config) give bitwise the same losses (one process, so the numbers come from the loop alone).
 // With fp16 and the scaler, and with gradient accumulation, clipping and a validation pass.
+// Trainer::train_step, driven by hand, takes the same steps as train(). The config becomes
+// DDP and FSDP options in one place (ddp_options, fsdp_options), and the metrics file's JSON
+// escapes what it is given.
 #include "framework/trainer.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
 #include "framework/data.h"
+#include "framework/metrics.h"
 #include "framework/models/mlp.h"
+#include "framework/strategy.h"
 
 namespace dtrain::framework {
 namespace {
@@ -29,17 +38,24 @@ RunConfig config_with(const std::string& type, const std::vector<std::string>& o
       "trainer_test.yaml", all);
 }
 
-TrainResult custom_run(const RunConfig& c) {
+MLP seeded_mlp(const RunConfig& c) {
   at::manual_seed(static_cast<uint64_t>(c.train.seed));  // what train(config) does
-  MLP mlp(MLPOptions()
-              .in_features(c.model.in_features)
-              .hidden(c.model.hidden)
-              .depth(c.model.depth)
-              .out_features(c.model.out_features));
-  auto data = std::make_unique<SyntheticClassificationSource>(
-      c.model.in_features, c.model.out_features, c.train.batch_size / c.train.micro_batches, 0,
-      static_cast<uint64_t>(c.data.seed));
-  return train(mlp, std::move(data), cross_entropy, c, nullptr, "MLP");
+  return MLP(MLPOptions()
+                 .in_features(c.model.in_features)
+                 .hidden(c.model.hidden)
+                 .depth(c.model.depth)
+                 .out_features(c.model.out_features));
+}
+
+std::unique_ptr<BatchSource> data_for(const RunConfig& c) {
+  return std::make_unique<SyntheticClassificationSource>(c.model.in_features, c.model.out_features,
+                                                         c.train.batch_size / c.train.micro_batches,
+                                                         0, static_cast<uint64_t>(c.data.seed));
+}
+
+TrainResult custom_run(const RunConfig& c) {
+  MLP mlp = seeded_mlp(c);
+  return train(mlp, data_for(c), cross_entropy, c, nullptr, "MLP");
 }
 
 void expect_same_run(const std::vector<std::string>& overrides) {
@@ -76,6 +92,96 @@ TEST(Trainer, EachEntryRefusesTheOthersModelType) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("set model.type: custom"), std::string::npos) << e.what();
   }
+}
+
+TEST(Trainer, TrainStepByHandTakesTheStepsTrainTakes) {
+  const RunConfig c = config_with("custom", {"train.eval_every=0"});
+  MLP mlp = seeded_mlp(c);
+  Task task;
+  task.make_strategy = [&](amp::NumericsMonitor* monitor) {
+    return make_strategy(mlp, nullptr, c, monitor);
+  };
+  task.loss = cross_entropy;
+  Trainer trainer(c, nullptr, std::move(task), data_for(c));
+  trainer.setup();
+  std::vector<double> losses;
+  for (int64_t i = 0; i < c.train.steps; ++i) {
+    const StepStats s = trainer.train_step();
+    EXPECT_EQ(s.step, i + 1);
+    EXPECT_TRUE(s.stepped);
+    EXPECT_GT(s.grad_norm, 0);
+    losses.push_back(s.loss);
+  }
+  EXPECT_EQ(trainer.steps_done(), c.train.steps);
+  const TrainResult whole = custom_run(c);
+  // train() logs every step (logging.every_steps: 1), each loss alone.
+  EXPECT_EQ(losses.front(), whole.first_loss);  // bitwise
+  EXPECT_EQ(losses.back(), whole.last_loss);
+  EXPECT_LT(losses.back(), losses.front());
+}
+
+TEST(Strategy, TheConfigBecomesDdpAndFsdpOptionsInOnePlace) {
+  const RunConfig c = config_with(
+      "mlp",
+      {"precision.policy=bf16", "parallel.bucket_cap_mb=3", "parallel.find_unused_parameters=true",
+       "parallel.broadcast_buffers=false", "parallel.sharding_strategy=shard_grad_op",
+       "parallel.forward_prefetch=true", "parallel.backward_prefetch=false",
+       "parallel.limit_all_gathers=5", "parallel.wrap_min_params=7"});
+  amp::NumericsMonitor monitor;
+  const sharding::DDPOptions d = ddp_options(c, &monitor);
+  EXPECT_EQ(d.bucket_cap_mb(), 3.0);
+  EXPECT_TRUE(d.find_unused_parameters());
+  EXPECT_FALSE(d.broadcast_buffers());
+  EXPECT_EQ(d.reduce_dtype(), c.precision.mixed.effective_reduce_dtype());
+  EXPECT_EQ(d.monitor(), &monitor);
+  const sharding::FSDPOptions f = fsdp_options(c, &monitor);
+  EXPECT_EQ(f.sharding_strategy(), sharding::ShardingStrategy::kShardGradOp);
+  EXPECT_EQ(f.mixed_precision().param_dtype, at::kBFloat16);
+  EXPECT_TRUE(f.forward_prefetch());
+  EXPECT_FALSE(f.backward_prefetch());
+  EXPECT_EQ(f.limit_all_gathers(), 5);
+  EXPECT_EQ(f.auto_wrap().min_params(), 7);
+  EXPECT_EQ(f.monitor(), &monitor);
+  // One process: the plain module, whatever the strategy says.
+  auto plain = make_strategy(seeded_mlp(c), nullptr, c, &monitor);
+  EXPECT_EQ(plain->fsdp(), nullptr);
+  EXPECT_EQ(plain->stats(), nullptr);
+  EXPECT_TRUE(plain->uses_autocast());
+}
+
+TEST(Metrics, JsonObjectEscapesAndWritesNonFiniteNumbersAsNull) {
+  const std::string text = JsonObject()
+                               .string("config", "a \"b\"\\c\n.yaml")
+                               .integer("step", 3)
+                               .number("loss", std::numeric_limits<double>::quiet_NaN())
+                               .number("lr", 0.5, "%.6g")
+                               .boolean("restored", true)
+                               .object("run", JsonObject().string("k\"", "v"))
+                               .text();
+  EXPECT_EQ(text,
+            "{\"config\":\"a \\\"b\\\"\\\\c\\u000a.yaml\",\"step\":3,\"loss\":null,"
+            "\"lr\":0.5,\"restored\":true,\"run\":{\"k\\\"\":\"v\"}}");
+}
+
+TEST(Metrics, AResumedRunKeepsTheRowsUpToItsStep) {
+  const std::string path = ::testing::TempDir() + "/metrics_resume.jsonl";
+  RunConfig c = config_with("mlp", {"logging.metrics_file=" + path});
+  {
+    MetricsFile m(c, 0, 0, JsonObject().string("config", "first"));
+    for (int64_t s = 1; s <= 4; ++s) m.write(JsonObject().integer("step", s));
+  }
+  {
+    MetricsFile m(c, 0, 2, JsonObject().string("config", "resumed"));
+    m.write(JsonObject().integer("step", 3));
+    MetricsFile other_rank(c, 1, 2, JsonObject().string("config", "rank 1"));  // writes nothing
+    other_rank.write(JsonObject().integer("step", 99));
+  }
+  std::ifstream in(path);
+  std::vector<std::string> lines;
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  EXPECT_EQ(lines, (std::vector<std::string>{"{\"run\":{\"config\":\"resumed\"}}", "{\"step\":1}",
+                                             "{\"step\":2}", "{\"step\":3}"}));
+  std::remove(path.c_str());
 }
 
 }  // namespace

@@ -7,9 +7,13 @@
 // without one, the whole input is meta.json's. Each is parsed on its own (the checksum
 // between them is read_meta's business, tested in checkpoint_test).
 // Any input must end in a result or a dtrain::Error (CheckpointError); anything else
-// escaping, a crash, a hang or a sanitizer report is a bug.
+// escaping, a crash, a hang or a sanitizer report is a bug. An accepted meta.json must survive
+// write_meta and parse_meta unchanged.
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <optional>
+#include <string>
 
 #include "core/error.h"
 #include "framework/checkpoint_meta.h"
@@ -29,11 +33,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       // Refused: what a user sees. Anything else propagates and aborts.
     }
   }
+  namespace ckpt = dtrain::framework::ckpt;
+  std::optional<ckpt::Meta> parsed;
   try {
-    dtrain::framework::ckpt::parse_meta(meta, "fuzz/meta.json");
+    parsed = ckpt::parse_meta(meta, "fuzz/meta.json");
     dtrain::fuzz::report("accepted");
   } catch (const dtrain::Error& e) {
     dtrain::fuzz::report(e.what());
+  }
+  if (parsed) {
+    // The writer is the parser's inverse: what was accepted is written and read back to the
+    // same text (a field the writer dropped or garbled changes it; a CheckpointError here
+    // escapes and aborts, as it should).
+    const std::string once = ckpt::write_meta(*parsed);
+    const std::string twice = ckpt::write_meta(ckpt::parse_meta(once, "fuzz/rewritten"));
+    if (once != twice) std::abort();
   }
   return 0;
 }

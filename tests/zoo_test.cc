@@ -321,9 +321,9 @@ std::string shared_checkpoint_dir() {
 void round_trip(const framework::CheckpointParts& parts, const framework::CheckpointParts& fresh,
                 const std::string& strategy, const std::string& format) {
   framework::RunConfig config;
-  config.parallel.strategy = strategy;
+  config.parallel.strategy = *choice_from_name<framework::ParallelStrategy>(strategy);
   config.checkpoint.dir = shared_checkpoint_dir();
-  config.checkpoint.format = format;
+  config.checkpoint.format = *choice_from_name<framework::CheckpointFormat>(format);
   framework::Checkpointer writer(config);
   const std::string saved = writer.save(parts, framework::TrainerProgress{1, 0, kLr});
   framework::Checkpointer reader(config);

@@ -1,0 +1,118 @@
+// meta.json's writer and parser are each other's inverse: a Meta with every field set (names
+// that need escaping, a sharded layout, an lr that needs all 17 digits) comes back from
+// parse_meta(write_meta(m)) field for field, and so does COMPLETE. A damaged field is refused
+// by name.
+#include "framework/checkpoint_meta.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "core/error.h"
+
+namespace dtrain::framework::ckpt {
+namespace {
+
+Meta sharded_meta() {
+  Meta m;
+  m.strategy = "fsdp";
+  m.mode = "sharded";
+  m.world_size = 3;
+  m.parameters = {{"blocks.0.\"odd\"\\name\n", {4, 2}, "fp32"}, {"bias", {}, "fp32"}};
+  m.optimizer_keys = {"exp_avg", "exp_avg_sq"};
+  m.units = {
+      {"blocks.0", 9, 3, 3, {{"blocks.0.\"odd\"\\name\n", {4, 2}, 0, 8}, {"bias", {}, 8, 1}}},
+      {"", 0, 1, 1, {}}};
+  m.shard_ranks = {0, 1, 2};
+  m.files = {{"shard_00000.pt", {"shard_00000.pt", 123, 0xfedcba9876543210ULL}},
+             {"rank_00002.pt", {"rank_00002.pt", 7, 1}}};
+  m.step = 40;
+  m.skipped_steps = 3;
+  m.lr = 0.1 + 0.2;  // 0.30000000000000004: every digit must survive
+  m.consecutive_skips = 2;
+  m.nonfinite_run = 1;
+  return m;
+}
+
+void expect_same(const Meta& a, const Meta& b) {
+  EXPECT_EQ(a.strategy, b.strategy);
+  EXPECT_EQ(a.mode, b.mode);
+  EXPECT_EQ(a.world_size, b.world_size);
+  ASSERT_EQ(a.parameters.size(), b.parameters.size());
+  for (size_t i = 0; i < a.parameters.size(); ++i) {
+    EXPECT_EQ(a.parameters[i].name, b.parameters[i].name);
+    EXPECT_EQ(a.parameters[i].shape, b.parameters[i].shape);
+    EXPECT_EQ(a.parameters[i].dtype, b.parameters[i].dtype);
+  }
+  EXPECT_EQ(a.optimizer_keys, b.optimizer_keys);
+  ASSERT_EQ(a.units.size(), b.units.size());
+  for (size_t u = 0; u < a.units.size(); ++u) {
+    EXPECT_EQ(a.units[u].name, b.units[u].name);
+    EXPECT_EQ(a.units[u].numel, b.units[u].numel);
+    EXPECT_EQ(a.units[u].shard_size, b.units[u].shard_size);
+    EXPECT_EQ(a.units[u].shard_group_size, b.units[u].shard_group_size);
+    ASSERT_EQ(a.units[u].params.size(), b.units[u].params.size());
+    for (size_t i = 0; i < a.units[u].params.size(); ++i) {
+      EXPECT_EQ(a.units[u].params[i].name, b.units[u].params[i].name);
+      EXPECT_EQ(a.units[u].params[i].shape, b.units[u].params[i].shape);
+      EXPECT_EQ(a.units[u].params[i].offset, b.units[u].params[i].offset);
+      EXPECT_EQ(a.units[u].params[i].numel, b.units[u].params[i].numel);
+    }
+  }
+  EXPECT_EQ(a.shard_ranks, b.shard_ranks);
+  ASSERT_EQ(a.files.size(), b.files.size());
+  for (const auto& [name, f] : a.files) {
+    ASSERT_TRUE(b.files.count(name)) << name;
+    EXPECT_EQ(b.files.at(name).name, f.name);
+    EXPECT_EQ(b.files.at(name).bytes, f.bytes);
+    EXPECT_EQ(b.files.at(name).checksum, f.checksum);
+  }
+  EXPECT_EQ(a.step, b.step);
+  EXPECT_EQ(a.skipped_steps, b.skipped_steps);
+  EXPECT_EQ(a.lr, b.lr);  // bitwise
+  EXPECT_EQ(a.consecutive_skips, b.consecutive_skips);
+  EXPECT_EQ(a.nonfinite_run, b.nonfinite_run);
+}
+
+TEST(CheckpointMeta, ParseInvertsWriteForAShardedCheckpoint) {
+  const Meta m = sharded_meta();
+  const std::string text = write_meta(m);
+  expect_same(m, parse_meta(text, "test/meta.json"));
+  EXPECT_EQ(write_meta(parse_meta(text, "test/meta.json")), text);
+}
+
+TEST(CheckpointMeta, ParseInvertsWriteForAFullCheckpoint) {
+  Meta m = sharded_meta();
+  m.mode = "full";
+  m.strategy = "ddp";
+  m.units.clear();  // a full checkpoint has none, and the writer writes none
+  m.parameters[1].dtype = "bf16";
+  expect_same(m, parse_meta(write_meta(m), "test/meta.json"));
+}
+
+TEST(CheckpointMeta, CompleteRoundTrips) {
+  const FileInfo meta{"meta.json", 4567, 0x0123456789abcdefULL};
+  const FileInfo back = parse_complete(write_complete(meta), "test/COMPLETE");
+  EXPECT_EQ(back.name, meta.name);
+  EXPECT_EQ(back.bytes, meta.bytes);
+  EXPECT_EQ(back.checksum, meta.checksum);
+}
+
+TEST(CheckpointMeta, ADamagedFieldIsRefusedByName) {
+  std::string text = write_meta(sharded_meta());
+  const std::string from = "\"shard_group_size\": 3";
+  text.replace(text.find(from), from.size(), "\"shard_group_size\": \"three\"");
+  try {
+    parse_meta(text, "test/meta.json");
+    FAIL() << "a damaged meta.json was accepted";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("units[0].shard_group_size"), std::string::npos)
+        << e.what();
+  }
+  std::string other = write_meta(sharded_meta());
+  other.replace(other.find("dtrain-checkpoint"), 17, "someone-elses-fmt");
+  EXPECT_THROW(parse_meta(other, "test/meta.json"), CheckpointError);
+}
+
+}  // namespace
+}  // namespace dtrain::framework::ckpt

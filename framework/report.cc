@@ -1,0 +1,99 @@
+#include "framework/report.h"
+
+#include <ATen/ATen.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <sstream>
+#include <vector>
+
+#include "core/logging.h"
+#include "framework/checkpoint_io.h"
+#include "framework/memory.h"
+#include "framework/memory_estimate.h"
+
+namespace dtrain::framework {
+
+double peak_rss_mb() {
+  rusage r{};
+  getrusage(RUSAGE_SELF, &r);
+  return r.ru_maxrss / 1024.0;
+}
+
+void log_parameters_agree(Strategy& model, comm::Communicator* comm) {
+  std::vector<at::Tensor> full;
+  if (auto* f = model.fsdp()) {
+    for (auto& [name, t] : f->full_parameters()) full.push_back(t);
+  } else {
+    for (const auto& t : model.module().parameters()) full.push_back(t.detach());
+  }
+  ckpt::Hasher hash;
+  for (const auto& t : full) {
+    at::Tensor c = t.cpu().contiguous();
+    hash.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  }
+  const int64_t sum = static_cast<int64_t>(hash.digest());
+  std::vector<int64_t> all{sum};
+  if (comm != nullptr && comm->size() > 1) {
+    at::Tensor in = at::full({1}, sum, at::kLong).to(comm->device());
+    at::Tensor out = at::empty({comm->size()}, at::TensorOptions(at::kLong).device(comm->device()));
+    comm->all_gather(in, out).wait();
+    out = out.cpu();
+    all.assign(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
+  }
+  if (std::all_of(all.begin(), all.end(), [&](int64_t v) { return v == all.front(); })) {
+    logging::info("parameters identical on all ", all.size(), " rank(s) (xxh64 ",
+                  ckpt::hex(static_cast<uint64_t>(all.front())), ")");
+    return;
+  }
+  std::ostringstream os;
+  for (size_t r = 0; r < all.size(); ++r) {
+    os << (r ? ", " : "") << "rank " << r << ": " << ckpt::hex(static_cast<uint64_t>(all[r]));
+  }
+  logging::error("parameters differ across ranks (xxh64 ", os.str(),
+                 "): the ranks fell out of sync");
+}
+
+std::string sample_text(Strategy& model, c10::DeviceType device, int64_t seq_len, int64_t count) {
+  c10::NoGradGuard no_grad;
+  std::vector<int64_t> tokens = {'T', 'h', 'e', ' '};
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - seq_len);
+    at::Tensor in =
+        at::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), at::kLong)
+            .unsqueeze(0)
+            .to(device);
+    at::Tensor logits = model.forward(in);
+    tokens.push_back(logits[0][-1].argmax().item<int64_t>());
+  }
+  std::string text;
+  for (int64_t t : tokens)
+    text += (t >= 32 && t < 127) ? static_cast<char>(t) : (t == '\n' ? ' ' : '?');
+  return text;
+}
+
+void log_peak_memory(const RunConfig& c, comm::Communicator* comm) {
+  const int world = comm != nullptr ? comm->size() : 1;
+  at::Tensor mine = at::tensor(
+      {peak_rss_mb() * 1024 * 1024,
+       TrackedCpuMemory::installed() ? static_cast<double>(TrackedCpuMemory::peak_bytes()) : -1.0},
+      at::kDouble);
+  at::Tensor all = mine;
+  if (comm != nullptr && world > 1) {
+    all = at::empty({2 * world}, at::TensorOptions(at::kDouble).device(comm->device()));
+    comm->all_gather(mine.to(comm->device()), all).wait();
+    all = all.cpu();
+  }
+  std::ostringstream os;
+  for (int r = 0; r < world; ++r) {
+    os << (r ? "; " : "") << "rank " << r << " RSS " << format_bytes(all[2 * r].item<double>());
+    const double tensors = all[2 * r + 1].item<double>();
+    if (tensors >= 0) os << " (tensors " << format_bytes(tensors) << ")";
+  }
+  logging::info("peak memory per rank: ", os.str(),
+                c.model.type == ModelType::kCustom
+                    ? std::string()
+                    : "; estimated " + format_bytes(estimate_memory(c, world).peak()));
+}
+
+}  // namespace dtrain::framework

@@ -1,0 +1,39 @@
+#include "framework/strategy.h"
+
+#include "sharding/clip_grad.h"
+
+namespace dtrain::framework {
+
+double Strategy::clip_grad_norm(double max_norm) {
+  comm::Communicator* shards = fsdp() != nullptr ? fsdp()->shard_group() : nullptr;
+  if (max_norm > 0) return sharding::clip_grad_norm_(parameters(), max_norm, 2.0, shards);
+  return sharding::grad_norm(parameters(), 2.0, shards).item<double>();
+}
+
+sharding::DDPOptions ddp_options(const RunConfig& c, amp::NumericsMonitor* monitor) {
+  const ParallelConfig& p = c.parallel;
+  sharding::DDPOptions o;
+  o.bucket_cap_mb(p.bucket_cap_mb)
+      .find_unused_parameters(p.find_unused_parameters)
+      .broadcast_buffers(p.broadcast_buffers)
+      .reduce_dtype(c.precision.mixed.effective_reduce_dtype())
+      .monitor(monitor);
+  return o;
+}
+
+sharding::FSDPOptions fsdp_options(const RunConfig& c, amp::NumericsMonitor* monitor) {
+  const ParallelConfig& p = c.parallel;
+  sharding::FSDPOptions o;
+  o.sharding_strategy(sharding::parse_sharding_strategy(p.sharding_strategy))
+      .mixed_precision(c.precision.mixed)
+      .auto_wrap(
+          sharding::AutoWrapPolicy().module_types(p.wrap_modules).min_params(p.wrap_min_params))
+      .forward_prefetch(p.forward_prefetch)
+      .backward_prefetch(p.backward_prefetch)
+      .limit_all_gathers(p.limit_all_gathers)
+      .hybrid_group_size(p.hybrid_group_size)
+      .monitor(monitor);
+  return o;
+}
+
+}  // namespace dtrain::framework

@@ -1,0 +1,122 @@
+// Strategy: how the trainer's model is spread over the ranks, behind one interface. One type
+// per parallel.strategy:
+//   - PlainStrategy: the module as it is (one process; strategy none);
+//   - DdpStrategy: sharding::DistributedDataParallel (replicated parameters, bucketed
+//     gradient all-reduce in reduce_dtype, autocast to param_dtype);
+//   - FsdpStrategy: sharding::FullyShardedDataParallel (sharded fp32 masters, parameters
+//     gathered in param_dtype, gradients reduce-scattered; no autocast needed).
+// make_strategy picks one from the config, and ddp_options/fsdp_options are the only place
+// where the config's parallel and precision sections become sharding options (unit-tested in
+// strategy_test.cc). The trainer (framework/trainer.h) sees only Strategy; how a step moves
+// through a strategy is in docs/architecture.md.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "amp/grad_scaler.h"
+#include "amp/numerics.h"
+#include "comm/communicator.h"
+#include "framework/config.h"
+#include "sharding/ddp.h"
+#include "sharding/fsdp.h"
+
+namespace dtrain::framework {
+
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+
+  // The module's output for `inputs` through the wrapper (hooks, gathers): every rank calls
+  // it alike under FSDP, whose forwards are collective.
+  virtual at::Tensor forward(const at::Tensor& inputs) = 0;
+  // What the optimizer steps: the module's parameters, or FSDP's fp32 master shards.
+  virtual std::vector<at::Tensor> parameters() = 0;
+  // Micro-batches before the last accumulate locally (no gradient communication).
+  virtual std::optional<sharding::NoSyncGuard> no_sync() { return std::nullopt; }
+  // The last backward's communication figures; null for a plain module.
+  virtual const sharding::ReducerStats* stats() const { return nullptr; }
+  // Whether forwards run under autocast to param_dtype (FSDP's parameters already have it).
+  virtual bool uses_autocast() const { return true; }
+  // The unwrapped module, and FSDP's state when sharded (checkpoints, parameter checks).
+  virtual torch::nn::Module& module() = 0;
+  virtual sharding::FSDPState* fsdp() { return nullptr; }
+  // DDP unscales and judges gradients as it writes them back (DDPOptions::grad_scaler);
+  // the others leave that to the scaler's own pass.
+  virtual void use_grad_scaler(amp::GradScaler* /*scaler*/) {}
+
+  // Clips the gradients to max_norm (> 0) or only measures them; the 2-norm of the whole
+  // model's gradients (over the shards under FSDP).
+  double clip_grad_norm(double max_norm);
+};
+
+// The config's parallel and precision sections as sharding options.
+sharding::DDPOptions ddp_options(const RunConfig& c, amp::NumericsMonitor* monitor);
+sharding::FSDPOptions fsdp_options(const RunConfig& c, amp::NumericsMonitor* monitor);
+
+template <typename M>
+class PlainStrategy final : public Strategy {
+ public:
+  explicit PlainStrategy(M module) : module_(std::move(module)) {}
+  at::Tensor forward(const at::Tensor& inputs) override { return module_->forward(inputs); }
+  std::vector<at::Tensor> parameters() override { return module_->parameters(); }
+  torch::nn::Module& module() override { return *module_; }
+
+ private:
+  M module_;
+};
+
+template <typename M>
+class DdpStrategy final : public Strategy {
+ public:
+  DdpStrategy(M module, std::shared_ptr<comm::Communicator> comm, const sharding::DDPOptions& o)
+      : ddp_(std::move(module), std::move(comm), o) {}
+  at::Tensor forward(const at::Tensor& inputs) override { return ddp_.forward(inputs); }
+  std::vector<at::Tensor> parameters() override { return ddp_.parameters(); }
+  std::optional<sharding::NoSyncGuard> no_sync() override { return ddp_.no_sync(); }
+  const sharding::ReducerStats* stats() const override { return &ddp_.last_stats(); }
+  torch::nn::Module& module() override { return *ddp_.module(); }
+  void use_grad_scaler(amp::GradScaler* scaler) override { ddp_.reducer().set_grad_scaler(scaler); }
+
+ private:
+  sharding::DistributedDataParallel<M> ddp_;
+};
+
+template <typename M>
+class FsdpStrategy final : public Strategy {
+ public:
+  FsdpStrategy(M module, std::shared_ptr<comm::Communicator> comm, const sharding::FSDPOptions& o)
+      : fsdp_(std::move(module), std::move(comm), o) {}
+  at::Tensor forward(const at::Tensor& inputs) override { return fsdp_.forward(inputs); }
+  std::vector<at::Tensor> parameters() override { return fsdp_.parameters(); }
+  std::optional<sharding::NoSyncGuard> no_sync() override { return fsdp_.no_sync(); }
+  const sharding::ReducerStats* stats() const override { return &fsdp_.last_stats(); }
+  bool uses_autocast() const override { return false; }
+  torch::nn::Module& module() override { return *fsdp_.module(); }
+  sharding::FSDPState* fsdp() override { return &fsdp_.state(); }
+
+ private:
+  sharding::FullyShardedDataParallel<M> fsdp_;
+};
+
+// The strategy the config names for `module`. `comm` null (one process) is always plain.
+template <typename M>
+std::unique_ptr<Strategy> make_strategy(M module, std::shared_ptr<comm::Communicator> comm,
+                                        const RunConfig& c, amp::NumericsMonitor* monitor) {
+  if (comm && c.parallel.strategy == ParallelStrategy::kDdp) {
+    return std::make_unique<DdpStrategy<M>>(std::move(module), std::move(comm),
+                                            ddp_options(c, monitor));
+  }
+  if (comm && c.parallel.strategy == ParallelStrategy::kFsdp) {
+    return std::make_unique<FsdpStrategy<M>>(std::move(module), std::move(comm),
+                                             fsdp_options(c, monitor));
+  }
+  return std::make_unique<PlainStrategy<M>>(std::move(module));
+}
+
+}  // namespace dtrain::framework
