@@ -26,7 +26,7 @@
 #include "amp/grad_scaler.h"
 #include "comm/factory.h"
 #include "core/cli.h"
-#include "framework/checkpoint.h"
+#include "framework/checkpoint/checkpointer.h"
 #include "framework/config.h"
 #include "framework/models/transformer_lm.h"
 #include "sharding/fsdp.h"

@@ -5,8 +5,8 @@
 //
 //   DTRAIN_TEST_KILL_AT_STEP=<step>:<rank>    framework/trainer.cc: SIGKILL after that step
 //   DTRAIN_TEST_NAN_FROM_STEP=<step>:<rank>   framework/trainer.cc: NaN losses from that step
-//   DTRAIN_TEST_CRASH_BEFORE_RENAME=<name>    framework/checkpoint_io.cc: SIGKILL before the
-//                                             rename that publishes that file
+//   DTRAIN_TEST_CRASH_BEFORE_RENAME=<name>    framework/checkpoint/atomic_file.cc: SIGKILL
+//                                             before the rename that publishes that file
 //   DTRAIN_TEST_CHILD="program args..."       framework/train_main.cc: a child process
 #pragma once
 

@@ -12,7 +12,7 @@
 //   - PyTorch reads a full checkpoint's model and scaler (torch.load(weights_only=True)), and
 //     dtrain loads a PyTorch state_dict(): the same logits on both sides;
 //   - the xxh64 checksums match the reference digests.
-#include "framework/checkpoint.h"
+#include "framework/checkpoint/checkpointer.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -28,7 +28,8 @@
 #include <regex>
 
 #include "core/error.h"
-#include "framework/checkpoint_io.h"
+#include "framework/checkpoint/hash.h"
+#include "framework/checkpoint/pickle.h"
 #include "framework/models/transformer_lm.h"
 #include "tests/flags.h"
 #include "tests/subprocess.h"

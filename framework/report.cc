@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/logging.h"
-#include "framework/checkpoint_io.h"
+#include "framework/checkpoint/hash.h"
 #include "framework/memory.h"
 #include "framework/memory_estimate.h"
 

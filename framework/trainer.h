@@ -48,7 +48,7 @@
 #include "comm/communicator.h"
 #include "core/error.h"
 #include "core/faults.h"
-#include "framework/checkpoint.h"
+#include "framework/checkpoint/checkpointer.h"
 #include "framework/config.h"
 #include "framework/data.h"
 #include "framework/guards.h"

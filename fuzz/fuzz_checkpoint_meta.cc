@@ -1,4 +1,4 @@
-// Fuzzes a checkpoint's metadata parsers (framework/checkpoint_meta.h), which restore runs
+// Fuzzes a checkpoint's metadata parsers (framework/checkpoint/meta.h), which restore runs
 // on a checkpoint directory before anything else: parse_complete (the COMPLETE marker ->
 // meta.json's size and checksum) and parse_meta (meta.json -> files, mode, world size, FSDP
 // units, shard ranks, trainer state).
@@ -16,7 +16,7 @@
 #include <string>
 
 #include "core/error.h"
-#include "framework/checkpoint_meta.h"
+#include "framework/checkpoint/meta.h"
 #include "fuzz/fuzz_common.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

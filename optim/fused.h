@@ -15,9 +15,9 @@
 // including the step count, unchanged.
 //
 // State: torch::optim's AdamWParamState / SGDParamState (so checkpoints save and restore it
-// in PyTorch's layout, framework/optim_state.h). AdamW's step count is kept as an integer and
-// handed to the kernel as the fp32 tensor Python keeps, which is exact below 2^24 steps.
-// Parameters and gradients must share a device and a floating dtype per group (as Python's
+// in PyTorch's layout, framework/checkpoint/optim_state.h). AdamW's step count is kept as an
+// integer and handed to the kernel as the fp32 tensor Python keeps, which is exact below 2^24
+// steps. Parameters and gradients must share a device and a floating dtype per group (as Python's
 // fused path requires); sparse gradients are refused.
 #pragma once
 

@@ -32,7 +32,7 @@
 #include <utility>
 #include <vector>
 
-#include "framework/checkpoint.h"
+#include "framework/checkpoint/checkpointer.h"
 #include "framework/config.h"
 #include "sharding/ddp.h"
 #include "sharding/fsdp.h"

@@ -1,53 +1,25 @@
-#include "framework/checkpoint_io.h"
+#include "framework/checkpoint/pickle.h"
 
 #include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>
-#include <fcntl.h>
-#include <signal.h>
-#include <sys/stat.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
-#include <unistd.h>
 
 #include <array>
-#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
 #include <set>
 
 #include "core/error.h"
-#include "core/faults.h"
+#include "framework/checkpoint/atomic_file.h"
 
 namespace dtrain::framework::ckpt {
 namespace {
 
-std::string errno_text(int e) {
-  std::string why = std::strerror(e);
-  if (e == ENOSPC || e == EFBIG || e == EDQUOT) {
-    why += " (the disk is full, or a file-size limit was reached)";
-  }
-  return why;
-}
-
-void write_all(int fd, const char* data, size_t n, const std::string& path) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, data, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) {
-      const int e = errno;
-      DTRAIN_FAIL(CheckpointError, "checkpoint: writing '", path, "' failed: ", errno_text(e));
-    }
-    data += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-// A pickle of `value` that Python's restricted unpickler accepts: no type tags, and no
 // specialized int/float/bool lists (torch.jit._pickle.build_* globals).
 c10::IValue plain(const c10::IValue& v) {
   if (v.isIntList() || v.isDoubleList() || v.isBoolList()) {
@@ -72,214 +44,6 @@ c10::IValue plain(const c10::IValue& v) {
   }
   return v;
 }
-
-}  // namespace
-
-namespace {
-
-constexpr uint64_t kP1 = 0x9E3779B185EBCA87ull, kP2 = 0xC2B2AE3D27D4EB4Full,
-                   kP3 = 0x165667B19E3779F9ull, kP4 = 0x85EBCA77C2B2AE63ull,
-                   kP5 = 0x27D4EB2F165667C5ull;
-
-uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-uint64_t read64(const unsigned char* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
-uint64_t round64(uint64_t acc, uint64_t input) { return rotl(acc + input * kP2, 31) * kP1; }
-uint64_t merge(uint64_t acc, uint64_t v) { return (acc ^ round64(0, v)) * kP1 + kP4; }
-
-}  // namespace
-
-Hasher::Hasher() : v_{kP1 + kP2, kP2, 0, 0 - kP1} {}
-
-void Hasher::update(const char* data, size_t n) {
-  const auto* p = reinterpret_cast<const unsigned char*>(data);
-  total_ += n;
-  if (buffered_ + n < 32) {
-    std::memcpy(buffer_ + buffered_, p, n);
-    buffered_ += n;
-    return;
-  }
-  if (buffered_ > 0) {
-    const size_t fill = 32 - buffered_;
-    std::memcpy(buffer_ + buffered_, p, fill);
-    for (int i = 0; i < 4; ++i) v_[i] = round64(v_[i], read64(buffer_ + 8 * i));
-    p += fill;
-    n -= fill;
-    buffered_ = 0;
-  }
-  while (n >= 32) {
-    for (int i = 0; i < 4; ++i) v_[i] = round64(v_[i], read64(p + 8 * i));
-    p += 32;
-    n -= 32;
-  }
-  std::memcpy(buffer_, p, n);
-  buffered_ = n;
-}
-
-uint64_t Hasher::digest() const {
-  uint64_t h;
-  if (total_ >= 32) {
-    h = rotl(v_[0], 1) + rotl(v_[1], 7) + rotl(v_[2], 12) + rotl(v_[3], 18);
-    for (int i = 0; i < 4; ++i) h = merge(h, v_[i]);
-  } else {
-    h = v_[2] + kP5;  // the seed (0) + P5
-  }
-  h += total_;
-  const unsigned char* p = buffer_;
-  size_t n = buffered_;
-  for (; n >= 8; p += 8, n -= 8) h = rotl(h ^ round64(0, read64(p)), 27) * kP1 + kP4;
-  if (n >= 4) {
-    uint32_t k;
-    std::memcpy(&k, p, 4);
-    h = rotl(h ^ (static_cast<uint64_t>(k) * kP1), 23) * kP2 + kP3;
-    p += 4;
-    n -= 4;
-  }
-  for (; n > 0; ++p, --n) h = rotl(h ^ (*p * kP5), 11) * kP1;
-  h ^= h >> 33;
-  h *= kP2;
-  h ^= h >> 29;
-  h *= kP3;
-  h ^= h >> 32;
-  return h;
-}
-
-uint64_t checksum(const char* data, size_t n) {
-  Hasher h;
-  h.update(data, n);
-  return h.digest();
-}
-
-std::string hex(uint64_t v) {
-  char buf[24];
-  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-void sync_dir(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;  // nothing to make durable
-  ::fsync(fd);
-  ::close(fd);
-}
-
-namespace {
-
-// A file being written under a temporary name, with its running size and checksum.
-class PendingFile {
- public:
-  PendingFile(std::string dir, std::string name)
-      : dir_(std::move(dir)),
-        name_(std::move(name)),
-        path_(dir_ + "/" + name_),
-        tmp_(path_ + ".tmp." + std::to_string(::getpid())) {
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) {
-      const int e = errno;
-      DTRAIN_FAIL(CheckpointError, "checkpoint: cannot create '", tmp_, "': ", errno_text(e));
-    }
-  }
-  ~PendingFile() {
-    if (fd_ >= 0) {  // an exception: leave nothing behind
-      ::close(fd_);
-      ::unlink(tmp_.c_str());
-    }
-  }
-  PendingFile(const PendingFile&) = delete;
-  PendingFile& operator=(const PendingFile&) = delete;
-
-  void append(const char* data, size_t n) {
-    hash_.update(data, n);
-    write_all(fd_, data, n, tmp_);
-    bytes_ += n;
-#ifdef __linux__
-    // Start writeback every 16 MiB, so the fsync at the end waits for little.
-    constexpr uint64_t kChunk = uint64_t{16} << 20;
-    if (bytes_ - flushed_ >= kChunk) {
-      ::sync_file_range(fd_, static_cast<off_t>(flushed_), static_cast<off_t>(bytes_ - flushed_),
-                        SYNC_FILE_RANGE_WRITE);
-      flushed_ = bytes_;
-    }
-#endif
-  }
-
-  // fsync, rename into place, fsync the directory.
-  FileInfo commit() {
-    if (::fsync(fd_) != 0 || ::close(fd_) != 0) {
-      const int e = errno;
-      fd_ = -1;
-      ::unlink(tmp_.c_str());
-      DTRAIN_FAIL(CheckpointError, "checkpoint: syncing '", tmp_, "' failed: ", errno_text(e));
-    }
-    fd_ = -1;
-    if (std::optional<std::string> crash = faults::text("CRASH_BEFORE_RENAME")) {
-      const std::string last = dir_.substr(dir_.find_last_of('/') + 1) + "/" + name_;
-      if (name_ == *crash || last == *crash) ::raise(SIGKILL);
-    }
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
-      const int e = errno;
-      ::unlink(tmp_.c_str());
-      DTRAIN_FAIL(CheckpointError, "checkpoint: renaming '", tmp_, "' to '", path_,
-                  "' failed: ", errno_text(e));
-    }
-    sync_dir(dir_);
-    return {name_, bytes_, hash_.digest()};
-  }
-
- private:
-  std::string dir_, name_, path_, tmp_;
-  int fd_ = -1;
-  uint64_t bytes_ = 0, flushed_ = 0;
-  Hasher hash_;
-};
-
-}  // namespace
-
-FileInfo write_file(const std::string& dir, const std::string& name,
-                    const std::vector<char>& bytes) {
-  PendingFile f(dir, name);
-  f.append(bytes.data(), bytes.size());
-  return f.commit();
-}
-
-std::vector<char> read_raw(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int e = errno;
-    DTRAIN_FAIL(CheckpointError, "checkpoint: cannot read '", path, "': ", std::strerror(e));
-  }
-  struct stat st {};
-  ::fstat(fd, &st);
-  std::vector<char> bytes(static_cast<size_t>(st.st_size));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t r = ::read(fd, bytes.data() + done, bytes.size() - done);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) break;  // a file that shrank: the size check reports it
-    done += static_cast<size_t>(r);
-  }
-  ::close(fd);
-  bytes.resize(done);
-  return bytes;
-}
-
-std::vector<char> read_file(const std::string& dir, const FileInfo& expected) {
-  const std::string path = dir + "/" + expected.name;
-  std::vector<char> bytes = read_raw(path);
-  DTRAIN_CHECK_AS(CheckpointError, bytes.size() == expected.bytes, "checkpoint: '", path, "' has ",
-                  bytes.size(), " bytes but was written with ", expected.bytes,
-                  " (truncated or replaced); this checkpoint cannot be trusted");
-  const uint64_t sum = checksum(bytes.data(), bytes.size());
-  DTRAIN_CHECK_AS(CheckpointError, sum == expected.checksum, "checkpoint: '", path,
-                  "' fails its checksum (xxh64 ", hex(sum), ", written as ", hex(expected.checksum),
-                  "): the file is corrupt; this checkpoint cannot be trusted");
-  return bytes;
-}
-
-namespace {
 
 // torch.save's zip of `value` (data.pkl and one record per tensor), streamed to `sink`.
 void write_archive(const c10::IValue& value,

@@ -1,4 +1,4 @@
-#include "framework/checkpoint_meta.h"
+#include "framework/checkpoint/meta.h"
 
 #include <yaml-cpp/yaml.h>
 

@@ -1,4 +1,4 @@
-#include "framework/checkpoint.h"
+#include "framework/checkpoint/checkpointer.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -22,9 +22,11 @@
 #include "comm/types.h"
 #include "core/error.h"
 #include "core/logging.h"
-#include "framework/checkpoint_io.h"
-#include "framework/checkpoint_meta.h"
-#include "framework/optim_state.h"
+#include "framework/checkpoint/atomic_file.h"
+#include "framework/checkpoint/hash.h"
+#include "framework/checkpoint/meta.h"
+#include "framework/checkpoint/optim_state.h"
+#include "framework/checkpoint/pickle.h"
 #include "sharding/fsdp_state.h"
 
 namespace dtrain::framework {

@@ -1,7 +1,7 @@
-// A checkpoint's metadata: meta.json (what Checkpointer::save writes, see checkpoint.h) and
+// A checkpoint's metadata: meta.json (what Checkpointer::save writes, see checkpointer.h) and
 // the COMPLETE marker that holds meta.json's size and checksum. This file owns the format:
 // its name and version, and a writer and a parser that are each other's inverse
-// (parse_meta(write_meta(m)) holds everything m held; checkpoint_meta_test.cc, and the fuzz
+// (parse_meta(write_meta(m)) holds everything m held; meta_test.cc, and the fuzz
 // target checks it on every input it accepts).
 //
 //   write_meta      Meta -> meta.json's text
@@ -10,7 +10,7 @@
 //   parse_meta      meta.json's text -> Meta
 //   read_meta       <dir>/COMPLETE, then <dir>/meta.json verified against it, parsed
 // Every problem raises CheckpointError naming the checkpoint (`where`). Kept apart from
-// checkpoint.cc so the parsers can be tested and fuzzed (fuzz/fuzz_checkpoint_meta.cc)
+// checkpointer.cc so the parsers can be tested and fuzzed (fuzz/fuzz_checkpoint_meta.cc)
 // without a model.
 #pragma once
 
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "framework/checkpoint_io.h"
+#include "framework/checkpoint/atomic_file.h"
 
 namespace dtrain::framework::ckpt {
 

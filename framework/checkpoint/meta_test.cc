@@ -2,7 +2,7 @@
 // that need escaping, a sharded layout, an lr that needs all 17 digits) comes back from
 // parse_meta(write_meta(m)) field for field, and so does COMPLETE. A damaged field is refused
 // by name.
-#include "framework/checkpoint_meta.h"
+#include "framework/checkpoint/meta.h"
 
 #include <gtest/gtest.h>
 

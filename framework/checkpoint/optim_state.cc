@@ -1,4 +1,4 @@
-#include "framework/optim_state.h"
+#include "framework/checkpoint/optim_state.h"
 
 #include <ATen/ATen.h>
 #include <torch/optim/adamw.h>
