@@ -15,6 +15,10 @@ case "$mode" in
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     # Ranks may outnumber cores; let idle ranks yield instead of spinning.
     export OMPI_MCA_mpi_yield_when_idle=1
+    # Under ASan, OpenMPI's leaks are suppressed by library (bazel/sanitizers/lsan.supp), which
+    # needs whole allocation stacks; the fast unwinder stops in OpenMPI's frames. Only ranks
+    # under mpirun pay for full unwinding.
+    [ -n "${ASAN_OPTIONS:-}" ] && export ASAN_OPTIONS="$ASAN_OPTIONS:fast_unwind_on_malloc=0"
     forward=()
     for v in DTRAIN_COMM_CHECK DTRAIN_TEST_DEVICE DTRAIN_ZOO_SEEDS ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS; do
       [ -n "${!v+x}" ] && forward+=(-x "$v")
