@@ -36,12 +36,23 @@ bool MixedPrecisionPolicy::needs_grad_scaler() const {
   return param_dtype == c10::kHalf || effective_reduce_dtype() == c10::kHalf;
 }
 
+std::string canonical_dtype_name(const std::string& name) {
+  const std::string bare = name.rfind("torch.", 0) == 0 ? name.substr(6) : name;
+  if (bare == "bfloat16") return "bf16";
+  if (bare == "float16" || bare == "half") return "fp16";
+  if (bare == "float32" || bare == "float") return "fp32";
+  if (bare == "float64" || bare == "double") return "fp64";
+  return bare == "bf16" || bare == "fp16" || bare == "fp32" || bare == "fp64" ? bare : name;
+}
+
 c10::ScalarType parse_float_dtype(const std::string& name) {
-  if (name == "fp32" || name == "float32") return c10::kFloat;
-  if (name == "bf16" || name == "bfloat16") return c10::kBFloat16;
-  if (name == "fp16" || name == "float16") return c10::kHalf;
-  if (name == "fp64" || name == "float64") return c10::kDouble;
-  DTRAIN_FAIL(ConfigError, "unknown dtype '", name, "'; expected fp32, bf16, fp16 or fp64");
+  const std::string n = canonical_dtype_name(name);
+  if (n == "fp32") return c10::kFloat;
+  if (n == "bf16") return c10::kBFloat16;
+  if (n == "fp16") return c10::kHalf;
+  if (n == "fp64") return c10::kDouble;
+  DTRAIN_FAIL(ConfigError, "unknown dtype '", name,
+              "'; expected fp32, bf16, fp16 or fp64 (or PyTorch's bfloat16, float16, float32)");
 }
 
 void MixedPrecisionPolicy::validate() const {

@@ -42,7 +42,13 @@ struct MixedPrecisionPolicy {
   std::string to_string() const;
 };
 
-// "fp32" | "bf16" | "fp16" | "fp64" -> dtype; throws ConfigError naming the choices.
+// PyTorch's spellings of a float dtype as dtrain's: "torch.bfloat16" and "bfloat16" -> "bf16",
+// "float16"/"half" -> "fp16", "float32"/"float" -> "fp32", "float64"/"double" -> "fp64".
+// Other names come back as they are.
+std::string canonical_dtype_name(const std::string& name);
+
+// "fp32" | "bf16" | "fp16" | "fp64", or a PyTorch spelling of one -> dtype; throws
+// ConfigError naming the choices.
 c10::ScalarType parse_float_dtype(const std::string& name);
 
 }  // namespace dtrain::amp

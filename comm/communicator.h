@@ -16,7 +16,7 @@
 // breaks the communicator; without the check such a mismatch is undefined behaviour of the
 // backend (MPI may truncate or leave garbage, Gloo may abort the process, a same-size dtype
 // or op mismatch goes unnoticed). The check waits for the collectives before it, so it
-// removes overlap: a debugging tool, see README "Reliability".
+// removes overlap: a debugging tool, see docs/reliability.md.
 //
 // Supported: ops SUM, AVG, MAX, MIN (AVG only for floating dtypes); dtypes fp32, fp64,
 // fp16, bf16, int32, int64, uint8. fp16/bf16 reductions add pairs in fp32 and round the

@@ -8,11 +8,10 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 namespace dtrain::logging {
 namespace {
-
-const char* const kLevelNames[] = {"trace", "debug", "info", "warn", "error", "off"};
 
 spdlog::level::level_enum to_spdlog(Level level);
 
@@ -34,13 +33,9 @@ std::shared_ptr<spdlog::logger> logger() {
     // An unknown DTRAIN_LOG_LEVEL is reported by configure() (a ConfigError); until then,
     // info.
     const char* env = std::getenv("DTRAIN_LOG_LEVEL");
-    Level level = Level::kInfo;
-    if (env != nullptr) {
-      for (int i = 0; i < 6; ++i) {
-        if (std::string(env) == kLevelNames[i]) level = static_cast<Level>(i);
-      }
-    }
-    g_logger->set_level(to_spdlog(level));
+    const std::optional<Level> level =
+        env != nullptr ? choice_from_name<Level>(env) : std::optional<Level>();
+    g_logger->set_level(to_spdlog(level.value_or(Level::kInfo)));
   }
   return g_logger;
 }
@@ -53,27 +48,22 @@ spdlog::level::level_enum to_spdlog(Level level) {
 }  // namespace
 
 Level parse_level(const std::string& name) {
-  for (int i = 0; i < 6; ++i) {
-    if (name == kLevelNames[i]) return static_cast<Level>(i);
-  }
-  DTRAIN_FAIL(ConfigError, "unknown log level '", name,
-              "'; expected one of trace, debug, info, warn, error, off");
+  const std::optional<Level> level = choice_from_name<Level>(name);
+  DTRAIN_CHECK_AS(ConfigError, level.has_value(), "unknown log level '", name,
+                  "'; expected one of ", choice_list<Level>());
+  return *level;
 }
 
 void configure(int rank, const Options& options) {
-  std::string level_name = options.level;
+  Level level = options.level;
   if (const char* env = std::getenv("DTRAIN_LOG_LEVEL")) {
-    level_name = env;
-    try {
-      parse_level(level_name);
-    } catch (const ConfigError&) {
-      DTRAIN_FAIL(ConfigError, "DTRAIN_LOG_LEVEL='", level_name,
-                  "' is not a log level; use one of trace, debug, info, warn, error, off");
-    }
+    const std::optional<Level> from_env = choice_from_name<Level>(env);
+    DTRAIN_CHECK_AS(ConfigError, from_env.has_value(), "DTRAIN_LOG_LEVEL='", env,
+                    "' is not a log level; use one of ", choice_list<Level>());
+    level = *from_env;
   }
   bool all_ranks = options.all_ranks;
   if (const char* env = std::getenv("DTRAIN_LOG_ALL_RANKS")) all_ranks = std::string(env) == "1";
-  Level level = parse_level(level_name);
   if (rank != 0 && !all_ranks && level < Level::kWarn) level = Level::kWarn;
   // Under dtrain-launch every line already gets "[rank k] " from the launcher.
   const char* launched = std::getenv("DTRAIN_LAUNCHER");

@@ -10,16 +10,26 @@
 // than the system spdlog was built with, and the two cannot meet in one translation unit.
 #pragma once
 
+#include <array>
 #include <string>
+#include <utility>
 
+#include "core/choices.h"
 #include "core/error.h"
 
 namespace dtrain::logging {
 
 enum class Level { kTrace, kDebug, kInfo, kWarn, kError, kOff };
+inline constexpr std::array<std::pair<Level, const char*>, 6> kLevels{{{Level::kTrace, "trace"},
+                                                                       {Level::kDebug, "debug"},
+                                                                       {Level::kInfo, "info"},
+                                                                       {Level::kWarn, "warn"},
+                                                                       {Level::kError, "error"},
+                                                                       {Level::kOff, "off"}}};
+constexpr const auto& choices(Level) { return kLevels; }
 
 struct Options {
-  std::string level = "info";
+  Level level = Level::kInfo;
   bool all_ranks = false;
 };
 

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/json.h"
+
 namespace dtrain::trace {
 namespace {
 
@@ -64,28 +66,11 @@ int track(const std::string& name) {
   return static_cast<int>(r.tracks.size() - 1);
 }
 
-std::string json_escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
 void complete(const std::string& name, const char* category, int track, int64_t start_us,
               int64_t end_us, const std::string& args_json) {
   Recorder& r = recorder();
   std::ostringstream os;
-  os << "{\"name\":\"" << json_escape(name) << "\",\"cat\":\"" << category
+  os << "{\"name\":\"" << json::escape(name) << "\",\"cat\":\"" << category
      << "\",\"ph\":\"X\",\"ts\":" << start_us << ",\"dur\":" << (end_us - start_us)
      << ",\"pid\":" << r.rank << ",\"tid\":" << track;
   if (!args_json.empty()) os << ",\"args\":{" << args_json << "}";
@@ -128,7 +113,7 @@ std::string take_events_json() {
      << ",\"args\":{\"sort_index\":" << r.rank << "}}";
   for (size_t i = 0; i < r.tracks.size(); ++i) {
     os << ",{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":" << r.rank << ",\"tid\":" << i
-       << ",\"args\":{\"name\":\"" << json_escape(r.tracks[i]) << "\"}}"
+       << ",\"args\":{\"name\":\"" << json::escape(r.tracks[i]) << "\"}}"
        << ",{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":" << r.rank << ",\"tid\":" << i
        << ",\"args\":{\"sort_index\":" << i << "}}";
   }

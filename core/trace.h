@@ -77,7 +77,4 @@ class Scope {
 // no brackets), then forgets them.
 std::string take_events_json();
 
-// Escapes `s` for a JSON string (without the quotes).
-std::string json_escape(const std::string& s);
-
 }  // namespace dtrain::trace

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -115,16 +116,6 @@ class Section {
     }
   }
 
-  void read_choice(const std::string& key, std::string& out,
-                   const std::vector<std::string>& choices, bool required = false) {
-    read(key, out, required);
-    if (std::find(choices.begin(), choices.end(), out) == choices.end()) {
-      std::string list;
-      for (const auto& c : choices) list += (list.empty() ? "" : ", ") + c;
-      fail(key, "expected one of " + list + ", got '" + out + "'");
-    }
-  }
-
   // An enum with named choices (core/choices.h): its names are the only ones accepted.
   template <typename E>
   void read_choice(const std::string& key, E& out, bool required = false) {
@@ -192,7 +183,11 @@ void apply_override(YAML::Node& root, const std::string& text, Origin& origin) {
   auto eq = text.find('=');
   DTRAIN_CHECK_AS(ConfigError, eq != std::string::npos && eq > 0, "--set ", text,
                   ": expected key.path=value");
+  // "train.lr = 1e-3" (one shell word, spaces around '='): the key is "train.lr".
   std::string path = text.substr(0, eq);
+  path.erase(path.find_last_not_of(" \t") + 1);
+  path.erase(0, path.find_first_not_of(" \t"));
+  DTRAIN_CHECK_AS(ConfigError, !path.empty(), "--set ", text, ": expected key.path=value");
   std::string value = text.substr(eq + 1);
   origin.overrides["" + path] = "--set " + text;
   std::vector<std::string> keys;
@@ -252,9 +247,16 @@ void read_model(Section s, ModelConfig& m) {
 }
 
 void read_data(Section s, DataConfig& d) {
+  const bool path_given = s.has("path");
+  const bool source_given = s.has("source");
   s.read_choice("source", d.source);
   s.read("path", d.path);
   s.read("seed", d.seed);
+  // A path names a corpus: it selects one, and never sits unused beside synthetic data.
+  if (path_given && !source_given) d.source = DataSource::kCorpus;
+  s.check(!path_given || d.source == DataSource::kCorpus, "path",
+          "is a corpus file, but data.source is " + std::string(name_of(d.source)) +
+              ", which would leave it unread: use data.source: corpus, or remove data.path");
   if (d.source == DataSource::kCorpus) {
     s.check(!std::filesystem::is_directory(d.path), "path",
             "'" + d.path + "' is a directory; give a text file, or use source: synthetic");
@@ -306,8 +308,7 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.read("bucket_cap_mb", p.bucket_cap_mb);
   s.read("find_unused_parameters", p.find_unused_parameters);
   s.read("broadcast_buffers", p.broadcast_buffers);
-  s.read_choice("sharding_strategy", p.sharding_strategy,
-                {"full_shard", "shard_grad_op", "no_shard", "hybrid_shard"});
+  s.read_choice("sharding_strategy", p.sharding_strategy);
   s.read("forward_prefetch", p.forward_prefetch);
   s.read("backward_prefetch", p.backward_prefetch);
   s.read("limit_all_gathers", p.limit_all_gathers);
@@ -327,20 +328,32 @@ void read_parallel(Section s, ParallelConfig& p) {
 
 void read_precision(Section s, ComputeDevice device, PrecisionConfig& p,
                     std::vector<std::string>& warnings) {
-  s.read_choice("policy", p.policy, {"fp32", "bf16", "fp16", "auto"});
+  {
+    std::string name = name_of(p.policy);
+    s.read("policy", name);
+    const std::optional<Precision> v = choice_from_name<Precision>(amp::canonical_dtype_name(name));
+    if (!v) {
+      s.fail("policy", "expected one of " + choice_list<Precision>() +
+                           " (or PyTorch's bfloat16, float16, float32), got '" + name + "'");
+    }
+    p.policy = *v;
+  }
   const auto hw = low_precision_support(torch_device(device));
-  if (p.policy == "auto") {
+  if (p.policy == Precision::kAuto) {
     // bf16 where the hardware has it, else fp16 with loss scaling where that is native (GPUs
     // before Ampere), else fp32.
-    p.policy = hw.bf16 ? "bf16" : hw.fp16 ? "fp16" : "fp32";
-    p.chosen_by = "precision.policy auto chose " + p.policy + " on this " + name_of(device) + " (" +
+    p.policy = hw.bf16 ? Precision::kBf16 : hw.fp16 ? Precision::kFp16 : Precision::kFp32;
+    p.chosen_by = std::string("precision.policy auto chose ") + name_of(p.policy) + " on this " +
+                  name_of(device) + " (" +
                   (hw.bf16   ? hw.bf16_how
                    : hw.fp16 ? hw.fp16_how
                              : hw.bf16_how) +
                   ")";
-    if (p.policy == "fp16" && !s.section("scaler").has("enabled")) p.scaler.enabled = true;
+    if (p.policy == Precision::kFp16 && !s.section("scaler").has("enabled")) {
+      p.scaler.enabled = true;
+    }
   }
-  p.mixed = amp::MixedPrecisionPolicy::preset(p.policy);
+  p.mixed = amp::MixedPrecisionPolicy::preset(name_of(p.policy));
   auto dtype = [&](const char* key, auto assign) {
     std::string name;
     s.read(key, name);
@@ -348,7 +361,10 @@ void read_precision(Section s, ComputeDevice device, PrecisionConfig& p,
     try {
       assign(amp::parse_float_dtype(name));
     } catch (const ConfigError&) {
-      s.fail(key, "expected fp32, bf16, fp16 or fp64, got '" + name + "'");
+      s.fail(key,
+             "expected fp32, bf16, fp16 or fp64 (or PyTorch's bfloat16, float16, float32), "
+             "got '" +
+                 name + "'");
     }
   };
   dtype("param_dtype", [&](c10::ScalarType t) { p.mixed.param_dtype = t; });
@@ -379,32 +395,39 @@ void read_precision(Section s, ComputeDevice device, PrecisionConfig& p,
            "must be in [0, init_scale]");
   sc.check(p.scaler.max_consecutive_skips >= 0, "max_consecutive_skips",
            "must be >= 0 (0: no limit)");
-  // A 16-bit dtype the device has no instructions for is emulated: correct, but slow.
+  // A 16-bit dtype the device has no instructions for is emulated: correct, but slow, by a
+  // factor measured on this CPU (on a GPU, an emulated bf16 is not measured).
+  auto measured = [&](c10::ScalarType t) {
+    if (device != ComputeDevice::kCpu) return std::string();
+    return "a matmul measured now took " + logging::fixed(cpu_matmul_slowdown(t), 1) +
+           "x fp32's time, and ";
+  };
   auto uses = [&](c10::ScalarType t) {
     return p.mixed.param_dtype == t || p.mixed.effective_reduce_dtype() == t;
   };
   if (uses(at::kHalf) && !hw.fp16) {
-    warnings.push_back(
-        "precision uses fp16, which has no hardware path here (" + hw.fp16_how +
-        "): ATen emulates it, and steps run several times slower than fp32 (configs/default.yaml: "
-        "11x on an AVX-512 CPU without FP16). " +
-        (hw.bf16 ? "Use precision.policy: bf16 (" + hw.bf16_how + ") or auto"
-                 : std::string("Use fp32 here, or fp16/bf16 on a GPU")) +
-        ".");
+    warnings.push_back("precision uses fp16, which has no hardware path here (" + hw.fp16_how +
+                       "): ATen emulates it; " + measured(at::kHalf) +
+                       "steps run several times slower than fp32. " +
+                       (hw.bf16 ? "Use precision.policy: bf16 (" + hw.bf16_how + ") or auto"
+                                : std::string("Use fp32 here, or fp16/bf16 on a GPU")) +
+                       ".");
   }
   if (uses(at::kBFloat16) && !hw.bf16) {
     warnings.push_back("precision uses bf16, which has no hardware path here (" + hw.bf16_how +
-                       "): ATen emulates it, and steps can be slower than fp32. " +
+                       "): ATen emulates it; " + measured(at::kBFloat16) +
+                       "steps can be slower than fp32. " +
                        (hw.fp16 ? "fp16 (" + hw.fp16_how + ") is native here; or use fp32."
                                 : std::string("Use fp32 here, or bf16 on a GPU with sm_80+.")));
   }
   if (p.mixed.needs_grad_scaler()) {
     sc.check(p.scaler.enabled, "enabled",
-             "policy " + p.policy +
+             std::string("policy ") + name_of(p.policy) +
                  " computes or reduces in fp16, whose small gradients underflow without loss "
                  "scaling: set precision.scaler.enabled: true");
   } else if (p.scaler.enabled) {
-    warnings.push_back("precision.scaler.enabled is true with policy " + p.policy +
+    warnings.push_back(std::string("precision.scaler.enabled is true with policy ") +
+                       name_of(p.policy) +
                        ": bf16 and fp32 have fp32's range and need no loss scaling; the scaler "
                        "only adds work");
   }
@@ -424,16 +447,18 @@ void read_checkpoint(Section s, CheckpointConfig& c) {
 }
 
 void read_logging(Section s, LoggingConfig& l) {
-  s.read_choice("level", l.level, {"trace", "debug", "info", "warn", "error", "off"});
+  s.read_choice("level", l.level);
   s.read("every_steps", l.every_steps);
   s.read("all_ranks", l.all_ranks);
   s.read("metrics_file", l.metrics_file);
   s.read("progress_bar", l.progress_bar);
+  s.read("progress_every_s", l.progress_every_s);
   s.read("numerics", l.numerics);
   s.read("trace", l.trace);
   s.read("trace_start", l.trace_start);
   s.read("trace_steps", l.trace_steps);
   s.check(l.every_steps >= 1, "every_steps", "must be >= 1");
+  s.check(l.progress_every_s > 0, "progress_every_s", "must be > 0");
   s.check(l.trace_start >= 1, "trace_start", "must be >= 1 (the first step is 1)");
   s.check(l.trace_steps >= 1, "trace_steps", "must be >= 1");
   s.finish();
@@ -475,6 +500,13 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
               "trainer's fused AdamW and SGD cannot step (they need fp32 gradients); remove it, "
               "or use it through the library with an optimizer that takes low-precision "
               "gradients");
+  }
+  if (cfg.model.type == ModelType::kMlp && cfg.data.source == DataSource::kCorpus) {
+    top.section("data").fail("source",
+                             "a corpus (data.source: corpus, or a data.path) feeds a "
+                             "transformer's tokens, but model.type: mlp trains on synthetic "
+                             "classification data: remove data.path and data.source, or use "
+                             "model.type: transformer");
   }
   if (cfg.parallel.backend == comm::Backend::kNccl && cfg.device != ComputeDevice::kCuda) {
     Section p = top.section("parallel");
@@ -547,6 +579,17 @@ RunConfig parse_config(const std::string& yaml_text, const std::string& name,
   try {
     root = YAML::Load(yaml_text);
   } catch (const YAML::Exception& e) {
+    // YAML indents with spaces only; a tab makes yaml-cpp speak of map values or blocks.
+    std::istringstream lines(yaml_text);
+    int number = 0;
+    for (std::string line; std::getline(lines, line);) {
+      ++number;
+      const size_t text_at = line.find_first_not_of(" \t");
+      if (number > e.mark.line + 1 || text_at == std::string::npos) continue;
+      DTRAIN_CHECK_AS(ConfigError, line.find('\t') >= text_at, name, ":", number,
+                      ": indented with a tab; YAML indents with spaces only (yaml-cpp: ", e.msg,
+                      ")");
+    }
     DTRAIN_FAIL(ConfigError, name, ":", e.mark.line + 1, ": not valid YAML: ", e.msg);
   }
   DTRAIN_CHECK_AS(ConfigError, (root && !root.IsNull()) || !overrides.empty(), name,

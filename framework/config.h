@@ -24,6 +24,8 @@
 #include "amp/policy.h"
 #include "comm/backend.h"
 #include "core/choices.h"
+#include "core/logging.h"
+#include "sharding/sharding_strategy.h"
 
 namespace dtrain::framework {
 
@@ -128,8 +130,7 @@ struct ParallelConfig {
   double bucket_cap_mb = 25.0;
   bool find_unused_parameters = false;
   bool broadcast_buffers = true;
-  std::string sharding_strategy =
-      "full_shard";  // full_shard | shard_grad_op | no_shard | hybrid_shard
+  sharding::ShardingStrategy sharding_strategy = sharding::ShardingStrategy::kFullShard;
   bool forward_prefetch = false;
   bool backward_prefetch = true;
   int64_t limit_all_gathers = 2;
@@ -140,6 +141,18 @@ struct ParallelConfig {
   int64_t hybrid_group_size = 0;  // hybrid_shard: ranks per shard group; 0: LOCAL_WORLD_SIZE
   double timeout_s = 300.0;
 };
+
+// precision.policy: a preset of amp::MixedPrecisionPolicy. auto: bf16 where the hardware has
+// it, else fp16 where that is native, else fp32. PyTorch's spellings (bfloat16, float16,
+// torch.float32, half, ...) are read as these names (canonical_precision_name).
+enum class Precision { kFp32, kBf16, kFp16, kAuto };
+inline constexpr std::array<std::pair<Precision, const char*>, 4> kPrecisions{{
+    {Precision::kFp32, "fp32"},
+    {Precision::kBf16, "bf16"},
+    {Precision::kFp16, "fp16"},
+    {Precision::kAuto, "auto"},
+}};
+constexpr const auto& choices(Precision) { return kPrecisions; }
 
 struct ScalerConfig {
   bool enabled = false;
@@ -155,9 +168,9 @@ struct ScalerConfig {
 };
 
 struct PrecisionConfig {
-  std::string policy = "fp32";      // fp32 | bf16 | fp16 (auto is resolved while parsing)
-  std::string chosen_by;            // what auto chose and why; empty otherwise
-  amp::MixedPrecisionPolicy mixed;  // the preset with any explicit dtype overrides applied
+  Precision policy = Precision::kFp32;  // never kAuto: auto is resolved while parsing
+  std::string chosen_by;                // what auto chose and why; empty otherwise
+  amp::MixedPrecisionPolicy mixed;      // the preset with any explicit dtype overrides applied
   ScalerConfig scaler;
 };
 
@@ -170,11 +183,14 @@ struct CheckpointConfig {
 };
 
 struct LoggingConfig {
-  std::string level = "info";
+  logging::Level level = logging::Level::kInfo;
   int64_t every_steps = 10;
   bool all_ranks = false;
   std::string metrics_file;  // JSON lines; empty: none
   bool progress_bar = true;
+  // Without a terminal (under dtrain-launch, mpirun, into a file), rank 0 prints a progress
+  // line (rate, time left) when this many seconds pass without a line of its own.
+  double progress_every_s = 15.0;
   bool numerics = false;  // per-unit numerics monitor (amp/numerics.h), reported on skipped steps
   // Step timeline (core/trace.h): a Chrome trace-event JSON of steps trace_start ..
   // trace_start + trace_steps - 1 (1-based), all ranks in one file written by rank 0; empty: off.

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <tuple>
 
 #include "core/error.h"
 #include "framework/hardware.h"
@@ -78,7 +79,7 @@ TEST(Config, OverridesApplyAndCreateKeys) {
                               "precision.scaler.growth_interval=7"});
   EXPECT_DOUBLE_EQ(c.train.lr, 0.5);
   EXPECT_EQ(c.train.micro_batches, 2);
-  EXPECT_EQ(c.logging.level, "debug");
+  EXPECT_EQ(c.logging.level, logging::Level::kDebug);
   EXPECT_EQ(c.precision.scaler.growth_interval, 7);
 }
 
@@ -188,6 +189,64 @@ TEST(Config, Bf16WithAnEnabledScalerWarns) {
   EXPECT_EQ(count("need no loss scaling"), 1);
   EXPECT_EQ(count("precision uses bf16, which has no hardware path here"), emulated ? 1 : 0);
   EXPECT_EQ(c.warnings.size(), emulated ? 2u : 1u);
+}
+
+// A newcomer's spellings: spaces around '=' in one --set word, PyTorch's dtype names.
+TEST(Config, ForgivingSpellingsMeanWhatTheySay) {
+  RunConfig c = parse_config(kGood, "run.yaml", {"train.lr = 0.5", " train.steps =3"});
+  EXPECT_DOUBLE_EQ(c.train.lr, 0.5);
+  EXPECT_EQ(c.train.steps, 3);
+  for (const auto& [name, policy, dtype] :
+       std::vector<std::tuple<std::string, Precision, c10::ScalarType>>{
+           {"bfloat16", Precision::kBf16, c10::kBFloat16},
+           {"torch.bfloat16", Precision::kBf16, c10::kBFloat16},
+           {"float32", Precision::kFp32, c10::kFloat},
+           {"torch.float32", Precision::kFp32, c10::kFloat}}) {
+    SCOPED_TRACE(name);
+    RunConfig p = parse_config(replace(kGood, "policy: bf16", "policy: " + name), "run.yaml");
+    EXPECT_EQ(p.precision.policy, policy);
+    EXPECT_EQ(p.precision.mixed.param_dtype, dtype);
+  }
+  RunConfig half = parse_config(replace(kGood, "policy: bf16", "policy: float16"), "run.yaml",
+                                {"precision.scaler.enabled=true"});
+  EXPECT_EQ(half.precision.policy, Precision::kFp16);
+  RunConfig r = parse_config(
+      replace(kGood, "policy: bf16", "policy: bf16\n  reduce_dtype: torch.float32"), "run.yaml");
+  EXPECT_EQ(r.precision.mixed.effective_reduce_dtype(), c10::kFloat);
+  expect_yaml_error(replace(kGood, "policy: bf16", "policy: int8"),
+                    {"run.yaml:13:", "precision.policy", "fp32, bf16, fp16, auto", "bfloat16"});
+}
+
+TEST(ConfigError, ATabInTheIndentationIsNamed) {
+  expect_yaml_error(replace(kGood, "  steps: 10", "\tsteps: 10"),
+                    {"run.yaml:7:", "indented with a tab", "spaces only"});
+}
+
+// data.path selects the corpus; it never sits unread beside synthetic data.
+TEST(Config, ADataPathSelectsTheCorpus) {
+  RunConfig c = parse_config(
+      std::string(kGood) + "data:\n  path: /usr/share/common-licenses/GPL-3\n", "run.yaml");
+  EXPECT_EQ(c.data.source, DataSource::kCorpus);
+  EXPECT_EQ(parse_config(kGood, "run.yaml").data.source, DataSource::kSynthetic);
+  expect_yaml_error(std::string(kGood) + "data:\n  path: /nonexistent/corpus.txt\n",
+                    {"run.yaml:15:", "data.path", "cannot be read"});
+  expect_yaml_error(
+      std::string(kGood) + "data:\n  source: synthetic\n  path: /usr/share/common-licenses/GPL-3\n",
+      {"run.yaml:16:", "data.path", "data.source is synthetic", "data.source: corpus"});
+  expect_yaml_error(replace(kGood, "  type: transformer", "  type: mlp") +
+                        "data:\n  path: /usr/share/common-licenses/GPL-3\n",
+                    {"data.source", "model.type: mlp", "synthetic"});
+}
+
+// The warning about an emulated 16-bit dtype quotes what it costs on this CPU.
+TEST(Config, AnEmulatedDtypeWarnsWithItsMeasuredCost) {
+  if (low_precision_support(c10::kCPU).fp16) GTEST_SKIP() << "this CPU has native fp16";
+  RunConfig c = parse_config(replace(kGood, "policy: bf16", "policy: fp16"), "run.yaml",
+                             {"precision.scaler.enabled=true"});
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_NE(c.warnings[0].find("a matmul measured now took "), std::string::npos) << c.warnings[0];
+  EXPECT_NE(c.warnings[0].find("x fp32's time"), std::string::npos) << c.warnings[0];
+  EXPECT_GT(cpu_matmul_slowdown(c10::kHalf), 0.0);
 }
 
 TEST(ConfigError, OverridesAreValidatedAndNamed) {

@@ -67,6 +67,7 @@ ByteCorpusSource::ByteCorpusSource(const std::string& path, int64_t seq_len, int
                         " bytes, fewer than one sequence of model.seq_len + 1 = ", seq_len + 1);
         tokens_ = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte)
                       .to(at::kLong);
+        description_ = "corpus " + path + " (" + std::to_string(bytes.size() / 1024) + " KiB)";
         // The last eval_samples windows are held out for validation.
         const int64_t windows = (tokens_.numel() - 1) / seq_len;
         DTRAIN_CHECK_AS(ConfigError, windows > eval_samples, "data.path: corpus '", path,

@@ -65,6 +65,8 @@ class BatchSource {
   virtual Batch validation(int rank, int world) = 0;
   // Tokens (LM) or samples (MLP) per micro-batch, for throughput.
   virtual int64_t items_per_sample() const = 0;
+  // What the data is, for the run's first log line ("corpus GPL-3 (35 KB)").
+  virtual std::string describe() const { return "custom data"; }
 };
 
 class ByteCorpusSource : public BatchSource {
@@ -75,11 +77,13 @@ class ByteCorpusSource : public BatchSource {
   Batch next(int64_t step, int64_t micro) override;
   Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return seq_len_; }
+  std::string describe() const override { return description_; }
   int64_t num_samples() const { return sampler_.num_samples(); }
 
  private:
   Batch windows(const std::vector<int64_t>& starts) const;
 
+  std::string description_;
   at::Tensor tokens_;  // int64 bytes
   int64_t seq_len_, batch_size_, micro_batches_, eval_samples_;
   DistributedSampler sampler_;
@@ -92,6 +96,7 @@ class SyntheticLMSource : public BatchSource {
   Batch next(int64_t step, int64_t micro) override;
   Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return seq_len_; }
+  std::string describe() const override { return "synthetic tokens"; }
 
  private:
   int64_t vocab_, seq_len_, batch_size_, eval_samples_;
@@ -106,6 +111,7 @@ class SyntheticClassificationSource : public BatchSource {
   Batch next(int64_t step, int64_t micro) override;
   Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return 1; }
+  std::string describe() const override { return "synthetic classification"; }
 
  private:
   int64_t in_features_, classes_, batch_size_, eval_samples_;

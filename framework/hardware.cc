@@ -1,7 +1,15 @@
 #include "framework/hardware.h"
 
+#include <ATen/ATen.h>
 #include <ATen/cpu/Utils.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <map>
+#include <mutex>
 
 namespace dtrain::framework {
 namespace {
@@ -33,6 +41,34 @@ LowPrecisionSupport low_precision_support(c10::DeviceType device) {
                : has(caps, "avx512_fp16") ? "AVX512-FP16"
                                           : "no AVX512-FP16 or AMX-FP16 on this CPU";
   return s;
+}
+
+int usable_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return 1;
+}
+
+double cpu_matmul_slowdown(c10::ScalarType dtype) {
+  static std::mutex mu;
+  static std::map<c10::ScalarType, double> measured;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = measured.find(dtype); it != measured.end()) return it->second;
+  auto fastest = [](c10::ScalarType t) {
+    const at::Tensor a = at::ones({128, 128}, at::TensorOptions().dtype(t));
+    double best = std::numeric_limits<double>::infinity();
+    for (int i = 0; i < 4; ++i) {  // the first run warms up
+      const auto t0 = std::chrono::steady_clock::now();
+      at::Tensor c = at::mm(a, a);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (i > 0) best = std::min(best, s);
+    }
+    return best;
+  };
+  const double ratio = fastest(dtype) / std::max(fastest(at::kFloat), 1e-9);
+  measured[dtype] = ratio;
+  return ratio;
 }
 
 }  // namespace dtrain::framework

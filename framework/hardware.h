@@ -8,6 +8,7 @@
 #pragma once
 
 #include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
 
 #include <string>
 
@@ -21,5 +22,14 @@ struct LowPrecisionSupport {
 
 // What `device` (this machine's CPU, or its GPU) runs natively in bf16 and fp16.
 LowPrecisionSupport low_precision_support(c10::DeviceType device);
+
+// How many times longer a 128x128 matmul takes in `dtype` than in fp32 on this CPU, measured
+// now (the fastest of a few runs each way, about 10 ms in all; the first call measures, later
+// ones return the same figure). For the warning about an emulated 16-bit dtype.
+double cpu_matmul_slowdown(c10::ScalarType dtype);
+
+// The CPUs this process may run on (its affinity mask: what taskset, Slurm or a container
+// left it), at least 1.
+int usable_cpus();
 
 }  // namespace dtrain::framework

@@ -85,15 +85,18 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
       c.train.optimizer == OptimizerType::kAdamW ? 8 : (c.train.momentum > 0 ? 4 : 0);
   e.construction = 4 * p;
   if (c.parallel.strategy == ParallelStrategy::kFsdp) {
-    const std::string& s = c.parallel.sharding_strategy;
+    using sharding::ShardingStrategy;
+    const ShardingStrategy s = c.parallel.sharding_strategy;
     double n = world;
-    if (s == "no_shard") n = 1;
-    if (s == "hybrid_shard" && c.parallel.hybrid_group_size > 0) n = c.parallel.hybrid_group_size;
+    if (s == ShardingStrategy::kNoShard) n = 1;
+    if (s == ShardingStrategy::kHybridShard && c.parallel.hybrid_group_size > 0) {
+      n = static_cast<double>(c.parallel.hybrid_group_size);
+    }
     e.parameters = 4 * p / n;
     e.gradients = (mp.keep_low_precision_grads ? bytes_of(mp.effective_reduce_dtype()) : 4) * p / n;
     e.optimizer = opt_per_param * p / n;
     const double gathered =
-        s == "shard_grad_op" || s == "no_shard"
+        s == ShardingStrategy::kShardGradOp || s == ShardingStrategy::kNoShard
             ? (n > 1 || cb != 4 ? p * cb : 0)
             : (static_cast<double>(c.parallel.limit_all_gathers) * largest_unit + root) * cb;
     e.compute = gathered + largest_unit * bytes_of(mp.effective_reduce_dtype());
@@ -132,7 +135,7 @@ void check_memory_fits(const RunConfig& c, int world, int ranks_here, int64_t av
   if (c.parallel.strategy != ParallelStrategy::kFsdp && world > 1) {
     RunConfig f = c;
     f.parallel.strategy = ParallelStrategy::kFsdp;
-    f.parallel.sharding_strategy = "full_shard";
+    f.parallel.sharding_strategy = sharding::ShardingStrategy::kFullShard;
     hint << "parallel.strategy: fsdp (full_shard shards parameters, gradients and optimizer "
             "state over the "
          << world << " ranks: about " << format_bytes(estimate_memory(f, world).peak())

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/json.h"
 #include "core/logging.h"
 #include "core/trace.h"
 
@@ -34,14 +35,14 @@ std::ofstream open_for_writing(const RunConfig& c, const char* key, const std::s
 void JsonObject::key(std::string_view k) {
   if (!body_.empty()) body_ += ',';
   body_ += '"';
-  body_ += trace::json_escape(std::string(k));
+  body_ += json::escape(k);
   body_ += "\":";
 }
 
 JsonObject& JsonObject::string(std::string_view k, std::string_view value) {
   key(k);
   body_ += '"';
-  body_ += trace::json_escape(std::string(value));
+  body_ += json::escape(value);
   body_ += '"';
   return *this;
 }
@@ -133,7 +134,7 @@ void write_trace(const RunConfig& c, comm::Communicator* comm, int rank, int wor
     << JsonObject()
            .string("config", c.source)
            .string("strategy", name_of(c.parallel.strategy))
-           .string("precision", c.precision.policy)
+           .string("precision", name_of(c.precision.policy))
            .integer("ranks", world)
            .integer("first_step", c.logging.trace_start)
            .integer("steps", c.logging.trace_steps)

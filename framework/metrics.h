@@ -1,8 +1,9 @@
 // The trainer's output besides the log: the metrics file (JSON lines, what scripts/plot
 // draws), the progress bar, and the step timeline (logging.trace).
 //
-// Every JSON line is built with JsonObject, which escapes keys and strings (trace::json_escape)
-// and writes a non-finite number (a diverged loss) as null, since JSON has no nan or inf.
+// Every JSON line is built with JsonObject, which escapes keys and strings (json::escape,
+// core/json.h) and writes a non-finite number (a diverged loss) as null, since JSON has no nan or
+// inf.
 #pragma once
 
 #include <cstdint>

@@ -24,7 +24,7 @@ sharding::DDPOptions ddp_options(const RunConfig& c, amp::NumericsMonitor* monit
 sharding::FSDPOptions fsdp_options(const RunConfig& c, amp::NumericsMonitor* monitor) {
   const ParallelConfig& p = c.parallel;
   sharding::FSDPOptions o;
-  o.sharding_strategy(sharding::parse_sharding_strategy(p.sharding_strategy))
+  o.sharding_strategy(p.sharding_strategy)
       .mixed_precision(c.precision.mixed)
       .auto_wrap(
           sharding::AutoWrapPolicy().module_types(p.wrap_modules).min_params(p.wrap_min_params))

@@ -1,18 +1,26 @@
 #include "framework/trainer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/optim/optimizer.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <optional>
 #include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
 
 #include "amp/autocast.h"
 #include "amp/sharded_grad_scaler.h"
@@ -20,6 +28,7 @@
 #include "comm/rendezvous.h"
 #include "core/logging.h"
 #include "core/trace.h"
+#include "framework/hardware.h"
 #include "framework/memory.h"
 #include "framework/memory_estimate.h"
 #include "framework/models/mlp.h"
@@ -52,14 +61,24 @@ double mean_over_ranks(comm::Communicator* comm, double v) {
   return t.item<double>();
 }
 
+// Before any backend is chosen: a CPU-only LibTorch, or one that sees no GPU.
+void check_device(const RunConfig& c) {
+  if (c.device != ComputeDevice::kCuda || at::hasCUDA()) return;
+  const bool built = at::detail::getCUDAHooks().isBuilt();
+  DTRAIN_FAIL(ConfigError, c.source, ": device: cuda, but ",
+              built ? "this LibTorch sees no CUDA GPU (check the driver and "
+                      "CUDA_VISIBLE_DEVICES); use device: cpu"
+                    : "this LibTorch is a CPU-only build, without CUDA; use device: cpu, or "
+                      "build dtrain against a CUDA LibTorch");
+}
+
 void check_supported(const RunConfig& c, const comm::Communicator* comm) {
   DTRAIN_CHECK_AS(
       ConfigError,
       c.parallel.strategy != ParallelStrategy::kNone || comm == nullptr || comm->size() == 1,
       c.source, ": parallel.strategy: none trains one process, but this job has ",
       comm ? comm->size() : 1, " ranks; use ddp");
-  DTRAIN_CHECK_AS(ConfigError, c.device == ComputeDevice::kCpu || at::hasCUDA(), c.source,
-                  ": device: cuda, but this LibTorch has no CUDA device; use device: cpu");
+  check_device(c);
 }
 
 // ATen's fused kernels, as Python's AdamW(fused=True) and SGD(fused=True): one pass per step,
@@ -90,6 +109,93 @@ std::unique_ptr<amp::GradScaler> make_scaler(const RunConfig& c,
   return std::make_unique<amp::GradScaler>(o);
 }
 
+// What stops `path` (a file, or a folder when `folder`) from being written; nullopt when it
+// can be. Makes the folders the run would make, and removes a file it made.
+std::optional<std::string> unwritable(const std::string& path, bool folder) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(path);
+  if (folder && fs::exists(p, ec) && !fs::is_directory(p, ec)) {
+    return "'" + path + "' is a file; give a folder";
+  }
+  if (!folder && fs::is_directory(p, ec)) return "'" + path + "' is a folder; give a file";
+  const fs::path dir = folder ? p : p.parent_path();
+  if (!dir.empty()) {
+    fs::create_directories(dir, ec);
+    if (ec) {
+      return "cannot write '" + path + "': the folder '" + dir.string() +
+             "' cannot be made: " + ec.message();
+    }
+  }
+  const fs::path probe = folder ? p / (".dtrain_write_check." + std::to_string(::getpid())) : p;
+  const bool existed = fs::exists(probe, ec);
+  errno = 0;
+  if (!std::ofstream(probe, std::ios::app)) {
+    return "cannot write '" + probe.string() + "': " + std::strerror(errno);
+  }
+  if (!existed) fs::remove(probe, ec);
+  return std::nullopt;
+}
+
+// Every path the run will write, checked before training rather than at its first write:
+// the first problem found on this rank, naming its key, or an empty string.
+std::string output_problem(const RunConfig& c, int rank) {
+  std::vector<std::tuple<const char*, std::string, bool>> outputs;  // key, path, folder
+  if (!c.checkpoint.dir.empty()) outputs.emplace_back("checkpoint.dir", c.checkpoint.dir, true);
+  if (rank == 0 && !c.logging.metrics_file.empty()) {  // rank 0 writes these
+    outputs.emplace_back("logging.metrics_file", c.logging.metrics_file, false);
+  }
+  if (rank == 0 && !c.logging.trace.empty()) {
+    outputs.emplace_back("logging.trace", c.logging.trace, false);
+  }
+  for (const auto& [key, path, folder] : outputs) {
+    if (auto why = unwritable(path, folder)) return c.source + ": " + key + ": " + *why;
+  }
+  return {};
+}
+
+// A start-up check that one rank fails stops every rank before the first collective: the
+// rank that failed reports its problem, the others say whose problem stopped them (instead of
+// a peer's closed connection later).
+void agree_to_start(comm::Communicator* comm, int rank, int world, const std::string& problem) {
+  std::vector<int> failed;
+  if (comm != nullptr && world > 1) {
+    at::Tensor t = at::zeros({world}, at::kFloat);
+    t[rank] = problem.empty() ? 0.0 : 1.0;
+    t = t.to(comm->device());
+    comm->all_reduce(t, comm::ReduceOp::kSum).wait();
+    t = t.cpu();
+    for (int r = 0; r < world; ++r) {
+      if (t[r].item<float>() > 0) failed.push_back(r);
+    }
+  }
+  if (!problem.empty()) DTRAIN_FAIL(ConfigError, problem);
+  if (failed.empty()) return;
+  // The rank with the problem exits first, so that dtrain-launch names it (and ends this one).
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::string ranks;
+  for (int r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  DTRAIN_FAIL(ConfigError, "stopping before the first step: rank", failed.size() > 1 ? "s " : " ",
+              ranks, " could not start (",
+              failed.size() > 1 ? "their messages name" : "its message names", " the key to fix)");
+}
+
+// More compute threads than CPUs on this node (the ranks here times ATen's intra-op threads,
+// OMP_NUM_THREADS): they preempt each other inside every kernel.
+void warn_if_oversubscribed(c10::DeviceType device) {
+  if (device != c10::kCPU) return;
+  const int ranks = std::max(1, comm::detect_rank_info().local_world_size);
+  const int threads = at::get_num_threads();
+  const int cpus = usable_cpus();
+  if (static_cast<int64_t>(ranks) * threads <= cpus) return;
+  logging::warn(ranks, " rank(s) on this node x ", threads, " compute threads each (",
+                "OMP_NUM_THREADS) is more than its ", cpus,
+                " CPUs: the threads preempt each other inside every kernel (configs/default.yaml, "
+                "2 ranks on 2 CPUs: OMP_NUM_THREADS=8 made steps 2.3-2.6x slower than 1). Set "
+                "OMP_NUM_THREADS=",
+                std::max(1, cpus / ranks), ", or leave it unset under dtrain-launch");
+}
+
 // Fault injection (core/faults.h). KILL_AT_STEP: SIGKILL that rank once <step> steps are done
 // (and their checkpoint written), in the first attempt only (launcher restarts;
 // TORCHELASTIC_RESTART_COUNT 0).
@@ -108,6 +214,7 @@ at::Tensor cross_entropy(const at::Tensor& output, const Batch& batch) {
 }
 
 std::shared_ptr<comm::Communicator> connect(const RunConfig& config) {
+  check_device(config);
   comm::CommOptions co;
   co.backend = config.parallel.backend;
   co.device = torch_device(config.device);
@@ -216,11 +323,13 @@ void Trainer::setup() {
   if (rank_ == 0) {  // once per job, not once per rank
     for (const auto& w : c_.warnings) logging::warn(c_.source, ": ", w);
     if (!c_.precision.chosen_by.empty()) logging::info(c_.precision.chosen_by);
+    warn_if_oversubscribed(device_);
   }
   DTRAIN_CHECK_AS(ConfigError, c_.train.eval_every == 0 || c_.train.eval_samples >= world_,
                   c_.source, ": train.eval_samples (", c_.train.eval_samples,
                   ") must be at least the number of ranks (", world_,
                   "): every rank evaluates its share");
+  agree_to_start(comm_.get(), rank_, world_, output_problem(c_, rank_));
   model_ = task_.make_strategy(&monitor_);
   opt_ = make_optimizer(c_.train, model_->parameters());
   scaler_ = make_scaler(c_, comm_);
@@ -230,16 +339,18 @@ void Trainer::setup() {
   if (sc.enabled) model_->use_grad_scaler(scaler_.get());
   autocast_ = c_.precision.mixed.is_low_precision() && model_->uses_autocast();
   logging::info(
-      "run: ", c_.source, ", ", world_, " rank(s), strategy ", name_of(c_.parallel.strategy),
-      comm_ ? ", backend " + comm_->backend() : std::string(), ", precision ", c_.precision.policy,
-      " ", c_.precision.mixed.to_string(), ", loss scaling ", sc.enabled ? "on" : "off");
+      "run: ", c_.source, ", ", task_.description.empty() ? "custom model" : task_.description,
+      " on ", data_->describe(), ", ", world_, " rank(s), strategy ", name_of(c_.parallel.strategy),
+      comm_ ? ", backend " + comm_->backend() : std::string(), ", precision ",
+      name_of(c_.precision.policy), " ", c_.precision.mixed.to_string(), ", loss scaling ",
+      sc.enabled ? "on" : "off");
   restore();
   metrics_.emplace(c_, rank_, first_step_,
                    JsonObject()
                        .string("config", c_.source)
                        .string("model", task_.description)
                        .string("strategy", name_of(c_.parallel.strategy))
-                       .string("precision", c_.precision.policy)
+                       .string("precision", name_of(c_.precision.policy))
                        .integer("ranks", world_)
                        .string("backend", comm_ ? comm_->backend() : std::string("none")));
   if (first_step_ > 0 && c_.train.eval_every > 0) {
@@ -255,21 +366,39 @@ void Trainer::setup() {
 void Trainer::restore() {
   const std::string& resume = c_.checkpoint.resume;
   if (!checkpointer_.enabled() && (resume == "auto" || resume == "never")) return;
-  const CheckpointParts parts{&model_->module(), model_->fsdp(), opt_.get(),
-                              scaler_.get(),     &monitor_,      comm_.get()};
-  const std::optional<TrainerProgress> p = checkpointer_.restore(parts, resume);
+  const std::optional<TrainerProgress> p = checkpointer_.restore(checkpoint_parts(), resume);
   if (!p) return;
   step_ = first_step_ = p->step;
+  // Nothing left to train: said, not a "done" line over an empty run. A launcher's restart
+  // of a run that had finished (TORCHELASTIC_RESTART_COUNT > 0) finishes again quietly.
+  const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const bool restarted = restarts != nullptr && std::string(restarts) != "0";
+  DTRAIN_CHECK_AS(ConfigError, p->step < c_.train.steps || (p->step == c_.train.steps && restarted),
+                  c_.source, ": train.steps is ", c_.train.steps, ", but the checkpoint resumed (",
+                  resume == "auto" ? "the newest in " + c_.checkpoint.dir : resume, ") is at step ",
+                  p->step, ": nothing is left to train. Raise train.steps above ", p->step,
+                  " to train further, or start afresh with checkpoint.resume: never (or another "
+                  "checkpoint.dir)");
   result_.skipped_steps = p->skipped_steps;
   nonfinite_.resume(p->nonfinite_run);
   collapse_.resume(p->consecutive_skips, monitor_);
 }
 
-at::Tensor Trainer::forward_loss(const Batch& b) {
-  amp::AutocastGuard ac(
+CheckpointParts Trainer::checkpoint_parts() {
+  return {&model_->module(), model_->fsdp(), opt_.get(), scaler_.get(), &monitor_, comm_.get()};
+}
+
+// Forwards (training and validation) run under autocast in param_dtype when the policy
+// computes in low precision and the strategy asks for it (Strategy::uses_autocast).
+amp::AutocastGuard Trainer::autocast() const {
+  return amp::AutocastGuard(
       device_,
       autocast_ ? std::optional<c10::ScalarType>(c_.precision.mixed.param_dtype) : std::nullopt,
       autocast_);
+}
+
+at::Tensor Trainer::forward_loss(const Batch& b) {
+  amp::AutocastGuard ac = autocast();
   at::Tensor out = model_->forward(b.inputs);
   monitor_.record("model.output", out);
   return task_.loss(out, b);
@@ -285,10 +414,7 @@ double Trainer::validation_loss() {
   at::Tensor sum;
   double count = 0;
   {
-    amp::AutocastGuard ac(
-        device_,
-        autocast_ ? std::optional<c10::ScalarType>(c_.precision.mixed.param_dtype) : std::nullopt,
-        autocast_);
+    amp::AutocastGuard ac = autocast();
     at::Tensor out = model_->forward(b.inputs);
     if (task_.per_token_validation) {  // per token: the mean over every target of the set
       at::Tensor flat = out.to(at::kFloat);
@@ -420,12 +546,37 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
   window_steps_ = 0;
 }
 
+// On a terminal, the bar under the log lines. Otherwise (under dtrain-launch, mpirun, into a
+// file) a line with the rate and the time left when logging.progress_every_s has passed since
+// rank 0's last line, so that a slow run never looks hung between logged steps.
+void Trainer::show_progress(const StepStats& s, bool logged) {
+  if (tty_) {
+    std::fprintf(stderr, "\r%s ", progress_bar(s.step, c_.train.steps).c_str());
+    return;
+  }
+  if (rank_ != 0 || !c_.logging.progress_bar) return;
+  const auto now = Clock::now();
+  if (logged) {
+    last_line_ = now;
+    return;
+  }
+  if (std::chrono::duration<double>(now - last_line_).count() < c_.logging.progress_every_s) {
+    return;
+  }
+  last_line_ = now;
+  const double rate = static_cast<double>(s.step - first_step_) / seconds_since(train_start_);
+  const auto left = static_cast<int64_t>(static_cast<double>(c_.train.steps - s.step) / rate);
+  char eta[32];
+  std::snprintf(eta, sizeof(eta), "%lld:%02lld", static_cast<long long>(left / 60),
+                static_cast<long long>(left % 60));
+  logging::info("progress: step ", s.step, "/", c_.train.steps, ", ",
+                logging::fixed(rate, rate < 10 ? 2 : 1), " step/s, ", eta, " left");
+}
+
 void Trainer::save_checkpoint(const StepStats& s) {
   const auto t = Clock::now();
-  const CheckpointParts parts{&model_->module(), model_->fsdp(), opt_.get(),
-                              scaler_.get(),     &monitor_,      comm_.get()};
   const std::string path = checkpointer_.save(
-      parts,
+      checkpoint_parts(),
       TrainerProgress{s.step, result_.skipped_steps, s.lr, collapse_.skips(), nonfinite_.run()});
   if (tty_) std::fprintf(stderr, "\r\033[K");
   logging::info("checkpoint ", path, " written in ", logging::fixed(seconds_since(t), 2), " s");
@@ -440,6 +591,7 @@ TrainResult Trainer::train() {
     trace::configure(rank_);
   }
   const int64_t steps = c_.train.steps;
+  train_start_ = last_line_ = Clock::now();
   while (step_ < steps) {
     const StepStats s = train_step();
     window_loss_ += s.loss;
@@ -450,10 +602,10 @@ TrainResult Trainer::train() {
     if (c_.train.eval_every > 0 && (s.step % c_.train.eval_every == 0 || last)) {
       val_loss = validation_loss();
     }
-    if (s.step % c_.logging.every_steps == 0 || last || s.step == first_step_ + 1 || val_loss) {
-      log_step(s, val_loss);
-    }
-    if (tty_) std::fprintf(stderr, "\r%s ", progress_bar(s.step, steps).c_str());
+    const bool logged =
+        s.step % c_.logging.every_steps == 0 || last || s.step == first_step_ + 1 || val_loss;
+    if (logged) log_step(s, val_loss);
+    show_progress(s, logged);
     const bool due = c_.checkpoint.every_steps > 0 && s.step % c_.checkpoint.every_steps == 0;
     if (checkpointer_.enabled() && (due || last)) save_checkpoint(s);
     if (kill_at_ && s.step == kill_at_->step && rank_ == kill_at_->rank) {

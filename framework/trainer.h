@@ -36,6 +36,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -43,6 +44,7 @@
 #include <utility>
 #include <vector>
 
+#include "amp/autocast.h"
 #include "amp/grad_scaler.h"
 #include "amp/numerics.h"
 #include "comm/communicator.h"
@@ -126,11 +128,14 @@ class Trainer {
   Strategy& strategy() { return *model_; }
 
  private:
+  CheckpointParts checkpoint_parts();
+  amp::AutocastGuard autocast() const;
   at::Tensor forward_loss(const Batch& b);
   double validation_loss();
   void restore();
   void log_step(const StepStats& s, std::optional<double> val_loss);
   void save_checkpoint(const StepStats& s);
+  void show_progress(const StepStats& s, bool logged);
   void report();
 
   const RunConfig& c_;
@@ -158,6 +163,9 @@ class Trainer {
   bool first_logged_ = false;
   double window_loss_ = 0, window_time_ = 0;  // since the last logged step
   int64_t window_steps_ = 0;
+  // Progress without a terminal (logging.progress_bar): a line when this long has passed
+  // since the last line rank 0 printed.
+  std::chrono::steady_clock::time_point train_start_, last_line_;
 };
 
 // Trains the user's `module` on `data` with `loss`, as `config` says (model.type: custom).

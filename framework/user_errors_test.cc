@@ -12,6 +12,7 @@
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -19,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <regex>
 #include <string>
 #include <vector>
@@ -331,6 +333,159 @@ TEST(UserMistakes, ACollapsingLossScaleStopsTheRunNamingTheUnitTheScalesAndTheFi
              "--set precision.scaler.max_consecutive_skips=0",
          0,
          {"step 8: inf/NaN gradients, step skipped"}});
+}
+
+std::string launch2(const std::string& args) {
+  return g_launcher + " --nproc-per-node 2 --master-port 0 --backend gloo -- " + train(args);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+size_t count_of(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// What a failure before the first step must not show: a peer's broken connection.
+void expect_no_peer_noise(const Mistake& m) {
+  SCOPED_TRACE(m.what);
+  const Result r = run(m.command);
+  for (const char* noise : {"GLHF", "closed by peer", "Connection closed", "Connection reset"}) {
+    EXPECT_EQ(r.output.find(noise), std::string::npos) << noise << "\n" << r.output;
+  }
+}
+
+// Every path the run writes is checked at startup, on every rank, and the ranks stop together:
+// the rank with the problem names the key, the others say whose problem stopped them.
+TEST(UserMistakes, OutputPathsAreCheckedBeforeTheFirstStep) {
+  const std::string file = write("not_a_folder", "x");
+  const std::vector<Mistake> rows{
+      {"an unwritable checkpoint.dir under the launcher",
+       launch2("--set checkpoint.dir=/proc/dtrain_ckpt --set train.steps=4"),
+       2,
+       {"checkpoint.dir", "/proc/dtrain_ckpt", "cannot be made"}},
+      {"checkpoint.dir is a file",
+       launch2("--set checkpoint.dir=" + file + " --set train.steps=4"),
+       2,
+       {"checkpoint.dir", "is a file; give a folder"}},
+      {"an unwritable metrics file under the launcher",
+       launch2("--set logging.metrics_file=/proc/dtrain/m.jsonl --set train.steps=4"),
+       2,
+       {"logging.metrics_file", "/proc/dtrain/m.jsonl", "rank 0 (pid"}},
+      {"an unwritable trace file",
+       train("--set logging.trace=/proc/dtrain/trace.json --set train.steps=4"),
+       2,
+       {"logging.trace", "/proc/dtrain/trace.json"}},
+  };
+  for (const auto& m : rows) {
+    check(m);
+    expect_no_peer_noise(m);
+  }
+}
+
+// A resume that leaves nothing to train says so and fails; raising train.steps trains on.
+TEST(UserMistakes, AResumePastTrainStepsSaysNothingIsLeft) {
+  const std::string dir = tmp("resume_past");
+  const std::string base = train("--set checkpoint.dir=" + dir +
+                                 " --set checkpoint.every_steps=2 --set logging.progress_bar=false "
+                                 "--set parallel.strategy=none ");
+  ASSERT_EQ(run(base + "--set train.steps=4").code, 0);
+  check({"train.steps below the checkpoint's step",
+         base + "--set train.steps=2",
+         2,
+         {"train.steps is 2", "is at step 4", "nothing is left to train",
+          "checkpoint.resume: never"}});
+  check({"the same steps again", base + "--set train.steps=4", 2, {"nothing is left to train"}});
+  check({"train.steps raised", base + "--set train.steps=6", 0, {"at step 4", "done: 6 steps"}});
+}
+
+// dtrain-launch under mpirun or a many-task srun step: every task would launch ranks.
+TEST(UserMistakes, TheLauncherRefusesToRunUnderMpirunOrSrun) {
+  const std::string launch = g_launcher + " --nproc-per-node 1 --master-port 0 true";
+  for (const auto& m : std::vector<Mistake>{
+           {"under MPICH's Hydra",
+            "PMI_SIZE=2 PMI_RANK=0 " + launch,
+            2,
+            {"mpirun started it (PMI_SIZE is set)", "run the program directly"}},
+           {"srun with two tasks on one node",
+            "SLURM_STEP_ID=0 SLURM_STEP_NUM_TASKS=2 SLURM_STEP_NUM_NODES=1 " + launch,
+            2,
+            {"srun started it as 2 tasks on 1 node(s)", "--ntasks-per-node=1"}},
+           {"srun with one task per node (accepted)",
+            "SLURM_STEP_ID=0 SLURM_STEP_NUM_TASKS=2 SLURM_STEP_NUM_NODES=2 " + launch,
+            0,
+            {}},
+       }) {
+    check(m);
+  }
+  // The real thing: OpenMPI's mpirun starting two launchers.
+  if (run("which mpirun").code != 0) GTEST_SKIP() << "no mpirun here";
+  Result r = run("mpirun --allow-run-as-root --oversubscribe -np 2 " + launch);
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("mpirun started it (OMPI_COMM_WORLD_SIZE is set)"), std::string::npos)
+      << r.output;
+}
+
+// The mistakes of the first hour that used to pass silently or read confusingly.
+TEST(UserMistakes, TheFirstHoursQuietSurprisesAreSaid) {
+  // data.path without data.source selects the corpus (and a missing one is refused), and the
+  // run line names the model, the data and the precision.
+  std::string text = read_file("configs/tiny/ddp_fp32.yaml");
+  const std::string source = "  source: corpus\n";
+  ASSERT_NE(text.find(source), std::string::npos);
+  text.erase(text.find(source), source.size());
+  const std::string with_path = write("path_only.yaml", text);
+  const std::string missing =
+      write("missing_path.yaml",
+            std::regex_replace(text, std::regex("path: .*"), "path: /nonexistent/mytext.txt"));
+  const std::string quick = " --set train.steps=2 --set parallel.strategy=none";
+  check({"data.path of a missing file without data.source",
+         g_trainer + " --config " + missing + quick,
+         2,
+         {"data.path", "/nonexistent/mytext.txt", "cannot be read"}});
+  check({"data.path without data.source",
+         g_trainer + " --config " + with_path + quick,
+         0,
+         {"run: ", "TransformerLM 0.1M on corpus /usr/share/common-licenses/GPL-3",
+          "precision fp32"}});
+  // device: cuda on a CPU-only LibTorch names the build, once for both ranks.
+  Result cuda = run(launch2("--set device=cuda"));
+  EXPECT_EQ(cuda.code, 2) << cuda.output;
+  EXPECT_EQ(count_of(cuda.output, "or build dtrain against a CUDA LibTorch"), 1u) << cuda.output;
+  EXPECT_EQ(cuda.output.find("backend nccl"), std::string::npos) << cuda.output;
+  // Every rank printing the same error line (here both, before either exits): printed once,
+  // then counted.
+  Result same = run(g_launcher +
+                    " --nproc-per-node 2 --master-port 0 -- sh -c 'echo \"2026-12-02 "
+                    "10:00:00.000 error config error: x.yaml: train.lr: must be > 0\" >&2; "
+                    "sleep 1; exit 2'");
+  EXPECT_EQ(same.code, 2) << same.output;
+  EXPECT_EQ(count_of(same.output, "error config error: x.yaml: train.lr: must be > 0"), 1u)
+      << same.output;
+  EXPECT_NE(same.output.find("2 of 2 ranks (0, 1) reported the same error, printed once above: "
+                             "config error: x.yaml: train.lr: must be > 0"),
+            std::string::npos)
+      << same.output;
+  // More compute threads than CPUs is a warning with the fix.
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(set), &set), 0);
+  const int threads = 2 * CPU_COUNT(&set);
+  check({"OMP_NUM_THREADS above the CPUs for two ranks",
+         "OMP_NUM_THREADS=" + std::to_string(threads) + " " + launch2("--set train.steps=2"),
+         0,
+         {"2 rank(s) on this node x ", " compute threads each (OMP_NUM_THREADS) is more than its",
+          "Set OMP_NUM_THREADS="}});
+  // Without a terminal, rank 0 prints progress lines with the rate and the time left.
+  check({"progress under the launcher",
+         launch2("--set train.steps=6 --set logging.every_steps=100 "
+                 "--set logging.progress_every_s=0.001"),
+         0,
+         {"progress: step 2/6, ", " step/s, ", " left"}});
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <vector>
 
 #include "comm/backend.h"
 #include "core/cli.h"
@@ -85,13 +87,64 @@ struct Rank {
   std::string out_buf, err_buf;
 };
 
-// Forwards complete lines from `fd` with the rank prefix; on EOF flushes a partial line.
-bool pump(int& fd, std::string& buf, int dest, const std::string& prefix) {
+// Error lines that several ranks print alike: the first is forwarded, the others are counted
+// and summed up once the group has ended ("said by 2 of 2 ranks"). A log line is
+// "<date> <time> error <message>" (core/logging.h; the launcher adds the rank prefix).
+class RepeatedErrors {
+ public:
+  // False when `line` repeats an error line another rank already printed.
+  bool forward(const std::string& line, int rank) {
+    const std::string message = error_message(line);
+    if (message.empty()) return true;
+    auto& ranks = said_[message];
+    const bool first = ranks.empty();
+    if (std::find(ranks.begin(), ranks.end(), rank) == ranks.end()) ranks.push_back(rank);
+    if (first) order_.push_back(message);
+    std::sort(ranks.begin(), ranks.end());
+    return first;
+  }
+
+  // One line per message that more than one rank printed.
+  std::string summary(int world) const {
+    std::string out;
+    for (const auto& message : order_) {
+      const auto& ranks = said_.at(message);
+      if (ranks.size() < 2) continue;
+      std::string list;
+      for (int r : ranks) list += (list.empty() ? "" : ", ") + std::to_string(r);
+      out += "[dtrain-launch] " + std::to_string(ranks.size()) + " of " + std::to_string(world) +
+             " ranks (" + list + ") reported the same error, printed once above: " +
+             (message.size() > 80 ? message.substr(0, 77) + "..." : message) + "\n";
+    }
+    return out;
+  }
+
+ private:
+  static std::string error_message(const std::string& line) {
+    // "YYYY-MM-DD HH:MM:SS.mmm error ..." possibly coloured: the level is the third word.
+    size_t at = line.find(' ');
+    if (at == std::string::npos) return {};
+    at = line.find(' ', at + 1);
+    if (at == std::string::npos) return {};
+    const size_t level = line.find("error", at + 1);
+    if (level == std::string::npos || level > at + 8) return {};
+    const size_t text = line.find(' ', level);
+    return text == std::string::npos ? std::string() : line.substr(text + 1);
+  }
+
+  std::map<std::string, std::vector<int>> said_;
+  std::vector<std::string> order_;
+};
+
+// Forwards complete lines from `fd` with the rank prefix, leaving out the error lines
+// `repeated` has seen from another rank; on EOF flushes a partial line.
+bool pump(int& fd, std::string& buf, int dest, const std::string& prefix, int rank,
+          RepeatedErrors& repeated) {
   char chunk[65536];
   ssize_t n = ::read(fd, chunk, sizeof(chunk));
   if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
   if (n <= 0) {
-    if (!buf.empty()) write_all(dest, prefix + buf + "\n");
+    if (!buf.empty() && repeated.forward(buf, rank)) write_all(dest, prefix + buf + "\n");
     buf.clear();
     ::close(fd);
     fd = -1;
@@ -101,8 +154,10 @@ bool pump(int& fd, std::string& buf, int dest, const std::string& prefix) {
   size_t start = 0, nl;
   std::string out;
   while ((nl = buf.find('\n', start)) != std::string::npos) {
-    out += prefix;
-    out.append(buf, start, nl - start + 1);
+    if (repeated.forward(buf.substr(start, nl - start), rank)) {
+      out += prefix;
+      out.append(buf, start, nl - start + 1);
+    }
     start = nl + 1;
   }
   buf.erase(0, start);
@@ -210,6 +265,7 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
     spawn(o, ranks[i], restart_count, port);
   }
   Result result;
+  RepeatedErrors repeated;
   bool terminating = false;
   Clock::time_point kill_at{};
   Clock::time_point drain_until{};
@@ -329,12 +385,13 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
       Rank& r = *owners[i].first;
       std::string prefix = "[rank " + std::to_string(r.global_rank) + "] ";
       if (owners[i].second) {
-        pump(r.err_fd, r.err_buf, 2, prefix);
+        pump(r.err_fd, r.err_buf, 2, prefix, r.global_rank, repeated);
       } else {
-        pump(r.out_fd, r.out_buf, 1, prefix);
+        pump(r.out_fd, r.out_buf, 1, prefix, r.global_rank, repeated);
       }
     }
   }
+  std::cerr << repeated.summary(o.nproc_per_node * o.nnodes) << std::flush;
   return result;
 }
 
@@ -452,7 +509,35 @@ std::string random_hex(size_t bytes) {
 
 }  // namespace
 
+// Started as one of several tasks by mpirun (OpenMPI, MPICH's Hydra, PMIx) or by a Slurm
+// step with more than one task on this node: each task would launch ranks of its own, and
+// the ranks would inherit MPI's variables. Names what says so, or returns an empty string.
+std::string started_by_mpi_or_slurm() {
+  auto env = [](const char* name) {
+    const char* v = std::getenv(name);
+    return std::string(v == nullptr ? "" : v);
+  };
+  if (!env("SLURM_STEP_ID").empty()) {
+    const std::string tasks = env("SLURM_STEP_NUM_TASKS"), nodes = env("SLURM_STEP_NUM_NODES");
+    if (!tasks.empty() && !nodes.empty() && std::atoi(tasks.c_str()) > std::atoi(nodes.c_str())) {
+      return "srun started it as " + tasks + " tasks on " + nodes +
+             " node(s) (SLURM_STEP_NUM_TASKS)";
+    }
+    return {};  // one launcher per node: torchrun's pattern under srun
+  }
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
+    if (!env(name).empty()) return std::string("mpirun started it (") + name + " is set)";
+  }
+  return {};
+}
+
 int run(const LaunchOptions& given) {
+  const std::string mpi = started_by_mpi_or_slurm();
+  DTRAIN_CHECK_AS(UsageError, mpi.empty(), mpi,
+                  ", but mpirun and srun start the ranks themselves: run the program directly "
+                  "(mpirun -np 2 dtrain-train --config ...; srun dtrain-train ...), or start "
+                  "one dtrain-launch per node (srun --ntasks-per-node=1 dtrain-launch "
+                  "--nnodes N ...)");
   LaunchOptions options = given;
   if (options.run_id.empty()) options.run_id = options.nnodes == 1 ? random_hex(8) : "none";
   if (options.job_token.empty() && options.nnodes == 1 &&

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <optional>
 
 #include "amp/numerics.h"
 #include "comm/types.h"
@@ -18,27 +19,13 @@
 namespace dtrain::sharding {
 
 ShardingStrategy parse_sharding_strategy(const std::string& name) {
-  for (auto s : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                 ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard}) {
-    if (name == to_string(s)) return s;
-  }
-  DTRAIN_FAIL(ConfigError, "unknown sharding strategy '", name,
-              "'; expected full_shard, shard_grad_op, no_shard or hybrid_shard");
+  const std::optional<ShardingStrategy> s = choice_from_name<ShardingStrategy>(name);
+  DTRAIN_CHECK_AS(ConfigError, s.has_value(), "unknown sharding strategy '", name,
+                  "'; expected one of ", choice_list<ShardingStrategy>());
+  return *s;
 }
 
-const char* to_string(ShardingStrategy s) {
-  switch (s) {
-    case ShardingStrategy::kFullShard:
-      return "full_shard";
-    case ShardingStrategy::kShardGradOp:
-      return "shard_grad_op";
-    case ShardingStrategy::kNoShard:
-      return "no_shard";
-    case ShardingStrategy::kHybridShard:
-      return "hybrid_shard";
-  }
-  return "?";
-}
+const char* to_string(ShardingStrategy s) { return name_of(s); }
 
 namespace {
 

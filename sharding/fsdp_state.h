@@ -42,17 +42,11 @@
 #include "sharding/grad_hooks.h"
 #include "sharding/no_sync.h"
 #include "sharding/reducer.h"
+#include "sharding/sharding_strategy.h"
 
 namespace dtrain::sharding {
 
-// PyTorch FSDP1's strategies. FULL_SHARD: parameters, gradients and optimizer state sharded,
-// parameters re-gathered for backward. SHARD_GRAD_OP: parameters stay gathered from forward
-// to the end of backward (less communication, more memory). NO_SHARD: replicated, gradients
-// all-reduced (DDP through FSDP's machinery). HYBRID_SHARD: FULL_SHARD within groups of
-// hybrid_group_size ranks (one node), replicated across groups.
-enum class ShardingStrategy { kFullShard, kShardGradOp, kNoShard, kHybridShard };
-
-// "full_shard" | "shard_grad_op" | "no_shard" | "hybrid_shard"; ConfigError otherwise.
+// The strategy's name in the table (sharding_strategy.h); ConfigError for another name.
 ShardingStrategy parse_sharding_strategy(const std::string& name);
 const char* to_string(ShardingStrategy s);
 

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/json.h"
 
 namespace dtrain::framework::ckpt {
 namespace {
@@ -16,24 +17,6 @@ namespace {
 constexpr int64_t kMost = std::numeric_limits<int64_t>::max();
 
 // --- writing ----------------------------------------------------------------------------
-
-// A JSON string: quotes, backslashes and control characters escaped (YAML reads the same).
-std::string quote(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", static_cast<unsigned>(c));
-      out += buf;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
 
 std::string ints(const std::vector<int64_t>& v) {
   std::string out = "[";
@@ -49,7 +32,7 @@ std::string number(double v) {
 }
 
 std::string file_json(const FileInfo& f) {
-  return "{\"name\": " + quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
+  return "{\"name\": " + json::quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
          ", \"xxh64\": \"" + hex(f.checksum) + "\"}";
 }
 
@@ -272,34 +255,35 @@ Meta parse_meta(const std::string& text, const std::string& where) {
 
 std::string write_meta(const Meta& m) {
   std::ostringstream o;
-  o << "{\"format\": " << quote(kFormat) << ", \"version\": " << kVersion
+  o << "{\"format\": " << json::quote(kFormat) << ", \"version\": " << kVersion
     << ", \"step\": " << m.step << ", \"world_size\": " << m.world_size
-    << ", \"strategy\": " << quote(m.strategy) << ", \"mode\": " << quote(m.mode)
+    << ", \"strategy\": " << json::quote(m.strategy) << ", \"mode\": " << json::quote(m.mode)
     << ",\n \"trainer\": {\"step\": " << m.step << ", \"skipped_steps\": " << m.skipped_steps
     << ", \"lr\": " << number(m.lr) << ", \"consecutive_skips\": " << m.consecutive_skips
     << ", \"nonfinite_run\": " << m.nonfinite_run
     << ", \"data\": \"a function of the step\"},\n \"parameters\": [";
   for (size_t i = 0; i < m.parameters.size(); ++i) {
     const ParamMeta& p = m.parameters[i];
-    o << (i ? ", " : "") << "{\"name\": " << quote(p.name) << ", \"shape\": " << ints(p.shape)
-      << ", \"dtype\": " << quote(p.dtype) << "}";
+    o << (i ? ", " : "") << "{\"name\": " << json::quote(p.name) << ", \"shape\": " << ints(p.shape)
+      << ", \"dtype\": " << json::quote(p.dtype) << "}";
   }
   o << "],\n \"optimizer_keys\": [";
   for (size_t k = 0; k < m.optimizer_keys.size(); ++k) {
-    o << (k ? ", " : "") << quote(m.optimizer_keys[k]);
+    o << (k ? ", " : "") << json::quote(m.optimizer_keys[k]);
   }
   o << "],\n";
   if (m.mode == "sharded") {
     o << " \"units\": [";
     for (size_t u = 0; u < m.units.size(); ++u) {
       const UnitMeta& l = m.units[u];
-      o << (u ? ",\n  " : "") << "{\"name\": " << quote(l.name) << ", \"numel\": " << l.numel
+      o << (u ? ",\n  " : "") << "{\"name\": " << json::quote(l.name) << ", \"numel\": " << l.numel
         << ", \"shard_size\": " << l.shard_size << ", \"shard_group_size\": " << l.shard_group_size
         << ", \"params\": [";
       for (size_t i = 0; i < l.params.size(); ++i) {
         const UnitParamMeta& e = l.params[i];
-        o << (i ? ", " : "") << "{\"name\": " << quote(e.name) << ", \"shape\": " << ints(e.shape)
-          << ", \"offset\": " << e.offset << ", \"numel\": " << e.numel << "}";
+        o << (i ? ", " : "") << "{\"name\": " << json::quote(e.name)
+          << ", \"shape\": " << ints(e.shape) << ", \"offset\": " << e.offset
+          << ", \"numel\": " << e.numel << "}";
       }
       o << "]}";
     }
