@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -399,8 +400,9 @@ void read_precision(Section s, ComputeDevice device, PrecisionConfig& p,
   // factor measured on this CPU (on a GPU, an emulated bf16 is not measured).
   auto measured = [&](c10::ScalarType t) {
     if (device != ComputeDevice::kCpu) return std::string();
-    return "a matmul measured now took " + logging::fixed(cpu_matmul_slowdown(t), 1) +
-           "x fp32's time, and ";
+    char ratio[32];
+    std::snprintf(ratio, sizeof(ratio), "%.1fx", cpu_matmul_slowdown(t));
+    return "a matmul measured now took " + std::string(ratio) + " fp32's time, and ";
   };
   auto uses = [&](c10::ScalarType t) {
     return p.mixed.param_dtype == t || p.mixed.effective_reduce_dtype() == t;

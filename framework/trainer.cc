@@ -196,6 +196,13 @@ void warn_if_oversubscribed(c10::DeviceType device) {
                 std::max(1, cpus / ranks), ", or leave it unset under dtrain-launch");
 }
 
+// dtrain-launch's output is a terminal: it shows a line this rank redraws with '\r' as it
+// comes (launcher/launcher.h).
+bool launched_on_terminal() {
+  const char* tty = std::getenv("DTRAIN_TTY");
+  return tty != nullptr && std::string(tty) == "1";
+}
+
 // Fault injection (core/faults.h). KILL_AT_STEP: SIGKILL that rank once <step> steps are done
 // (and their checkpoint written), in the first attempt only (launcher restarts;
 // TORCHELASTIC_RESTART_COUNT 0).
@@ -307,7 +314,7 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<comm::Communicator> co
       rank_(comm_ ? comm_->rank() : 0),
       world_(comm_ ? comm_->size() : 1),
       device_(torch_device(config.device)),
-      tty_(rank_ == 0 && config.logging.progress_bar && ::isatty(2)),
+      tty_(rank_ == 0 && config.logging.progress_bar && (::isatty(2) || launched_on_terminal())),
       monitor_(config.logging.numerics),
       checkpointer_(config),
       collapse_(config.precision.scaler),

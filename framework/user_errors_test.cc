@@ -86,6 +86,11 @@ std::string train(const std::string& args) {
   return g_trainer + " --config configs/tiny/ddp_fp32.yaml " + args;
 }
 
+// The same at 2 ranks through dtrain-launch.
+std::string launch2(const std::string& args) {
+  return g_launcher + " --nproc-per-node 2 --master-port 0 --backend gloo -- " + train(args);
+}
+
 TEST(UserMistakes, ConfigValuesNameTheKeyTheSourceAndTheFix) {
   const std::string dup = write("dup.yaml",
                                 "model: {type: transformer}\ntrain:\n  steps: 3\n  batch_size: 2\n"
@@ -269,16 +274,17 @@ std::string as_shown(const std::string& line) {
   return shown;
 }
 
-// One process on a terminal: the progress bar gives way to every log line, which shows alone
-// on its line, with nothing of the bar before or after it. Runs under script(1), which gives
-// the run a terminal.
-TEST(UserMistakes, TheProgressBarNeverRunsIntoALogLine) {
-  Result r = run("script -qec \"" +
-                 train("--set train.steps=12 --set logging.every_steps=3 "
-                       "--set logging.progress_bar=true") +
-                 "\" /dev/null");
+// On a terminal, the progress bar gives way to every log line, which shows alone on its line,
+// with nothing of the bar before or after it: one process, and rank 0 under dtrain-launch
+// (which shows the bar rank 0 redraws as it comes). Runs under script(1), which gives the run
+// a terminal.
+void expect_bar_and_clean_log_lines(const std::string& command) {
+  SCOPED_TRACE(command);
+  Result r = run("script -qec \"" + command + "\" /dev/null");
   ASSERT_EQ(r.code, 0) << r.output;
-  ASSERT_NE(r.output.find("\r[####"), std::string::npos) << "no progress bar drawn:\n" << r.output;
+  ASSERT_TRUE(std::regex_search(r.output, std::regex("\r(\033\\[K)?(\\[rank 0\\] )?\\[####")))
+      << "no progress bar drawn:\n"
+      << r.output;
   const std::regex log_line(
       R"(^\[rank 0\] \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ info step \d+/12 loss .* MB$)");
   int log_lines = 0;
@@ -294,6 +300,13 @@ TEST(UserMistakes, TheProgressBarNeverRunsIntoALogLine) {
         << "a log line shares its line with the bar: " << shown;
   }
   EXPECT_GE(log_lines, 4) << r.output;
+}
+
+TEST(UserMistakes, TheProgressBarNeverRunsIntoALogLine) {
+  const std::string args =
+      "--set train.steps=12 --set logging.every_steps=3 --set logging.progress_bar=true";
+  expect_bar_and_clean_log_lines(train(args));
+  expect_bar_and_clean_log_lines(launch2(args));
 }
 
 // Loss-scale collapse, from an injected overflow source (rank 1's loss is NaN from step 3 on,
@@ -333,10 +346,6 @@ TEST(UserMistakes, ACollapsingLossScaleStopsTheRunNamingTheUnitTheScalesAndTheFi
              "--set precision.scaler.max_consecutive_skips=0",
          0,
          {"step 8: inf/NaN gradients, step skipped"}});
-}
-
-std::string launch2(const std::string& args) {
-  return g_launcher + " --nproc-per-node 2 --master-port 0 --backend gloo -- " + train(args);
 }
 
 std::string read_file(const std::string& path) {

@@ -136,34 +136,83 @@ class RepeatedErrors {
   std::vector<std::string> order_;
 };
 
-// Forwards complete lines from `fd` with the rank prefix, leaving out the error lines
-// `repeated` has seen from another rank; on EOF flushes a partial line.
-bool pump(int& fd, std::string& buf, int dest, const std::string& prefix, int rank,
-          RepeatedErrors& repeated) {
-  char chunk[65536];
-  ssize_t n = ::read(fd, chunk, sizeof(chunk));
-  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
-  if (n <= 0) {
-    if (!buf.empty() && repeated.forward(buf, rank)) write_all(dest, prefix + buf + "\n");
-    buf.clear();
-    ::close(fd);
-    fd = -1;
-    return false;
-  }
-  buf.append(chunk, static_cast<size_t>(n));
-  size_t start = 0, nl;
-  std::string out;
-  while ((nl = buf.find('\n', start)) != std::string::npos) {
-    if (repeated.forward(buf.substr(start, nl - start), rank)) {
-      out += prefix;
-      out.append(buf, start, nl - start + 1);
+// What the ranks print, forwarded line by line with "[rank k] " in front. Error lines that
+// several ranks print alike are forwarded once (RepeatedErrors). On a terminal (the ranks see
+// DTRAIN_TTY=1), a line a rank redraws with '\r' (rank 0's progress bar) is shown as it comes,
+// and the next line of any rank takes its place.
+class Forwarder {
+ public:
+  explicit Forwarder(bool terminal) : terminal_(terminal) {}
+
+  // Forwards what `fd` has; false at its end (then `fd` is closed and -1). `buf` holds the
+  // stream's partial line between calls.
+  bool pump(int& fd, std::string& buf, int dest, int rank) {
+    char chunk[65536];
+    ssize_t n = ::read(fd, chunk, sizeof(chunk));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+    std::string out;
+    if (n <= 0) {
+      if (!buf.empty()) line(buf, rank, out);
+      buf.clear();
+      write_all(dest, out);
+      ::close(fd);
+      fd = -1;
+      return false;
     }
-    start = nl + 1;
+    buf.append(chunk, static_cast<size_t>(n));
+    size_t start = 0, nl;
+    while ((nl = buf.find('\n', start)) != std::string::npos) {
+      line(buf.substr(start, nl - start), rank, out);
+      start = nl + 1;
+    }
+    buf.erase(0, start);
+    // A partial line that redraws itself ("\r[####      ] 5/300 "): shown now.
+    // An erase alone ("\r\033[K") waits for the line it makes room for.
+    const size_t cr = terminal_ ? buf.rfind('\r') : std::string::npos;
+    if (cr != std::string::npos) {
+      std::string shown = buf.substr(cr + 1);
+      if (shown.rfind("\033[K", 0) == 0) shown.erase(0, 3);
+      if (!shown.empty()) {
+        out += "\r\033[K" + prefix(rank) + shown;
+        live_ = true;
+        buf.clear();
+      }
+    }
+    write_all(dest, out);
+    return true;
   }
-  buf.erase(0, start);
-  if (!out.empty()) write_all(dest, out);
-  return true;
-}
+
+  // After the group: ends a redrawn line, then sums up the repeated errors.
+  void finish(int world) {
+    if (live_) write_all(2, "\n");
+    live_ = false;
+    std::cerr << repeated_.summary(world) << std::flush;
+  }
+
+ private:
+  static std::string prefix(int rank) { return "[rank " + std::to_string(rank) + "] "; }
+
+  // One complete line, without its '\n'.
+  void line(std::string text, int rank, std::string& out) {
+    if (terminal_) {
+      // What a terminal shows of it: the text after its last '\r' and erase.
+      const size_t cr = text.rfind('\r');
+      if (cr != std::string::npos) {
+        text.erase(0, cr + 1);
+        if (text.rfind("\033[K", 0) == 0) text.erase(0, 3);
+        if (text.empty()) return;
+      }
+    }
+    if (!repeated_.forward(text, rank)) return;
+    if (live_) out += "\r\033[K";
+    live_ = false;
+    out += prefix(rank) + text + "\n";
+  }
+
+  const bool terminal_;
+  bool live_ = false;  // a redrawn line is on the terminal, without its newline
+  RepeatedErrors repeated_;
+};
 
 pid_t spawn(const LaunchOptions& o, Rank& r, int restart_count, int port) {
   // Close-on-exec, so no rank inherits another rank's pipe ends (dup2 below clears the flag on
@@ -188,6 +237,8 @@ pid_t spawn(const LaunchOptions& o, Rank& r, int restart_count, int port) {
       {"TORCHELASTIC_RUN_ID", o.run_id},
       {"DTRAIN_LAUNCHER", "1"},
   };
+  // Rank 0 draws its progress bar when the launcher's output is a terminal (Forwarder).
+  if (::isatty(STDERR_FILENO)) env["DTRAIN_TTY"] = "1";
   if (!o.backend.empty()) env["DTRAIN_BACKEND"] = o.backend;
   if (!o.job_token.empty()) env["DTRAIN_JOB_TOKEN"] = o.job_token;
   if (o.nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
@@ -265,7 +316,7 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
     spawn(o, ranks[i], restart_count, port);
   }
   Result result;
-  RepeatedErrors repeated;
+  Forwarder output(::isatty(STDERR_FILENO) != 0);
   bool terminating = false;
   Clock::time_point kill_at{};
   Clock::time_point drain_until{};
@@ -383,15 +434,14 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
         continue;
       }
       Rank& r = *owners[i].first;
-      std::string prefix = "[rank " + std::to_string(r.global_rank) + "] ";
       if (owners[i].second) {
-        pump(r.err_fd, r.err_buf, 2, prefix, r.global_rank, repeated);
+        output.pump(r.err_fd, r.err_buf, 2, r.global_rank);
       } else {
-        pump(r.out_fd, r.out_buf, 1, prefix, r.global_rank, repeated);
+        output.pump(r.out_fd, r.out_buf, 1, r.global_rank);
       }
     }
   }
-  std::cerr << repeated.summary(o.nproc_per_node * o.nnodes) << std::flush;
+  output.finish(o.nproc_per_node * o.nnodes);
   return result;
 }
 

@@ -12,6 +12,11 @@
 // stopped rank is reported and, when the group ends, continued so that it receives SIGTERM.
 // Node 0 checks its --master-addr and --master-port before starting a rank.
 //
+// When its stderr is a terminal, the ranks get DTRAIN_TTY=1 and a line a rank redraws with
+// '\r' (rank 0's progress bar) is shown as it comes. An error line that several ranks print
+// alike is printed once, and how many ranks printed it is said when the group has ended. It
+// refuses to start under mpirun, or as one of several tasks of an srun step on one node.
+//
 // Choices where torchrun is silent or differs: --master-port 0 picks a free port (single
 // node only); OMP_NUM_THREADS defaults to 1 when more than one rank shares the node, as
 // torchrun does; --backend sets DTRAIN_BACKEND, which replaces a config's `auto` only.
