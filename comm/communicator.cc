@@ -9,7 +9,9 @@
 #include <numeric>
 #include <sstream>
 
+#include "comm/flight_recorder.h"
 #include "core/error.h"
+#include "core/faults.h"
 #include "core/trace.h"
 
 namespace dtrain::comm {
@@ -191,12 +193,16 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
   }
   info.seq = next_seq_++;
   info.comm_id = id_;
+  // Fault injection (core/faults.h): the world communicator's #seq is skipped on one rank.
+  static const std::optional<faults::StepRank> skip = faults::step_rank("SKIP_COLLECTIVE");
+  if (skip && id_ == 0 && info.seq == skip->step && rank_ == skip->rank) return Work();
   if (trace::enabled()) info.label = trace::current_label();
   // Zero-element collectives are no-ops on every rank alike (shapes agree across ranks).
   if (kind != OpKind::kBarrier && info.numel == 0) return Work();
 
   auto state = std::make_shared<detail::WorkState>(std::move(info), timeout_);
   state->on_break = on_break_;
+  state->flight_ticket = flight::issued(state->info());
   health_->track(state);
   Collective c{kind, input, output, op, root, state};
   enqueue(std::move(c));
@@ -306,7 +312,25 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key) {
                    [&](int x, int y) { return a[2 * x + 1] < a[2 * y + 1]; });
   auto me = std::find(members.begin(), members.end(), rank_);
   int new_rank = me == members.end() ? -1 : static_cast<int>(me - members.begin());
-  return split_impl(color, key, members, new_rank, next_split_++);
+  auto part = split_impl(color, key, members, new_rank, next_split_++);
+  if (part) part->world_nodes_ = world_nodes_;
+  return part;
+}
+
+void Communicator::set_world_nodes(std::vector<int> nodes) {
+  DTRAIN_CHECK_AS(UsageError, nodes.empty() || nodes.size() == world_ranks_.size(),
+                  "set_world_nodes: ", nodes.size(), " nodes for ", world_ranks_.size(),
+                  " world ranks");
+  world_nodes_ = std::make_shared<const std::vector<int>>(std::move(nodes));
+}
+
+int Communicator::local_size() const {
+  const auto& nodes = *world_nodes_;
+  const int me = world_ranks_[static_cast<size_t>(rank_)];
+  if (nodes.empty() || static_cast<size_t>(me) >= nodes.size()) return size_;
+  int n = 0;
+  for (int w : world_ranks_) n += nodes[static_cast<size_t>(w)] == nodes[static_cast<size_t>(me)];
+  return n;
 }
 
 }  // namespace dtrain::comm

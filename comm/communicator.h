@@ -77,6 +77,14 @@ class Communicator {
   // nullptr. Hybrid sharding uses it for intra-node and inter-node groups.
   std::shared_ptr<Communicator> split(int color, int key);
 
+  // The node (host) of each world rank, numbered in order of first rank, as the rendezvous
+  // learned it (comm/factory.h); empty for a communicator made otherwise. A split shares
+  // its parent's.
+  const std::vector<int>& world_nodes() const { return *world_nodes_; }
+  void set_world_nodes(std::vector<int> nodes);
+  // This communicator's ranks on this rank's node (its size when the layout is unknown).
+  int local_size() const;
+
   // True after a collective timed out or failed: the ranks are out of step, so further
   // collectives fail at once instead of hanging.
   bool is_broken() const;
@@ -154,6 +162,7 @@ class Communicator {
   };
   std::shared_ptr<Health> health_ = std::make_shared<Health>();
   std::shared_ptr<const std::vector<int>> shared_ranks_;  // world_ranks_, for CollectiveInfo
+  std::shared_ptr<const std::vector<int>> world_nodes_ = std::make_shared<std::vector<int>>();
 
  protected:
   // What a collective's late wait calls: marks this communicator broken. Set once at

@@ -1,5 +1,6 @@
 #include "comm/factory.h"
 
+#include <algorithm>
 #include <csignal>
 
 #include "comm/gloo_communicator.h"
@@ -72,7 +73,7 @@ std::shared_ptr<Communicator> create_world(const CommOptions& options, const Env
                   "backend mpi is not in this build (configured with DTRAIN_WITH_MPI=OFF): "
                   "rebuild with MPI, or use backend gloo (nccl for CUDA tensors)");
 #else
-      comm = make_mpi_world(timeout);
+      comm = make_mpi_world(timeout, info.node_key);
       DTRAIN_CHECK_AS(ConfigError, comm->size() == info.world_size || info.source != "torchrun",
                       "mpi backend sees ", comm->size(), " ranks but WORLD_SIZE=", info.world_size,
                       ": ranks started by dtrain-launch are separate MPI jobs; use --backend "
@@ -85,14 +86,17 @@ std::shared_ptr<Communicator> create_world(const CommOptions& options, const Env
       setup.store = make_tcp_store(info, timeout);
       setup.rank = info.rank;
       setup.size = info.world_size;
-      setup.hostname = info.local_world_size == info.world_size ? "127.0.0.1" : "";
+      if (!info.store_note.empty()) logging::info(info.store_note);
+      setup.hostname = gloo_address(info);
       setup.timeout = timeout;
       comm = make_gloo_world(setup);
+      comm->set_world_nodes(info.node_of);
       break;
     }
     case Backend::kNccl: {
 #ifdef DTRAIN_WITH_NCCL
       comm = make_nccl_world(info, timeout);
+      comm->set_world_nodes(info.node_of);
 #else
       DTRAIN_FAIL(ConfigError,
                   "backend nccl is not in this build: rebuild with CUDA (CMake "
@@ -103,9 +107,11 @@ std::shared_ptr<Communicator> create_world(const CommOptions& options, const Env
     case Backend::kAuto:
       break;
   }
+  const auto& nodes = comm->world_nodes();
   logging::debug("communicator: backend ", comm->backend(), " rank ", comm->rank(), "/",
-                 comm->size(), " (local ", info.local_rank, "/", info.local_world_size, ") from ",
-                 info.source);
+                 comm->size(), " (", comm->local_size(), " ranks on this node, ",
+                 nodes.empty() ? 1 : 1 + *std::max_element(nodes.begin(), nodes.end()),
+                 " node(s)) from ", info.source);
   return comm;
 }
 

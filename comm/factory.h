@@ -42,7 +42,8 @@ bool has_mpi_backend();
 
 // The world communicator of this job, like init_process_group: rank, world size and the
 // rendezvous come from dtrain-launch/torchrun, mpirun or srun variables (detect_rank_info);
-// one process without any is a world of one. Collective: every rank calls it. It sets
+// one process without any is a world of one. It knows each rank's node (world_nodes()),
+// learned at the rendezvous. Collective: every rank calls it. It sets
 // SIGPIPE to be ignored unless the program handles it (as Python does): a dead peer's socket
 // then fails the collective with an error instead of killing this rank.
 std::shared_ptr<Communicator> create_world(const CommOptions& options = {},

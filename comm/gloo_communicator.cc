@@ -153,8 +153,7 @@ class GlooCommunicator : public Communicator {
       } catch (const dtrain::Error&) {
         c.state->fail(std::current_exception());
       } catch (const std::exception& e) {
-        c.state->fail(std::make_exception_ptr(
-            CommError(describe(c.state->info()) + " failed in gloo: " + e.what())));
+        c.state->fail(backend_failure(c.state->info(), "gloo", e.what()));
       }
     });
   }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <mutex>
 
@@ -377,18 +378,38 @@ class MpiCommunicator : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout) {
+std::shared_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout,
+                                             const std::string& node_key) {
   auto& runtime = MpiRuntime::get();
   MPI_Comm comm = MPI_COMM_NULL;
   int rank = 0, size = 0;
+  std::vector<int64_t> hashes;
   runtime.worker().run_sync([&] {
     DTRAIN_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &comm));
     DTRAIN_MPI(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
     DTRAIN_MPI(MPI_Comm_rank(comm, &rank));
     DTRAIN_MPI(MPI_Comm_size(comm, &size));
+    if (!node_key.empty()) {
+      // 63 bits of the node's name: equal names, equal numbers.
+      long long mine = static_cast<long long>(std::hash<std::string>{}(node_key) >> 1);
+      std::vector<long long> all(static_cast<size_t>(size));
+      DTRAIN_MPI(MPI_Allgather(&mine, 1, MPI_LONG_LONG, all.data(), 1, MPI_LONG_LONG, comm));
+      hashes.assign(all.begin(), all.end());
+    }
   });
-  return std::make_shared<MpiCommunicator>(comm, rank, size, std::vector<int>{}, timeout,
-                                           /*own_worker=*/false);
+  auto world = std::make_shared<MpiCommunicator>(comm, rank, size, std::vector<int>{}, timeout,
+                                                 /*own_worker=*/false);
+  if (!hashes.empty()) {
+    std::vector<int64_t> seen;
+    std::vector<int> nodes;
+    for (int64_t h : hashes) {
+      auto it = std::find(seen.begin(), seen.end(), h);
+      if (it == seen.end()) it = seen.insert(seen.end(), h);
+      nodes.push_back(static_cast<int>(it - seen.begin()));
+    }
+    world->set_world_nodes(std::move(nodes));
+  }
+  return world;
 }
 
 void run_on_mpi_thread(const std::function<void()>& fn) { MpiRuntime::get().worker().run_sync(fn); }

@@ -19,13 +19,18 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "comm/communicator.h"
 
 namespace dtrain::comm {
 
 // The world communicator over MPI_COMM_WORLD (duplicated). Initializes MPI on first use.
-std::shared_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout);
+// With a `node_key` (comm/rendezvous.h), the ranks learn each other's node through one
+// MPI_Allgather of the keys' hashes (outside the communicator's own numbered collectives)
+// and the communicator knows them (world_nodes()).
+std::shared_ptr<Communicator> make_mpi_world(std::chrono::milliseconds timeout,
+                                             const std::string& node_key = "");
 
 // Runs `fn` on the MPI worker thread, after every collective issued before it (for raw-MPI
 // benchmarks that must be serialized with dtrain's own MPI calls).

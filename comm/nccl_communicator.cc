@@ -232,8 +232,7 @@ class NcclGroup {
         if (late) {
           culprit.state->time_out(error);
         } else {
-          culprit.state->fail(std::make_exception_ptr(
-              CommError(describe(culprit.state->info()) + " failed: " + error)));
+          culprit.state->fail(backend_failure(culprit.state->info(), "nccl", error));
           culprit.state->notify_break(error);
         }
         for (auto& p : failed) {
@@ -346,8 +345,7 @@ class NcclCommunicator : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_nccl_world(const RankInfo& info,
-                                              std::chrono::milliseconds timeout) {
+std::shared_ptr<Communicator> make_nccl_world(RankInfo& info, std::chrono::milliseconds timeout) {
   int devices = 0;
   DTRAIN_CUDA(cudaGetDeviceCount(&devices));
   DTRAIN_CHECK_AS(CommError, devices > 0, "backend nccl needs a CUDA device; none is visible");
@@ -366,7 +364,8 @@ std::shared_ptr<Communicator> make_nccl_world(const RankInfo& info,
 #endif
     if (through_mpi) {
 #ifdef DTRAIN_WITH_MPI
-      auto mpi = make_mpi_world(timeout);
+      auto mpi = make_mpi_world(timeout, info.node_key);
+      info.node_of = mpi->world_nodes();
       at::Tensor t = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte);
       mpi->broadcast(t, 0).wait();
 #endif

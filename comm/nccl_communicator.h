@@ -24,7 +24,7 @@
 
 namespace dtrain::comm {
 
-std::shared_ptr<Communicator> make_nccl_world(const RankInfo& info,
-                                              std::chrono::milliseconds timeout);
+// Fills in `info`'s node layout as the rendezvous learns it (comm/rendezvous.h).
+std::shared_ptr<Communicator> make_nccl_world(RankInfo& info, std::chrono::milliseconds timeout);
 
 }  // namespace dtrain::comm

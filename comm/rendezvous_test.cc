@@ -81,6 +81,46 @@ TEST(Rendezvous, SlurmVariables) {
   EXPECT_EQ(j.local_rank, 0);
 }
 
+// MPICH's and Intel MPI's Hydra. Under a Slurm allocation its ranks also see Slurm's
+// variables, which number Hydra's proxies (one per node), not the ranks: PMI's win.
+TEST(Rendezvous, HydraVariablesWinOverSlurms) {
+  RankInfo i = detect_rank_info({}, fake({{"PMI_RANK", "3"},
+                                          {"PMI_SIZE", "4"},
+                                          {"MPI_LOCALRANKID", "1"},
+                                          {"MPI_LOCALNRANKS", "2"},
+                                          {"SLURM_PROCID", "1"},
+                                          {"SLURM_NTASKS", "2"}}));
+  EXPECT_EQ(i.source, "mpich");
+  EXPECT_EQ(i.rank, 3);
+  EXPECT_EQ(i.world_size, 4);
+  EXPECT_EQ(i.local_rank, 1);
+  EXPECT_EQ(i.local_world_size, 2);
+  EXPECT_TRUE(i.local_given);
+  EXPECT_TRUE(i.mpi_launched);
+}
+
+// Kubeflow's PyTorchJob sets RANK and WORLD_SIZE only: the local rank and size are not taken
+// as given (the rendezvous learns them); torchrun's are, and GROUP_RANK tells its nodes apart.
+TEST(Rendezvous, WhatTheEnvironmentSaysAboutTheNode) {
+  RankInfo job = detect_rank_info(
+      {}, fake({{"RANK", "2"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "trainer-master-0"}}));
+  EXPECT_EQ(job.source, "torchrun");
+  EXPECT_FALSE(job.local_given);
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  EXPECT_EQ(job.node_key, host);
+  RankInfo run = detect_rank_info({}, fake({{"RANK", "2"},
+                                            {"WORLD_SIZE", "4"},
+                                            {"LOCAL_RANK", "0"},
+                                            {"LOCAL_WORLD_SIZE", "2"},
+                                            {"GROUP_RANK", "1"}}));
+  EXPECT_TRUE(run.local_given);
+  EXPECT_EQ(run.node_key, std::string(host) + "#1");
+  RankInfo slurm = detect_rank_info(
+      {}, fake({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "4"}, {"SLURM_NNODES", "2"}}));
+  EXPECT_FALSE(slurm.local_given);  // SLURM_NNODES alone is a guess
+}
+
 TEST(Rendezvous, PrecedenceExplicitThenTorchrunThenMpiThenSlurm) {
   auto all = fake({{"RANK", "1"},
                    {"WORLD_SIZE", "2"},
@@ -192,23 +232,71 @@ RankInfo rank_info(int rank, int world, int port) {
 
 // Runs make_tcp_store for each info on its own thread, as separate processes would; returns
 // each rank's error ("" if none). The stores live until every rank is done.
-std::vector<std::string> join(const std::vector<RankInfo>& infos, int timeout_ms = 3000) {
-  using Result = std::pair<c10::intrusive_ptr<c10d::Store>, std::string>;
+// `learned`, when given, receives each rank's info after the rendezvous (its layout).
+std::vector<std::string> join(const std::vector<RankInfo>& infos, int timeout_ms = 3000,
+                              std::vector<RankInfo>* learned = nullptr) {
+  struct Result {
+    c10::intrusive_ptr<c10d::Store> store;
+    std::string error;
+    RankInfo info;
+  };
   std::vector<std::future<Result>> f;
   for (const auto& i : infos) {
-    f.push_back(std::async(std::launch::async, [i, timeout_ms]() -> Result {
-      try {
-        return {make_tcp_store(i, std::chrono::milliseconds(timeout_ms)), ""};
-      } catch (const CommError& e) {
-        return {{}, e.what()};
-      }
-    }));
+    f.push_back(
+        std::async(std::launch::async, [info = RankInfo(i), timeout_ms]() mutable -> Result {
+          try {
+            auto store = make_tcp_store(info, std::chrono::milliseconds(timeout_ms));
+            return {store, "", info};
+          } catch (const CommError& e) {
+            return {{}, e.what(), info};
+          }
+        }));
   }
   std::vector<Result> results;
   for (auto& x : f) results.push_back(x.get());
   std::vector<std::string> out;
-  for (const auto& r : results) out.push_back(r.second);
+  for (const auto& r : results) {
+    out.push_back(r.error);
+    if (learned) learned->push_back(r.info);
+  }
   return out;
+}
+
+// The ranks learn which node each is on from the rendezvous; an environment that says
+// otherwise is refused on every rank, naming both.
+TEST(RendezvousStore, LearnsTheNodeLayoutAndRefusesAContradiction) {
+  int port = free_port();
+  std::vector<RankInfo> infos;
+  // Node "b" holds ranks 1 and 3: Slurm's cyclic distribution.
+  for (const char* node : {"a", "b", "a", "b"}) {
+    infos.push_back(rank_info(static_cast<int>(infos.size()), 4, port));
+    infos.back().node_key = node;
+  }
+  std::vector<RankInfo> learned;
+  for (const auto& e : join(infos, 3000, &learned)) EXPECT_EQ(e, "");
+  ASSERT_EQ(learned.size(), 4u);
+  for (const auto& i : learned) {
+    EXPECT_EQ(i.node_of, (std::vector<int>{0, 1, 0, 1}));
+    EXPECT_EQ(i.node_names, (std::vector<std::string>{"a", "b"}));
+    EXPECT_EQ(i.local_world_size, 2);
+    // Node "b"'s address is the one its first rank reached rank 0 from (loopback here).
+    EXPECT_EQ(i.node_addresses.at(1), "127.0.0.1");
+  }
+  EXPECT_EQ(learned[2].local_rank, 1);
+  EXPECT_EQ(learned[3].local_rank, 1);
+  // Rank 3's launcher says it is alone on its node.
+  port = free_port();
+  for (auto& i : infos) i.master_port = port;
+  infos[3].local_given = true;
+  infos[3].local_rank = 0;
+  infos[3].local_world_size = 1;
+  infos[0].local_vars = "LOCAL_RANK/LOCAL_WORLD_SIZE";
+  for (const auto& e : join(infos)) {
+    EXPECT_NE(e.find("rank 3's environment (LOCAL_RANK/LOCAL_WORLD_SIZE) says local rank 0 of 1, "
+                     "but the ranks that met from its node 'b' are [1,3] (local rank 1 of 2)"),
+              std::string::npos)
+        << e;
+  }
 }
 
 TEST(RendezvousStore, AdmitsTheRanksOfOneJob) {

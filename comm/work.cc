@@ -2,9 +2,11 @@
 
 #include <sstream>
 
+#include "comm/flight_recorder.h"
 #include "comm/types.h"
 #include "comm/worker.h"
 #include "core/error.h"
+#include "core/logging.h"
 #include "core/trace.h"
 
 namespace dtrain::comm {
@@ -18,6 +20,32 @@ std::string describe(const CollectiveInfo& info) {
   }
   os << "] (" << info.backend << ")";
   return os.str();
+}
+
+std::exception_ptr backend_failure(const CollectiveInfo& info, const std::string& backend_name,
+                                   const std::string& what) {
+  // Gloo's pair.cc ("Connection closed by peer [10.0.0.2]:4711", "Read error ...: Connection
+  // reset by peer", "Write error ...: Broken pipe") and NCCL's ncclRemoteError.
+  static const char* const kPeerLost[] = {"closed by peer", "reset by peer", "Broken pipe",
+                                          "remote process exited"};
+  for (const char* pattern : kPeerLost) {
+    if (what.find(pattern) == std::string::npos) continue;
+    std::string peer;
+    const size_t at = what.find("by peer [");
+    if (at != std::string::npos) {
+      const size_t end = what.find_first_of(" .", what.find(']', at));
+      peer = " (" + what.substr(at + 8, end == std::string::npos ? end : end - at - 8) + ")";
+    }
+    return std::make_exception_ptr(
+        PeerLostError("stopping because another rank failed first: " + describe(info) +
+                      " lost its connection to a peer" + peer +
+                      "; that rank's error, above or in its log, is the cause" +
+                      (logging::enabled(logging::Level::kDebug)
+                           ? " (" + backend_name + ": " + dtrain::detail::clause(what) + ")"
+                           : std::string())));
+  }
+  return std::make_exception_ptr(
+      CommError(describe(info) + " failed in " + backend_name + ": " + what));
 }
 
 namespace detail {
@@ -51,8 +79,11 @@ void WorkState::record_trace() {
 }
 
 void WorkState::mark_started() {
-  std::lock_guard<std::mutex> lock(mu_);
-  started_ = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    started_ = std::chrono::steady_clock::now();
+  }
+  flight::started(flight_ticket);
 }
 
 void WorkState::finish() {
@@ -62,18 +93,22 @@ void WorkState::finish() {
     done_ = true;
   }
   // Before waking the waiters: a trainer that waits for its last collective finds it recorded.
+  flight::ended(flight_ticket, flight::State::kCompleted);
   if (traced_) record_trace();
   completed_.store(true, std::memory_order_release);
   cv_.notify_all();
 }
 
 void WorkState::fail(std::exception_ptr error) {
+  bool late;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!error_) error_ = std::move(error);
     finished_ = std::chrono::steady_clock::now();
     done_ = true;
+    late = timed_out_;
   }
+  flight::ended(flight_ticket, late ? flight::State::kTimedOut : flight::State::kFailed);
   completed_.store(true, std::memory_order_release);
   cv_.notify_all();
 }
@@ -116,7 +151,25 @@ void WorkState::wait(std::chrono::milliseconds timeout) {
   synchronize(timeout);
 }
 
+namespace {
+std::atomic<int64_t> g_wait_ns{0};
+}  // namespace
+
 void WorkState::synchronize(std::chrono::milliseconds timeout) {
+  if (completed_.load(std::memory_order_acquire)) {
+    if (error_) std::rethrow_exception(error_);
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Count {
+    std::chrono::steady_clock::time_point t0;
+    ~Count() {
+      g_wait_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now() - t0)
+                              .count(),
+                          std::memory_order_relaxed);
+    }
+  } count{t0};
   spin_until([&] { return completed_.load(std::memory_order_acquire); }, spin_budget());
   std::unique_lock<std::mutex> lock(mu_);
   bool ok = cv_.wait_for(lock, timeout, [&] { return done_; });
@@ -152,6 +205,8 @@ void WorkState::set_busy_seconds(double seconds) {
 }
 
 }  // namespace detail
+
+double host_wait_seconds() { return static_cast<double>(detail::g_wait_ns.load()) * 1e-9; }
 
 void Work::wait() const {
   if (state_) state_->wait(state_->default_timeout());

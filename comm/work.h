@@ -43,6 +43,17 @@ struct CollectiveInfo {
 // "all_reduce #17 (bf16, 1048576 elements) on ranks [0,1,2,3] (mpi)"
 std::string describe(const CollectiveInfo& info);
 
+// Seconds this process's threads have spent blocked in Work::wait/synchronize, in total: what
+// a rank waited for its peers (and the network). The trainer's straggler report subtracts it
+// from the step time. NCCL's wait() does not block the host, so it counts only synchronize().
+double host_wait_seconds();
+
+// A backend's failure `what` as the error a user reads: PeerLostError when it says a peer
+// closed or reset its connection (the consequence of another rank's failure: that rank's
+// error is the one to read), else CommError. Both name the collective.
+std::exception_ptr backend_failure(const CollectiveInfo& info, const std::string& backend_name,
+                                   const std::string& what);
+
 namespace detail {
 
 // Shared between the backend that completes a collective and the Works that wait for it.
@@ -84,6 +95,8 @@ class WorkState {
   // (c10d's semantics). Called by wait() while the op is still running on the device; once
   // completed, wait() returns at once.
   std::function<void()> stream_wait;
+  // This collective's entry in the flight recorder (comm/flight_recorder.h); -1: none.
+  int64_t flight_ticket = -1;
 
  private:
   CollectiveInfo info_;

@@ -3,7 +3,9 @@
 //                  ("dtrain-train 0.2.0 (LibTorch 2.13.0)", exit 0), and usage errors on
 //                  stderr with exit 2;
 //   failure_of     an exception as the one line a user is shown and the exit code: 2 for a
-//                  config or usage error, 1 for anything else. No LibTorch backtrace or
+//                  config or usage error, 3 for a rank that stops because another failed
+//                  first (PeerLostError; dtrain-launch never names it as the cause), 1 for
+//                  anything else. No LibTorch backtrace or
 //                  source tag unless DTRAIN_LOG_LEVEL=debug; an allocation failure says how
 //                  to need less memory; only a bug reads "internal error".
 // Header-only, for main() files. Binaries built with LibTorch print its version too.
@@ -51,6 +53,10 @@ inline bool debugging() {
   return level != nullptr && (std::string(level) == "debug" || std::string(level) == "trace");
 }
 
+// The exit code of a rank that stops only because another rank failed (a peer closed its
+// connection mid-collective, or a start-up check failed elsewhere).
+inline constexpr int kConsequenceExitCode = 3;
+
 struct Failure {
   int code;
   std::string message;
@@ -71,6 +77,8 @@ inline Failure failure_of(std::exception_ptr error) {
     return {2, "config error: " + detail::user_message(e.what(), debug)};
   } catch (const UsageError& e) {
     return {2, detail::user_message(e.what(), debug)};
+  } catch (const PeerLostError& e) {
+    return {kConsequenceExitCode, detail::user_message(e.what(), debug)};
   } catch (const Error& e) {
     return {1, detail::user_message(e.what(), debug)};
   } catch (const std::bad_alloc&) {

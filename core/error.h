@@ -4,6 +4,8 @@
 //   ConfigError   a config file or --set override is wrong (message names file, key, line)
 //   CommError     a collective failed or a communicator is unusable
 //   TimeoutError  a collective did not finish in time (a CommError; names op, seq, ranks)
+//   PeerLostError a peer closed its connection mid-collective (a CommError): the consequence
+//                 of another rank's failure, which is the one to read (exit code 3)
 //   UsageError    an API was called out of order (e.g. GradScaler::unscale_ twice)
 //   CheckpointError  a checkpoint cannot be written, or is missing, corrupt or does not match
 //                 the model (message names the file or tensor)
@@ -34,6 +36,11 @@ class CommError : public Error {
 };
 
 class TimeoutError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
+class PeerLostError : public CommError {
  public:
   using CommError::CommError;
 };

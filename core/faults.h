@@ -5,6 +5,10 @@
 //
 //   DTRAIN_TEST_KILL_AT_STEP=<step>:<rank>    framework/trainer.cc: SIGKILL after that step
 //   DTRAIN_TEST_NAN_FROM_STEP=<step>:<rank>   framework/trainer.cc: NaN losses from that step
+//   DTRAIN_TEST_STOP_AT_STEP=<step>:<rank>    framework/trainer.cc: SIGSTOP after that step
+//   DTRAIN_TEST_SLOW_RANK=<ms>:<rank>         framework/trainer.cc: <ms> more compute per step
+//   DTRAIN_TEST_SKIP_COLLECTIVE=<seq>:<rank>  comm/communicator.cc: that rank never issues the
+//                                             world communicator's collective #seq
 //   DTRAIN_TEST_CRASH_BEFORE_RENAME=<name>    framework/checkpoint/atomic_file.cc: SIGKILL
 //                                             before the rename that publishes that file
 //   DTRAIN_TEST_CHILD="program args..."       framework/train_main.cc: a child process

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "comm/factory.h"
+#include "comm/flight_recorder.h"
 #include "core/cli.h"
 #include "core/error.h"
 #include "core/faults.h"
@@ -21,10 +22,16 @@
 
 namespace {
 
+// A rank that stops only because another failed says so as a warning: the error to read is
+// the other rank's.
 [[noreturn]] void quit(int code, const std::string& msg) {
   if (!msg.empty()) {
     try {
-      dtrain::logging::error(msg);
+      if (code == dtrain::cli::kConsequenceExitCode) {
+        dtrain::logging::warn(msg);
+      } else {
+        dtrain::logging::error(msg);
+      }
     } catch (...) {
       std::fprintf(stderr, "%s\n", msg.c_str());
     }
@@ -74,6 +81,8 @@ int main(int argc, char** argv) {
   // Count tensor bytes from the start, for the peak-memory report (framework/memory.h).
   dtrain::framework::TrackedCpuMemory::install();
   start_test_child();
+  // SIGUSR1 dumps the flight recorder; SIGTERM (dtrain-launch ending the job) dumps it first.
+  dtrain::comm::flight::install_signal_dumps();
   try {
     auto config = dtrain::framework::load_config(config_path, overrides);
     std::shared_ptr<dtrain::comm::Communicator> comm = dtrain::framework::connect(config);
@@ -83,6 +92,16 @@ int main(int argc, char** argv) {
     return 0;
   } catch (...) {
     auto failure = dtrain::cli::failure_of(std::current_exception());
+    try {
+      std::rethrow_exception(std::current_exception());
+    } catch (const dtrain::CommError&) {
+      // A collective timed out or failed: the recorder shows where this rank stood.
+      const std::string path = dtrain::comm::flight::dump(failure.message);
+      if (!path.empty()) {
+        dtrain::logging::info("flight recorder: ", path, " (scripts/flight reads every rank's)");
+      }
+    } catch (...) {
+    }
     quit(failure.code, failure.message);
   }
 }

@@ -25,6 +25,7 @@
 #include "amp/autocast.h"
 #include "amp/sharded_grad_scaler.h"
 #include "comm/factory.h"
+#include "comm/flight_recorder.h"
 #include "comm/rendezvous.h"
 #include "core/logging.h"
 #include "core/trace.h"
@@ -171,20 +172,21 @@ void agree_to_start(comm::Communicator* comm, int rank, int world, const std::st
   }
   if (!problem.empty()) DTRAIN_FAIL(ConfigError, problem);
   if (failed.empty()) return;
-  // The rank with the problem exits first, so that dtrain-launch names it (and ends this one).
+  // The rank with the problem exits first, so that its message comes first; the others exit
+  // with cli::kConsequenceExitCode, which dtrain-launch never names as the cause.
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   std::string ranks;
   for (int r : failed) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  DTRAIN_FAIL(ConfigError, "stopping before the first step: rank", failed.size() > 1 ? "s " : " ",
+  DTRAIN_FAIL(PeerLostError, "stopping before the first step: rank", failed.size() > 1 ? "s " : " ",
               ranks, " could not start (",
               failed.size() > 1 ? "their messages name" : "its message names", " the key to fix)");
 }
 
 // More compute threads than CPUs on this node (the ranks here times ATen's intra-op threads,
 // OMP_NUM_THREADS): they preempt each other inside every kernel.
-void warn_if_oversubscribed(c10::DeviceType device) {
+void warn_if_oversubscribed(c10::DeviceType device, const comm::Communicator* comm) {
   if (device != c10::kCPU) return;
-  const int ranks = std::max(1, comm::detect_rank_info().local_world_size);
+  const int ranks = comm != nullptr ? comm->local_size() : 1;
   const int threads = at::get_num_threads();
   const int cpus = usable_cpus();
   if (static_cast<int64_t>(ranks) * threads <= cpus) return;
@@ -203,13 +205,48 @@ bool launched_on_terminal() {
   return tty != nullptr && std::string(tty) == "1";
 }
 
-// Fault injection (core/faults.h). KILL_AT_STEP: SIGKILL that rank once <step> steps are done
-// (and their checkpoint written), in the first attempt only (launcher restarts;
-// TORCHELASTIC_RESTART_COUNT 0).
-std::optional<faults::StepRank> kill_hook() {
+// Fault injection (core/faults.h). KILL_AT_STEP / STOP_AT_STEP: SIGKILL / SIGSTOP that rank
+// once <step> steps are done (and their checkpoint written), in the first attempt only
+// (launcher restarts; TORCHELASTIC_RESTART_COUNT 0).
+std::optional<faults::StepRank> kill_hook(const char* name) {
   const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
   if (restarts != nullptr && std::string(restarts) != "0") return std::nullopt;
-  return faults::step_rank("KILL_AT_STEP");
+  return faults::step_rank(name);
+}
+
+// Where the flight recorder dumps (comm/flight_recorder.h): DTRAIN_FLIGHT_DIR, else the run's
+// folder (the metrics file's, else the checkpoints'); "" (no dumps) when the run has none.
+std::string flight_dir(const RunConfig& c) {
+  if (const char* dir = std::getenv("DTRAIN_FLIGHT_DIR"); dir != nullptr && *dir) return dir;
+  if (!c.logging.metrics_file.empty()) {
+    const auto parent = std::filesystem::path(c.logging.metrics_file).parent_path();
+    return parent.empty() ? "." : parent.string();
+  }
+  return c.checkpoint.dir;
+}
+
+// Each rank's compute per step in the window (the step time minus the time it was blocked
+// waiting for collectives), gathered on every rank: a straggler computes longest, while the
+// others wait for it. Returns "compute min/median/max a/b/c ms (slowest rank k)" on rank 0
+// and adds the figures to `row`.
+std::string straggler_report(comm::Communicator* comm, double compute_s, JsonObject& row) {
+  if (comm == nullptr || comm->size() < 2) return {};
+  at::Tensor mine = at::full({1}, compute_s, at::kDouble).to(comm->device());
+  at::Tensor all = at::empty({comm->size()}, mine.options());
+  comm->all_gather(mine, all).wait();
+  all = all.cpu();
+  std::vector<std::pair<double, int>> t;
+  for (int r = 0; r < comm->size(); ++r) t.emplace_back(all[r].item<double>(), r);
+  std::sort(t.begin(), t.end());
+  const double median = t.size() % 2 ? t[t.size() / 2].first
+                                     : (t[t.size() / 2 - 1].first + t[t.size() / 2].first) / 2;
+  row.number("compute_min_s", t.front().first, "%.6f")
+      .number("compute_median_s", median, "%.6f")
+      .number("compute_max_s", t.back().first, "%.6f")
+      .integer("slowest_rank", t.back().second);
+  return ", compute min/median/max " + logging::fixed(t.front().first * 1000, 1) + "/" +
+         logging::fixed(median * 1000, 1) + "/" + logging::fixed(t.back().first * 1000, 1) +
+         " ms (slowest rank " + std::to_string(t.back().second) + ")";
 }
 
 }  // namespace
@@ -248,8 +285,7 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
   // killer). Host memory only; a CUDA run's device memory is not estimated here.
   check_supported(c, comm.get());
   if (device == c10::kCPU) {
-    check_memory_fits(c, world, comm::detect_rank_info().local_world_size,
-                      available_memory_bytes());
+    check_memory_fits(c, world, comm ? comm->local_size() : 1, available_memory_bytes());
     logging::info("memory: about ", estimate_memory(c, world).describe(), " per rank");
   }
   at::manual_seed(static_cast<uint64_t>(c.train.seed));  // identical init; DDP broadcasts anyway
@@ -319,8 +355,10 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<comm::Communicator> co
       checkpointer_(config),
       collapse_(config.precision.scaler),
       nonfinite_(config.train),
-      kill_at_(kill_hook()),
-      nan_from_(faults::step_rank("NAN_FROM_STEP")) {}
+      kill_at_(kill_hook("KILL_AT_STEP")),
+      nan_from_(faults::step_rank("NAN_FROM_STEP")),
+      stop_at_(kill_hook("STOP_AT_STEP")),
+      slow_(faults::step_rank("SLOW_RANK")) {}
 
 Trainer::~Trainer() = default;
 
@@ -330,13 +368,14 @@ void Trainer::setup() {
   if (rank_ == 0) {  // once per job, not once per rank
     for (const auto& w : c_.warnings) logging::warn(c_.source, ": ", w);
     if (!c_.precision.chosen_by.empty()) logging::info(c_.precision.chosen_by);
-    warn_if_oversubscribed(device_);
+    warn_if_oversubscribed(device_, comm_.get());
   }
   DTRAIN_CHECK_AS(ConfigError, c_.train.eval_every == 0 || c_.train.eval_samples >= world_,
                   c_.source, ": train.eval_samples (", c_.train.eval_samples,
                   ") must be at least the number of ranks (", world_,
                   "): every rank evaluates its share");
   agree_to_start(comm_.get(), rank_, world_, output_problem(c_, rank_));
+  comm::flight::set_dump_dir(flight_dir(c_), rank_);
   model_ = task_.make_strategy(&monitor_);
   opt_ = make_optimizer(c_.train, model_->parameters());
   scaler_ = make_scaler(c_, comm_);
@@ -452,6 +491,9 @@ StepStats Trainer::train_step() {
   trace::set_recording(tracing);
   const int64_t step_start_us = tracing ? trace::now_us() : 0;
   const int64_t micro_batches = c_.train.micro_batches;
+  if (slow_ && slow_->rank == rank_) {  // DTRAIN_TEST_SLOW_RANK=<ms>:<rank>
+    std::this_thread::sleep_for(std::chrono::milliseconds(slow_->step));
+  }
   StepStats s;
   s.step = step + 1;
   s.lr = lr_at(c_.train, step);
@@ -524,6 +566,10 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
   result_.last_loss = loss;
   const double avg_time = window_time_ / window_steps_;
   const double tokens_per_s = world_ * c_.train.batch_size * data_->items_per_sample() / avg_time;
+  JsonObject row;
+  const std::string spread = straggler_report(
+      comm_.get(), std::max(0.0, window_time_ - window_wait_) / static_cast<double>(window_steps_),
+      row);
   const double scale = scaler_->get_scale();
   const sharding::ReducerStats* rs = model_->stats();
   if (tty_) std::fprintf(stderr, "\r\033[K");  // the bar gives way to the line
@@ -532,11 +578,10 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
       val_loss ? " val_loss " + logging::fixed(*val_loss, 4) : std::string(), " scale ", scale,
       " grad_norm ", logging::fixed(s.grad_norm, 3), " skipped ", result_.skipped_steps, " lr ",
       s.lr, " tokens/s ", logging::fixed(tokens_per_s, 0), " step ",
-      logging::fixed(avg_time * 1000, 1), " ms",
+      logging::fixed(avg_time * 1000, 1), " ms", spread,
       rs ? " comm hidden " + logging::fixed(100 * rs->hidden_fraction(), 0) + "%" : std::string(),
       " peak_rss ", logging::fixed(peak_rss_mb(), 0), " MB",
       tty_ ? "" : "  " + progress_bar(s.step, c_.train.steps));
-  JsonObject row;
   row.integer("step", s.step)
       .number("loss", loss)
       .number("scale", scale)
@@ -551,6 +596,7 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
   metrics_->write(row);
   window_loss_ = window_time_ = 0;
   window_steps_ = 0;
+  window_wait_ = 0;
 }
 
 // On a terminal, the bar under the log lines. Otherwise (under dtrain-launch, mpirun, into a
@@ -600,7 +646,9 @@ TrainResult Trainer::train() {
   const int64_t steps = c_.train.steps;
   train_start_ = last_line_ = Clock::now();
   while (step_ < steps) {
+    const double waited = comm::host_wait_seconds();
     const StepStats s = train_step();
+    window_wait_ += comm::host_wait_seconds() - waited;
     window_loss_ += s.loss;
     window_time_ += s.seconds;
     ++window_steps_;
@@ -619,6 +667,10 @@ TrainResult Trainer::train() {
       logging::warn("DTRAIN_TEST_KILL_AT_STEP: rank ", rank_, " kills itself after step ",
                     s.step - 1);
       std::raise(SIGKILL);
+    }
+    if (stop_at_ && s.step == stop_at_->step && rank_ == stop_at_->rank) {
+      logging::warn("DTRAIN_TEST_STOP_AT_STEP: rank ", rank_, " stops itself after step ", s.step);
+      std::raise(SIGSTOP);
     }
   }
   if (tty_) std::fprintf(stderr, "\n");

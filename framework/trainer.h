@@ -155,13 +155,14 @@ class Trainer {
   std::optional<MetricsFile> metrics_;
   ScaleCollapseGuard collapse_;
   NonFiniteLossGuard nonfinite_;
-  std::optional<faults::StepRank> kill_at_, nan_from_;
+  std::optional<faults::StepRank> kill_at_, nan_from_, stop_at_, slow_;
 
   int64_t step_ = 0;        // steps done
   int64_t first_step_ = 0;  // where this process started (a restored step, or 0)
   TrainResult result_;
   bool first_logged_ = false;
   double window_loss_ = 0, window_time_ = 0;  // since the last logged step
+  double window_wait_ = 0;                    // of window_time_, blocked in collective waits
   int64_t window_steps_ = 0;
   // Progress without a terminal (logging.progress_bar): a line when this long has passed
   // since the last line rank 0 printed.

@@ -497,6 +497,67 @@ TEST(UserMistakes, TheFirstHoursQuietSurprisesAreSaid) {
          {"progress: step 2/6, ", " step/s, ", " left"}});
 }
 
+// A rank that fails after the first step is the one named; a rank that stops only because
+// its peer went away says so as a warning and exits 3, which dtrain-launch never blames.
+TEST(UserMistakes, AFailureMidRunNamesTheRankAndMarksItsConsequences) {
+  auto expect_clean = [](const Result& r) {
+    for (const char* noise : {"GLHF", "Connection closed", "Connection reset", "rank 1 (pid",
+                              "left behind by an aborted backward"}) {
+      EXPECT_EQ(r.output.find(noise), std::string::npos) << noise << "\n" << r.output;
+    }
+  };
+  // The first checkpoint cannot be written (a file-size limit): rank 0's error is the cause.
+  const std::string dir = tmp("mid_run_full");
+  Result full = run("sh -c 'ulimit -f 50; exec " +
+                    launch2("--set checkpoint.dir=" + dir +
+                            " --set checkpoint.every_steps=2 --set train.steps=6") +
+                    "'");
+  EXPECT_EQ(full.code, 1) << full.output;
+  EXPECT_NE(full.output.find("error checkpoint: writing"), std::string::npos) << full.output;
+  EXPECT_NE(full.output.find("rank 0 (pid"), std::string::npos) << full.output;
+  expect_clean(full);
+  // Without a launcher (a hand-set environment), rank 0 dies after step 2, DDP and FSDP:
+  // rank 1 stops in a gradient reduction or an all-gather and says why.
+  for (const char* strategy : {"ddp", "fsdp"}) {
+    SCOPED_TRACE(strategy);
+    const std::string env =
+        "OMP_NUM_THREADS=1 WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 "
+        "MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+        std::to_string(free_port()) + " DTRAIN_TEST_KILL_AT_STEP=3:0 ";
+    const std::string cmd = train(std::string("--set train.steps=6 --set parallel.strategy=") +
+                                  strategy + " --set logging.metrics_file=");
+    Result peer = run("sh -c '" + env + "RANK=0 LOCAL_RANK=0 " + cmd + " >/dev/null 2>&1 & " + env +
+                      "RANK=1 LOCAL_RANK=1 " + cmd + "; code=$?; wait; exit $code'");
+    EXPECT_EQ(peer.code, 3) << peer.output;
+    EXPECT_NE(peer.output.find("warning stopping because another rank failed first: "),
+              std::string::npos)
+        << peer.output;
+    EXPECT_NE(peer.output.find("that rank's error, above or in its log, is the cause"),
+              std::string::npos)
+        << peer.output;
+    EXPECT_EQ(peer.output.find(" error "), std::string::npos) << peer.output;
+    expect_clean(peer);
+  }
+  // The launcher: a consequence (exit 3) that comes first waits for the cause to be named...
+  const std::string fake = g_launcher + " --nproc-per-node 2 --master-port 0 -- sh -c ";
+  Result order = run(fake + "'if [ $RANK = 1 ]; then exit 3; fi; sleep 0.5; exit 1'");
+  EXPECT_EQ(order.code, 1) << order.output;
+  EXPECT_NE(order.output.find("rank 0 (pid"), std::string::npos) << order.output;
+  EXPECT_EQ(order.output.find("rank 1 (pid"), std::string::npos) << order.output;
+  // ... and is named when no cause comes (it may be on another node).
+  Result alone = run(fake + "'if [ $RANK = 1 ]; then exit 3; fi; sleep 30'");
+  EXPECT_EQ(alone.code, 3) << alone.output;
+  EXPECT_NE(alone.output.find("rank 1 (pid"), std::string::npos) << alone.output;
+  EXPECT_NE(alone.output.find("stopped because a rank elsewhere failed"), std::string::npos)
+      << alone.output;
+  // A rank repeating its own error line is not folded: only other ranks' repeats are.
+  Result twice = run(fake +
+                     "'[ $RANK = 0 ] && for i in 1 2; do echo \"2026-12-02 10:00:00.000 error "
+                     "retry failed\" >&2; done; exit 0'");
+  EXPECT_EQ(twice.code, 0) << twice.output;
+  EXPECT_EQ(count_of(twice.output, "error retry failed"), 2u) << twice.output;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -29,6 +29,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// How long a rank that stopped because another failed waits to be named: the rank that
+// failed first usually exits within this (its peers saw it go), and is named instead.
+constexpr auto kConsequenceWait = std::chrono::seconds(2);
+
 int g_signal_pipe[2] = {-1, -1};
 
 void on_signal(int sig) {
@@ -47,10 +51,24 @@ sigset_t forwarded_signals() {
   return set;
 }
 
-// A free port on addr, or the given one checked: a port in use, or an address that is not
-// this machine's, is a usage error before any rank starts (node 0 serves the store there).
-int usable_port(const LaunchOptions& o) {
-  net::Listener l = net::listen_on(o.master_addr, o.master_port);
+// Node 0's store port on --master-addr (net::store_bind_address) at --master-port (0: a free
+// port), reserved before any rank starts and until the launcher ends: a port in use, or an
+// address that is not this machine's, is a usage error, and no other job can take the port
+// between the check and rank 0's store, in any attempt. The socket is bound, not listening,
+// so rank 0 (dtrain's or c10d's store, both SO_REUSEADDR) binds and listens there itself.
+net::Listener store_listener(const LaunchOptions& o) {
+  std::string why;
+  const std::string bind = net::store_bind_address(o.master_addr, &why);
+  if (bind != o.master_addr) {
+    std::cerr << "[dtrain-launch] the store listens on " << bind << ":" << o.master_port << " ("
+              << why << "); "
+              << (o.job_token.empty() && std::getenv("DTRAIN_JOB_TOKEN") == nullptr
+                      ? "set the same DTRAIN_JOB_TOKEN on every node, so that only this job's "
+                        "ranks are admitted"
+                      : "the job token admits only this job's ranks")
+              << std::endl;
+  }
+  net::Listener l = net::reserve(bind, o.master_port);
   if (l.fd < 0 && l.error == EADDRINUSE) {
     DTRAIN_FAIL(UsageError, "--master-port ", o.master_port, " on ", o.master_addr,
                 " is already in use (another job, or one that has not ended yet); choose "
@@ -60,9 +78,7 @@ int usable_port(const LaunchOptions& o) {
                   " cannot serve the rendezvous on this machine (", l.detail,
                   "): node 0 serves it, so use one of this machine's addresses (127.0.0.1 on "
                   "one node)");
-  int port = net::bound_port(l.fd);
-  ::close(l.fd);
-  return port;
+  return l;
 }
 
 void write_all(int fd, const std::string& s) {
@@ -92,16 +108,17 @@ struct Rank {
 // "<date> <time> error <message>" (core/logging.h; the launcher adds the rank prefix).
 class RepeatedErrors {
  public:
-  // False when `line` repeats an error line another rank already printed.
+  // False when `line` repeats an error line another rank already printed (a rank's own
+  // repeats are its own: forwarded).
   bool forward(const std::string& line, int rank) {
     const std::string message = error_message(line);
     if (message.empty()) return true;
     auto& ranks = said_[message];
-    const bool first = ranks.empty();
+    if (ranks.empty()) order_.push_back(message);
+    const bool others = std::any_of(ranks.begin(), ranks.end(), [&](int r) { return r != rank; });
     if (std::find(ranks.begin(), ranks.end(), rank) == ranks.end()) ranks.push_back(rank);
-    if (first) order_.push_back(message);
     std::sort(ranks.begin(), ranks.end());
-    return first;
+    return !others;
   }
 
   // One line per message that more than one rank printed.
@@ -320,6 +337,8 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
   bool terminating = false;
   Clock::time_point kill_at{};
   Clock::time_point drain_until{};
+  Rank* consequence = nullptr;  // the first rank that stopped because another failed
+  Clock::time_point consequence_until{};
   auto start_termination = [&](int sig) {
     if (!terminating) {
       terminating = true;
@@ -331,7 +350,9 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
   while (true) {
     // Reap exited ranks. Of the ranks that failed in one sweep, the one a signal killed is
     // the likely cause (the others saw it die), so it is the one reported; SIGPIPE, what a
-    // write to a dead peer gives, least of all.
+    // write to a dead peer gives, less, and a rank that says it stopped because another
+    // failed (cli::kConsequenceExitCode) least of all: it is named only when no other rank
+    // here fails within kConsequenceWait (the cause may be on another node).
     int status = 0;
     pid_t pid;
     Rank* first_failed = nullptr;
@@ -352,12 +373,28 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
         g_guardian.remove(r.pid);
         // A rank killed by SIGPIPE wrote to a dead peer's socket: a symptom, like a rank that
         // exited with an error, so any other signal in the same sweep is the one reported.
-        auto weight = [](int code) { return code <= 128 ? 0 : code == 128 + SIGPIPE ? 1 : 2; };
+        auto weight = [](int code) {
+          if (code == cli::kConsequenceExitCode) return -1;
+          return code <= 128 ? 0 : code == 128 + SIGPIPE ? 1 : 2;
+        };
         if (r.exit_code != 0 && result.outcome == Outcome::kSuccess &&
             (first_failed == nullptr || weight(r.exit_code) > weight(first_failed->exit_code))) {
           first_failed = &r;
         }
       }
+    }
+    if (first_failed != nullptr && first_failed->exit_code == cli::kConsequenceExitCode) {
+      if (consequence == nullptr) {
+        consequence = first_failed;
+        consequence_until = Clock::now() + kConsequenceWait;
+      }
+      first_failed = nullptr;
+    }
+    const bool none_left =
+        std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.exited; });
+    if (first_failed == nullptr && consequence != nullptr && result.outcome == Outcome::kSuccess &&
+        (Clock::now() >= consequence_until || none_left)) {
+      first_failed = consequence;
     }
     if (first_failed != nullptr) {
       const Rank& r = *first_failed;
@@ -366,9 +403,13 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
                 << (r.exit_code > 128
                         ? "was killed by signal " + std::to_string(r.exit_code - 128) +
                               " (exit code " + std::to_string(r.exit_code) + ")"
+                    : r.exit_code == cli::kConsequenceExitCode
+                        ? "stopped because a rank elsewhere failed (exit code " +
+                              std::to_string(r.exit_code) + ")"
                         : "exited with code " + std::to_string(r.exit_code))
                 << "; terminating the other ranks" << std::endl;
       start_termination(SIGTERM);
+      consequence = nullptr;
     }
     bool all_exited = true;
     bool pipes_open = false;
@@ -607,10 +648,18 @@ int run(const LaunchOptions& given) {
   for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
+  // Node 0 serves the store: its port is reserved before anyone starts (later nodes cannot
+  // check: the address is node 0's).
+  net::Listener store;
+  if (options.node_rank == 0) store = store_listener(options);
+  struct CloseStore {
+    int fd;
+    ~CloseStore() {
+      if (fd >= 0) ::close(fd);
+    }
+  } close_store{store.fd};
+  const int port = store.fd >= 0 ? net::bound_port(store.fd) : options.master_port;
   for (int attempt = 0;; ++attempt) {
-    // Node 0 serves the store: check its address and port before starting anyone (later
-    // nodes cannot: the address is node 0's).
-    int port = options.node_rank == 0 ? usable_port(options) : options.master_port;
     Result r = run_group(options, attempt, port);
     if (r.outcome == Outcome::kSuccess) return 0;
     if (r.outcome == Outcome::kInterrupted || r.interrupted) return r.code;

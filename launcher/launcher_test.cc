@@ -250,6 +250,47 @@ TEST(Launcher, APortInUseOrAForeignMasterAddressIsAUsageError) {
   EXPECT_NE(r.output.find("does not resolve"), std::string::npos) << r.output;
 }
 
+// Node 0's store port is reserved by the launcher for the whole job, across restarts: no other
+// process takes it (--master-port 0 included), while rank 0's store binds it and listens.
+TEST(Launcher, TheStorePortStaysReservedAcrossAttempts) {
+  const std::string dir = make_dir();
+  const std::string script = "a=$TORCHELASTIC_RESTART_COUNT; echo $MASTER_PORT > " + dir +
+                             "/port.$a; i=0; " + "while [ ! -e " + dir +
+                             "/go.$a ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; exit 1";
+  pid_t pid = start_launcher(
+      {"--nproc-per-node", "1", "--master-port", "0", "--max-restarts", "1", "sh", "-c", script});
+  auto bind_port = [](int port, bool reuse, bool listen) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    int one = 1;
+    if (reuse) ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
+                    (!listen || ::listen(fd, 1) == 0);
+    ::close(fd);
+    return ok;
+  };
+  std::string first;
+  for (const std::string attempt : {"0", "1"}) {
+    SCOPED_TRACE(attempt);
+    const std::string file = dir + "/port." + attempt;
+    for (int i = 0; i < 200 && read_file(file).empty(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    const std::string text = read_file(file);
+    ASSERT_FALSE(text.empty());
+    if (first.empty()) first = text;
+    EXPECT_EQ(text, first);  // the same port in every attempt
+    const int port = std::atoi(text.c_str());
+    EXPECT_FALSE(bind_port(port, false, false)) << "another process took port " << port;
+    EXPECT_TRUE(bind_port(port, true, true)) << "a store could not listen on port " << port;
+    std::ofstream(dir + "/go." + attempt) << "go";
+  }
+  EXPECT_EQ(wait_exit(pid), 1);
+}
+
 TEST(Launcher, MissingProgramExits127) {
   pid_t pid = start_launcher({"--master-port", "0", "/nonexistent/program"});
   EXPECT_EQ(wait_exit(pid), 127);

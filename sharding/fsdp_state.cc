@@ -44,18 +44,49 @@ UnitGroups make_groups(const std::shared_ptr<comm::Communicator>& world,
       if (size > 1) g.replicate = world;
       break;
     case ShardingStrategy::kHybridShard: {
+      // Shard within a node, replicate across nodes: by default the nodes the rendezvous
+      // learned (comm/rendezvous.h), else blocks of hybrid_group_size consecutive ranks.
       int64_t group = options.hybrid_group_size();
-      if (group == 0) {
-        const char* local = std::getenv("LOCAL_WORLD_SIZE");
-        if (local == nullptr) local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
-        group = local != nullptr ? std::atoll(local) : size;
+      int shard_color = 0, replicate_color = 0;
+      const auto& nodes = world->world_nodes();
+      if (group == 0 && !nodes.empty()) {
+        std::map<int, std::vector<int>> members;  // node -> ranks of `world` there
+        for (int r = 0; r < size; ++r) members[nodes[world->world_ranks()[r]]].push_back(r);
+        const int mine = nodes[world->world_ranks()[rank]];
+        std::string counts;
+        bool even = true;
+        for (const auto& [node, ranks] : members) {
+          counts += (counts.empty() ? "" : ", ") + std::to_string(ranks.size());
+          even = even && ranks.size() == members.begin()->second.size();
+        }
+        DTRAIN_CHECK_AS(ConfigError, even, "FSDP hybrid_shard shards within each node, but the ",
+                        members.size(), " nodes hold different numbers of ranks (", counts,
+                        "); start the same number on every node, or set "
+                        "parallel.hybrid_group_size");
+        const auto& here = members[mine];
+        shard_color = mine;
+        replicate_color =
+            static_cast<int>(std::find(here.begin(), here.end(), rank) - here.begin());
+      } else {
+        if (group == 0) {
+          const char* local = std::getenv("LOCAL_WORLD_SIZE");
+          if (local == nullptr) local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+          group = local != nullptr ? std::atoll(local) : size;
+        }
+        DTRAIN_CHECK_AS(ConfigError, group >= 1 && size % group == 0,
+                        "FSDP hybrid_shard: the shard group size ", group,
+                        " must divide the world size ", size,
+                        " (parallel.hybrid_group_size, default: the ranks of one node)");
+        shard_color = static_cast<int>(rank / group);
+        replicate_color = static_cast<int>(rank % group);
       }
-      DTRAIN_CHECK_AS(ConfigError, group >= 1 && size % group == 0,
-                      "FSDP hybrid_shard: the shard group size ", group,
-                      " must divide the world size ", size,
-                      " (parallel.hybrid_group_size, default LOCAL_WORLD_SIZE: one node)");
-      auto shard = world->split(static_cast<int>(rank / group), rank);
-      auto replicate = world->split(static_cast<int>(rank % group), rank);
+      auto shard = world->split(shard_color, rank);
+      auto replicate = world->split(replicate_color, rank);
+      logging::info("FSDP hybrid_shard: shard groups of ", shard->size(), " rank(s) (",
+                    options.hybrid_group_size() > 0 ? "parallel.hybrid_group_size"
+                    : nodes.empty()                 ? "LOCAL_WORLD_SIZE"
+                                                    : "one per node, as the rendezvous found them",
+                    "), ", replicate->size(), " replica(s)");
       if (shard->size() > 1) g.shard = shard;
       if (replicate->size() > 1) g.replicate = replicate;
       break;
@@ -214,6 +245,9 @@ void FSDPState::abandon_backward() {
     if (u->reduce_launched()) {
       try {
         u->finish_reduce(nullptr);
+      } catch (const PeerLostError&) {
+        // A peer is gone, or a wait timed out: the error that ends the step says so once.
+      } catch (const TimeoutError&) {
       } catch (const std::exception& e) {
         logging::warn("FSDP: a gradient reduction left behind by an aborted backward failed: ",
                       e.what());

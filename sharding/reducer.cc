@@ -466,6 +466,9 @@ void Reducer::drain_in_flight() noexcept {
     if (!b.launched || b.finished) continue;
     try {
       b.work.wait();
+    } catch (const PeerLostError&) {
+      // A peer is gone, or a wait timed out: the error that ends the step says so once.
+    } catch (const TimeoutError&) {
     } catch (const std::exception& e) {
       logging::warn("DDP: a gradient all-reduce left behind by an aborted backward failed: ",
                     e.what());

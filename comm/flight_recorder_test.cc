@@ -1,0 +1,104 @@
+// The flight recorder's ring: what it keeps, in which order, with which states, what a dump
+// writes, and what recording costs per collective (printed: benchmarks, not timed asserts).
+#include "comm/flight_recorder.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace dtrain::comm {
+namespace {
+
+CollectiveInfo info(int64_t seq) {
+  CollectiveInfo i;
+  i.op = "all_reduce";
+  i.seq = seq;
+  i.dtype = c10::kFloat;
+  i.numel = 1000 + seq;
+  i.backend = "gloo";
+  i.ranks = std::make_shared<const std::vector<int>>(std::vector<int>{0, 1});
+  return i;
+}
+
+size_t count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+// main() sets DTRAIN_FLIGHT_ENTRIES=4 before the first record.
+TEST(FlightRecorder, KeepsTheLastEntriesWithTheirStates) {
+  std::vector<int64_t> tickets;
+  for (int64_t seq = 1; seq <= 6; ++seq) tickets.push_back(flight::issued(info(seq)));
+  flight::started(tickets[0]);  // overwritten by #5: ignored
+  flight::ended(tickets[0], flight::State::kCompleted);
+  flight::started(tickets[2]);
+  flight::ended(tickets[2], flight::State::kCompleted);
+  flight::started(tickets[3]);
+  flight::ended(tickets[4], flight::State::kTimedOut);
+  const std::string json = flight::to_json("test");
+  EXPECT_EQ(count(json, "\"seq\":"), 4u) << json;
+  EXPECT_EQ(json.find("\"seq\":2,"), std::string::npos) << json;
+  // Oldest first: #3 completed, #4 started, #5 timed out, #6 issued.
+  const size_t s3 = json.find("\"seq\":3,"), s4 = json.find("\"seq\":4,");
+  const size_t s5 = json.find("\"seq\":5,"), s6 = json.find("\"seq\":6,");
+  ASSERT_TRUE(s3 < s4 && s4 < s5 && s5 < s6) << json;
+  EXPECT_NE(json.find("\"state\":\"completed\"", s3), std::string::npos);
+  EXPECT_LT(json.find("\"state\":\"completed\"", s3), s4) << json;
+  EXPECT_LT(json.find("\"state\":\"started\"", s4), s5) << json;
+  EXPECT_LT(json.find("\"state\":\"timed out\"", s5), s6) << json;
+  EXPECT_NE(json.find("\"state\":\"issued\"", s6), std::string::npos) << json;
+  EXPECT_NE(json.find("\"numel\":1006,\"backend\":\"gloo\",\"ranks\":[0,1]"), std::string::npos)
+      << json;
+  EXPECT_NE(json.find("\"reason\":\"test\""), std::string::npos) << json;
+}
+
+TEST(FlightRecorder, DumpsToTheRunFolderOnlyWhenOneIsSet) {
+  flight::set_dump_dir("", 0);
+  EXPECT_EQ(flight::dump("nowhere"), "");
+  const char* base = std::getenv("TEST_TMPDIR");
+  std::string dir = std::string(base ? base : "/tmp") + "/flightXXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  flight::set_dump_dir(dir, 3);
+  const std::string path = flight::dump("a \"quoted\" reason");
+  EXPECT_EQ(path, dir + "/flight_rank3.json");
+  std::ifstream f(path);
+  std::stringstream text;
+  text << f.rdbuf();
+  EXPECT_EQ(text.str().rfind("{\"rank\":3,", 0), 0u) << text.str();
+  EXPECT_NE(text.str().find("\"reason\":\"a \\\"quoted\\\" reason\""), std::string::npos)
+      << text.str();
+}
+
+// What one collective's three records cost (issue, start, end), for docs/benchmarks.md.
+TEST(FlightRecorder, CostPerCollectiveIsPrinted) {
+  const CollectiveInfo i = info(1);
+  constexpr int kN = 200000;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int n = 0; n < kN; ++n) {
+    const int64_t t = flight::issued(i);
+    flight::started(t);
+    flight::ended(t, flight::State::kCompleted);
+  }
+  const double ns =
+      std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / kN;
+  std::printf("flight recorder: %.0f ns per collective (issue + start + end)\n", ns);
+  EXPECT_GT(ns, 0.0);
+}
+
+}  // namespace
+}  // namespace dtrain::comm
+
+int main(int argc, char** argv) {
+  ::setenv("DTRAIN_FLIGHT_ENTRIES", "4", 1);
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,297 @@
+"""Multi-node jobs on one machine: two "nodes" in Linux network namespaces.
+
+Each node is a network namespace with its own address (198.51.100.1 and .2, a documentation
+range), joined to the other by a veth pair, and its own host name (a UTS namespace per
+process). Each node's /etc/hosts maps its own name to 127.0.1.1, as Debian's and Ubuntu's
+do, and the other node's name to that node's address: rank 0's host name resolves to a
+loopback address on its own node.
+
+Every job runs 4 ranks (2 per node) on the tiny config for a few steps, each started the way
+one cluster launcher starts them:
+  launch   dtrain-launch --nnodes 2 on each node
+  pytorchjob  RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT only (Kubeflow's PyTorchJob)
+  slurm    srun's variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NNODES)
+  hydra    MPICH/Intel MPI's (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS), with the
+           Slurm variables Hydra's ranks inherit under an allocation, which must not win
+and its per-step losses must equal, bit for bit, those of the same job on one node (4 ranks
+under dtrain-launch): DDP against DDP, hybrid_shard (whose shard groups must be the two real
+nodes, learned at the rendezvous) against hybrid_shard with hybrid_group_size 2 on one
+node, where the groups are the same. A launcher environment that contradicts the layout
+(LOCAL_WORLD_SIZE=4 on nodes of 2) is refused naming both. DTRAIN_STORE_BIND and
+GLOO_SOCKET_IFNAME are honoured.
+
+Needs root (ip netns, unshare --uts). Where namespaces cannot be made, prints
+"SKIPPED: <reason>" and exits 0. The namespaces, veth pair and /etc/netns files are removed
+on exit, whatever happens; every process runs under a time limit.
+Usage: multinode_test.py --launcher PATH --trainer PATH [--keep-going]
+"""
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ADDRS = ["198.51.100.1", "198.51.100.2"]
+HOSTS = ["node0", "node1"]
+PORT = 29500  # inside the namespaces nothing else listens
+STEPS = 4
+JOB_TIMEOUT_S = 120
+
+
+class Nodes:
+    """Two network namespaces joined by a veth pair; removed by close()."""
+
+    def __init__(self):
+        tag = f"{os.getpid() % 100000}"
+        self.ns = [f"dtn{tag}a", f"dtn{tag}b"]
+        self.veth = [f"dtv{tag}a", f"dtv{tag}b"]
+        self.made = []
+
+    def sh(self, *args):
+        subprocess.run(args, check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, timeout=30)
+
+    def open(self):
+        for i, ns in enumerate(self.ns):
+            self.sh("ip", "netns", "add", ns)
+            self.made.append(ns)
+        self.sh("ip", "link", "add", self.veth[0], "type", "veth", "peer", "name",
+                self.veth[1])
+        for i, ns in enumerate(self.ns):
+            self.sh("ip", "link", "set", self.veth[i], "netns", ns)
+            self.sh("ip", "-n", ns, "addr", "add", f"{ADDRS[i]}/24", "dev", self.veth[i])
+            self.sh("ip", "-n", ns, "link", "set", self.veth[i], "up")
+            self.sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # `ip netns exec` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts.
+            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            with open(f"/etc/netns/{ns}/hosts", "w") as f:
+                f.write("127.0.0.1 localhost\n")
+                f.write(f"127.0.1.1 {HOSTS[i]}\n")
+                f.write(f"{ADDRS[1 - i]} {HOSTS[1 - i]}\n")
+
+    def close(self):
+        for ns in self.made:
+            subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                  text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
+        self.made = []
+
+    def command(self, node, argv):
+        """argv run on `node`: in its namespace, with its host name."""
+        return ["ip", "netns", "exec", self.ns[node], "unshare", "--uts", "sh", "-c",
+                f'hostname {HOSTS[node]} && exec "$@"', "sh"] + argv
+
+
+def skip_reason():
+    if os.geteuid() != 0:
+        return "needs root for ip netns and unshare"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"'{tool}' is not installed"
+    probe = f"dtnprobe{os.getpid() % 100000}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return "cannot create a network namespace: " + r.stderr.strip()
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    r = subprocess.run(["unshare", "--uts", "true"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return "cannot create a UTS namespace: " + r.stderr.strip()
+    return None
+
+
+def train_args(trainer, out, strategy, extra=()):
+    args = [trainer, "--config", "configs/tiny/ddp_fp32.yaml",
+            "--set", f"train.steps={STEPS}", "--set", "logging.every_steps=1",
+            "--set", "logging.progress_bar=false", "--set", "parallel.backend=gloo",
+            "--set", f"logging.metrics_file={out}/metrics.jsonl",
+            "--set", "parallel.timeout_s=60"]
+    if strategy == "hsdp":
+        args += ["--set", "parallel.strategy=fsdp",
+                 "--set", "parallel.sharding_strategy=hybrid_shard"]
+    return args + list(extra)
+
+
+def run_all(procs, what):
+    """Waits for every process (each under JOB_TIMEOUT_S); returns (codes, output)."""
+    deadline = time.time() + JOB_TIMEOUT_S
+    outputs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+            out = (out or "") + f"\n[{what}: killed after {JOB_TIMEOUT_S} s]"
+        outputs.append(out)
+    return [p.returncode for p in procs], "\n".join(outputs)
+
+
+def losses(out):
+    with open(f"{out}/metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r["loss"] for r in rows if "step" in r]
+
+
+def base_env():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "PMI_", "OMPI_", "PMIX_", "MPI_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                         "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["DTRAIN_JOB_TOKEN"] = "multinode-test-token"
+    return env
+
+
+def one_node(args, strategy, out):
+    extra = ["--set", "parallel.hybrid_group_size=2"] if strategy == "hsdp" else []
+    p = subprocess.Popen([args.launcher, "--nproc-per-node", "4", "--master-port", "0", "--"]
+                         + train_args(args.trainer, out, strategy, extra),
+                         env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    codes, output = run_all([p], "one node")
+    return codes, output
+
+
+def two_nodes(nodes, args, style, strategy, out, extra_env=None, node_env=None):
+    procs = []
+    for node in range(2):
+        env = base_env()
+        env.update(extra_env or {})
+        if style == "launch":
+            argv = [args.launcher, "--nnodes", "2", "--node-rank", str(node),
+                    "--nproc-per-node", "2", "--master-addr", HOSTS[0],
+                    "--master-port", str(PORT), "--run-id", "mn", "--"]
+            procs.append(subprocess.Popen(
+                nodes.command(node, argv + train_args(args.trainer, out, strategy)),
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            continue
+        for local in range(2):
+            rank = 2 * node + local
+            e = dict(env)
+            e.update({"MASTER_ADDR": HOSTS[0], "MASTER_PORT": str(PORT)})
+            if style == "pytorchjob":
+                e.update({"RANK": str(rank), "WORLD_SIZE": "4"})
+            elif style == "slurm":
+                e.update({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "4",
+                          "SLURM_LOCALID": str(local), "SLURM_NNODES": "2",
+                          "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"})
+            elif style == "hydra":
+                # Under a Slurm allocation Hydra's proxies are Slurm's tasks: one per node.
+                e.update({"PMI_RANK": str(rank), "PMI_SIZE": "4",
+                          "MPI_LOCALRANKID": str(local), "MPI_LOCALNRANKS": "2",
+                          "SLURM_PROCID": str(node), "SLURM_NTASKS": "2",
+                          "SLURM_LOCALID": "0", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4243"})
+            else:
+                raise ValueError(style)
+            e.update((node_env or [{}, {}])[node])
+            # Only rank 0 writes the metrics file.
+            procs.append(subprocess.Popen(
+                nodes.command(node, train_args(args.trainer, out, strategy)),
+                env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return run_all(procs, style)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--launcher", required=True)
+    ap.add_argument("--trainer", required=True)
+    args = ap.parse_args()
+    args.launcher = os.path.abspath(args.launcher)
+    args.trainer = os.path.abspath(args.trainer)
+    reason = skip_reason()
+    if reason:
+        print(f"SKIPPED: {reason}")
+        return 0
+    nodes = Nodes()
+    atexit.register(nodes.close)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: sys.exit(1))
+    work = tempfile.mkdtemp(prefix="dtrain_multinode_")
+    atexit.register(shutil.rmtree, work, True)
+    nodes.open()
+    failures = []
+
+    def check(ok, what, output=""):
+        print(("ok   " if ok else "FAIL ") + what, flush=True)
+        if not ok:
+            failures.append(what)
+            print(output[-6000:], flush=True)
+
+    started = time.time()
+    reference = {}
+    for strategy in ("ddp", "hsdp"):
+        out = f"{work}/one_{strategy}"
+        os.makedirs(out)
+        codes, output = one_node(args, strategy, out)
+        check(codes == [0], f"one node, 4 ranks, {strategy}: exit {codes}", output)
+        reference[strategy] = losses(out) if codes == [0] else None
+
+    rows = [("launch", "ddp"), ("launch", "hsdp"), ("pytorchjob", "hsdp"),
+            ("slurm", "hsdp"), ("hydra", "ddp")]
+    for style, strategy in rows:
+        out = f"{work}/{style}_{strategy}"
+        os.makedirs(out)
+        t0 = time.time()
+        codes, output = two_nodes(nodes, args, style, strategy, out)
+        what = f"2 nodes x 2 ranks, {style}, {strategy}"
+        check(all(c == 0 for c in codes), f"{what}: exit codes {codes}", output)
+        if not all(c == 0 for c in codes):
+            continue
+        got = losses(out)
+        want = reference[strategy]
+        check(want is not None and len(got) == STEPS and got == want,
+              f"{what}: losses {got} equal one node's {want} bit for bit "
+              f"({time.time() - t0:.1f} s)", output)
+        if strategy == "hsdp":
+            check("shard groups of 2 rank(s) (one per node, as the rendezvous found them), "
+                  "2 replica(s)" in output, f"{what}: the shard groups are the nodes", output)
+        if style == "launch":
+            check("the store listens on 0.0.0.0:" in output,
+                  f"{what}: rank 0's host name resolves to 127.0.1.1 there, so the store "
+                  "listens on every interface", output)
+
+    # Node 0's ranks meet at MASTER_ADDR=127.0.0.1, node 1's at node0: the store would listen
+    # on loopback only; DTRAIN_STORE_BIND=0.0.0.0 opens it to node 1. GLOO_SOCKET_IFNAME names
+    # each node's interface.
+    out = f"{work}/pinned"
+    os.makedirs(out)
+    codes, output = two_nodes(nodes, args, "pytorchjob", "ddp", out,
+                              {"DTRAIN_STORE_BIND": "0.0.0.0"},
+                              [{"GLOO_SOCKET_IFNAME": nodes.veth[0], "MASTER_ADDR": "127.0.0.1"},
+                               {"GLOO_SOCKET_IFNAME": nodes.veth[1]}])
+    ok = all(c == 0 for c in codes)
+    check(ok and losses(out) == reference["ddp"] and
+          f"the store listens on 0.0.0.0:{PORT} (DTRAIN_STORE_BIND)" in output,
+          f"DTRAIN_STORE_BIND=0.0.0.0 and GLOO_SOCKET_IFNAME: exit {codes}, losses equal "
+          "one node's", output)
+
+    # A launcher's environment that contradicts the layout is refused on every rank.
+    out = f"{work}/contradiction"
+    os.makedirs(out)
+    codes, output = two_nodes(nodes, args, "pytorchjob", "ddp", out,
+                              {"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+    check(all(c != 0 for c in codes) and
+          "says local rank 0 of 4, but the ranks that met from its node" in output,
+          f"LOCAL_WORLD_SIZE=4 on nodes of 2 ranks is refused naming both: exit {codes}",
+          output)
+
+    print(f"multinode: {len(failures)} failure(s), {time.time() - started:.0f} s", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
