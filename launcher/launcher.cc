@@ -16,6 +16,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "comm/backend.h"
@@ -23,6 +24,7 @@
 #include "core/error.h"
 #include "core/guardian.h"
 #include "core/net.h"
+#include "launcher/agent.h"
 
 namespace dtrain::launcher {
 namespace {
@@ -315,7 +317,8 @@ int exit_code_of(int status) {
   return 1;
 }
 
-enum class Outcome { kSuccess, kRankFailed, kInterrupted };
+// kStopped: another node's rank failed (launcher/agent.h); kLost: a node was lost.
+enum class Outcome { kSuccess, kRankFailed, kInterrupted, kStopped, kLost };
 
 struct Result {
   Outcome outcome = Outcome::kSuccess;
@@ -324,8 +327,8 @@ struct Result {
   bool interrupted = false;  // the launcher was signalled: never restart
 };
 
-// Runs one attempt of the whole group.
-Result run_group(const LaunchOptions& o, int restart_count, int port) {
+// Runs one attempt of this node's group; `agent` (multi-node jobs) hears of the other nodes.
+Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* agent) {
   std::vector<Rank> ranks(static_cast<size_t>(o.nproc_per_node));
   for (int i = 0; i < o.nproc_per_node; ++i) {
     ranks[i].local_rank = i;
@@ -410,6 +413,7 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
                 << "; terminating the other ranks" << std::endl;
       start_termination(SIGTERM);
       consequence = nullptr;
+      if (agent != nullptr) agent->report_failure(restart_count, r.global_rank, r.exit_code);
     }
     bool all_exited = true;
     bool pipes_open = false;
@@ -447,6 +451,10 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
     std::vector<std::pair<Rank*, bool>> owners;  // (rank, is_stderr)
     fds.push_back({g_signal_pipe[0], POLLIN, 0});
     owners.push_back({nullptr, false});
+    if (agent != nullptr) {
+      agent->add_fds(fds);
+      owners.resize(fds.size(), {nullptr, false});
+    }
     for (auto& r : ranks) {
       if (r.out_fd >= 0) {
         fds.push_back({r.out_fd, POLLIN, 0});
@@ -458,9 +466,22 @@ Result run_group(const LaunchOptions& o, int restart_count, int port) {
       }
     }
     int n = ::poll(fds.data(), fds.size(), 50);
+    if (agent != nullptr) {  // also on a timeout: a message may wait in the agent's buffer
+      const AgentEvent e = agent->handle(fds);
+      if (e.kind == AgentEvent::kStop && result.outcome == Outcome::kSuccess) {
+        std::cerr << "[dtrain-launch] " << e.why << "; stopping this node's ranks" << std::endl;
+        result = {Outcome::kStopped, 0, -1};
+        start_termination(SIGTERM);
+      } else if (e.kind == AgentEvent::kLost) {
+        std::cerr << "[dtrain-launch] " << e.why << "; stopping this node's ranks" << std::endl;
+        if (result.outcome != Outcome::kInterrupted) result.outcome = Outcome::kLost;
+        start_termination(SIGTERM);
+      }
+    }
     if (n <= 0) continue;
     for (size_t i = 0; i < fds.size(); ++i) {
       if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      if (i > 0 && owners[i].first == nullptr) continue;  // the agent's
       if (i == 0) {
         unsigned char sig = 0;
         if (::read(g_signal_pipe[0], &sig, 1) == 1) {
@@ -531,6 +552,12 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
                  "the job's id (TORCHELASTIC_RUN_ID); the rendezvous refuses ranks of another "
                  "job. Default: a new random id with --nnodes 1; give the same one to every "
                  "node of a multi-node job");
+  app.add_option("--agent-port", o.agent_port,
+                 "with --nnodes > 1: where node 0's dtrain-launch meets the others' on "
+                 "--master-addr (default --master-port + 1; the same on every node)");
+  app.add_option("--join-timeout", o.join_timeout_s,
+                 "with --nnodes > 1: seconds a node waits for node 0's dtrain-launch, and node "
+                 "0 for the others (default 600)");
   app.add_option("--grace-period,--grace_period", o.grace_period_s,
                  "seconds between SIGTERM and SIGKILL when ending the group");
   std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 parses from the back
@@ -567,6 +594,17 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
   DTRAIN_CHECK_AS(UsageError, o.master_port != 0 || o.nnodes == 1,
                   "--master-port 0 (pick a free port) works only with --nnodes 1\n", usage());
   DTRAIN_CHECK_AS(UsageError, o.max_restarts >= 0, "--max-restarts must be >= 0\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.agent_port >= 0 && o.agent_port < 65536, "--agent-port ",
+                  o.agent_port, " is not a TCP port\n", usage());
+  DTRAIN_CHECK_AS(
+      UsageError,
+      o.nnodes == 1 || (o.agent_port == 0 ? o.master_port < 65535 : o.agent_port != o.master_port),
+      "--agent-port must differ from --master-port (node 0's launcher listens on "
+      "one, rank 0's store on the other)\n",
+      usage());
+  DTRAIN_CHECK_AS(UsageError, o.join_timeout_s > 0 && o.join_timeout_s <= kMaxGracePeriodS,
+                  "--join-timeout must be a number of seconds in (0, ", kMaxGracePeriodS, "], got ",
+                  o.join_timeout_s, "\n", usage());
   // The ranks' WORLD_SIZE and RANK are ints, and the grace period becomes a deadline on the
   // steady clock (nanoseconds in 64 bits): keep both representable (inf would be UB there).
   DTRAIN_CHECK_AS(UsageError, static_cast<int64_t>(o.nproc_per_node) * o.nnodes <= INT32_MAX,
@@ -622,6 +660,45 @@ std::string started_by_mpi_or_slurm() {
   return {};
 }
 
+namespace {
+
+// A multi-node job: every attempt's end is agreed with the other nodes (launcher/agent.h).
+int run_job(const LaunchOptions& options, int port) {
+  std::unique_ptr<JobAgent> agent = JobAgent::open(options, g_signal_pipe[0]);
+  for (int attempt = 0;;) {
+    const Result r = run_group(options, attempt, port, agent.get());
+    NodeEnd mine;
+    if (r.interrupted || r.outcome == Outcome::kInterrupted) {
+      mine = {NodeEnd::kInterrupted, -1, r.code};
+    } else if (r.outcome == Outcome::kRankFailed) {
+      mine = {NodeEnd::kFailed, r.failed_rank, r.code};
+    } else if (r.outcome == Outcome::kStopped) {
+      mine = {NodeEnd::kStopped, -1, 0};
+    } else if (r.outcome == Outcome::kLost) {
+      mine = {NodeEnd::kLost, -1, 1};
+    }
+    const Verdict v = agent->finish(attempt, mine);
+    if (v.restart) {
+      std::cerr << "[dtrain-launch] restarting every node's ranks (restart " << v.attempt << " of "
+                << options.max_restarts << ", agreed by all " << options.nnodes << " nodes)"
+                << std::endl;
+      attempt = v.attempt;
+      continue;
+    }
+    if (v.code != 0) {
+      std::cerr << "[dtrain-launch] the job ends on every node"
+                << (v.why.empty() ? "" : ": " + v.why)
+                << (options.max_restarts > 0 && attempt >= options.max_restarts
+                        ? " (after " + std::to_string(options.max_restarts) + " restart(s))"
+                        : "")
+                << std::endl;
+    }
+    return v.code;
+  }
+}
+
+}  // namespace
+
 int run(const LaunchOptions& given) {
   const std::string mpi = started_by_mpi_or_slurm();
   DTRAIN_CHECK_AS(UsageError, mpi.empty(), mpi,
@@ -659,8 +736,9 @@ int run(const LaunchOptions& given) {
     }
   } close_store{store.fd};
   const int port = store.fd >= 0 ? net::bound_port(store.fd) : options.master_port;
+  if (options.nnodes > 1) return run_job(options, port);
   for (int attempt = 0;; ++attempt) {
-    Result r = run_group(options, attempt, port);
+    Result r = run_group(options, attempt, port, nullptr);
     if (r.outcome == Outcome::kSuccess) return 0;
     if (r.outcome == Outcome::kInterrupted || r.interrupted) return r.code;
     if (attempt >= options.max_restarts) {

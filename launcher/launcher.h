@@ -6,7 +6,10 @@
 // and when a rank fails it terminates the others (SIGTERM, then SIGKILL after the grace
 // period) and exits with the failing rank's code (128 + signal for a rank killed by one).
 // With --max-restarts K the whole group is restarted up to K times (the trainer resumes from
-// its last checkpoint). Each rank runs in its own process group, so a rank's children are
+// its last checkpoint). With --nnodes > 1 the nodes' launchers act as one (launcher/agent.h):
+// a rank failing on any node stops every node's ranks, and every node restarts together at
+// the next attempt, --max-restarts counted job-wide; a lost node ends the job on every node,
+// naming it. Each rank runs in its own process group, so a rank's children are
 // ended with it, and dies with the launcher (PR_SET_PDEATHSIG); a guardian process
 // (core/guardian.h) ends the ranks' children too when the launcher itself is SIGKILLed. A
 // stopped rank is reported and, when the group ends, continued so that it receives SIGTERM.
@@ -35,6 +38,11 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   int max_restarts = 0;
+  // Multi-node jobs (launcher/agent.h): node 0's launcher listens for the others on
+  // --master-addr at agent_port (0: master_port + 1); a node waits up to join_timeout_s
+  // for node 0.
+  int agent_port = 0;
+  double join_timeout_s = 600;
   std::string backend;  // empty: leave DTRAIN_BACKEND alone
   double grace_period_s = 10.0;
   // The rendezvous refuses ranks whose run id or DTRAIN_JOB_TOKEN differ (comm/rendezvous.h).

@@ -60,13 +60,16 @@ void wait_for_children(const std::string& dir) {
   }
 }
 
-// Starts the launcher with `args`; stdout goes to `out_path` when given.
-pid_t start_launcher(const std::vector<std::string>& args, const std::string& out_path = "") {
+// Starts the launcher with `args`; stdout goes to `out_path` when given, and stderr too when
+// `both`.
+pid_t start_launcher(const std::vector<std::string>& args, const std::string& out_path = "",
+                     bool both = false) {
   pid_t pid = ::fork();
   if (pid == 0) {
     if (!out_path.empty()) {
       FILE* f = std::fopen(out_path.c_str(), "w");
       ::dup2(fileno(f), 1);
+      if (both) ::dup2(fileno(f), 2);
     }
     std::vector<char*> argv{const_cast<char*>(g_launcher.c_str())};
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -289,6 +292,158 @@ TEST(Launcher, TheStorePortStaysReservedAcrossAttempts) {
     std::ofstream(dir + "/go." + attempt) << "go";
   }
   EXPECT_EQ(wait_exit(pid), 1);
+}
+
+// A port that is free on 127.0.0.1 with the next one free too: a two-node job's store port
+// and its launchers' (--agent-port, by default the next).
+int free_port_pair() {
+  auto can_bind = [](int port, int* got) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = htons(static_cast<uint16_t>(port));
+    socklen_t len = sizeof(sa);
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+    if (got != nullptr) *got = ntohs(sa.sin_port);
+    ::close(fd);
+    return ok;
+  };
+  for (int i = 0; i < 50; ++i) {
+    int port = 0;
+    if (can_bind(0, &port) && port < 65535 && can_bind(port + 1, nullptr)) return port;
+  }
+  return 0;
+}
+
+// Two launchers of one job (--nnodes 2 on 127.0.0.1), one rank each; their output (stdout
+// and stderr) goes to out.0 and out.1 in `dir`.
+std::vector<pid_t> start_two_nodes(const std::string& dir, int port,
+                                   const std::vector<std::vector<std::string>>& node_args,
+                                   const std::vector<std::string>& command) {
+  std::vector<pid_t> pids;
+  for (int node = 0; node < 2; ++node) {
+    std::vector<std::string> args{
+        "--nnodes",           "2",        "--node-rank", std::to_string(node), "--master-port",
+        std::to_string(port), "--run-id", "two",         "--grace-period",     "2"};
+    args.insert(args.end(), node_args[node].begin(), node_args[node].end());
+    args.push_back("--");
+    args.insert(args.end(), command.begin(), command.end());
+    pids.push_back(start_launcher(args, dir + "/out." + std::to_string(node), true));
+  }
+  return pids;
+}
+
+// A rank failing on node 1 stops node 0's rank too, and both nodes restart at attempt 1.
+TEST(Launcher, TheNodesOfAJobRestartTogether) {
+  const std::string dir = make_dir();
+  const int port = free_port_pair();
+  ASSERT_NE(port, 0);
+  const std::string script = "a=$TORCHELASTIC_RESTART_COUNT; echo $a >> " + dir +
+                             "/count.$RANK; "
+                             "if [ $a = 0 ] && [ $RANK = 1 ]; then sleep 0.5; exit 5; fi; "
+                             "if [ $a = 0 ]; then exec sleep 30; fi; exit 0";
+  const auto t0 = std::chrono::steady_clock::now();
+  auto pids = start_two_nodes(dir, port, {{"--max-restarts", "1"}, {"--max-restarts", "1"}},
+                              {"sh", "-c", script});
+  EXPECT_EQ(wait_exit(pids[0]), 0) << read_file(dir + "/out.0");
+  EXPECT_EQ(wait_exit(pids[1]), 0) << read_file(dir + "/out.1");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+  EXPECT_EQ(read_file(dir + "/count.0"), "0\n1\n");
+  EXPECT_EQ(read_file(dir + "/count.1"), "0\n1\n");
+  const std::string out0 = read_file(dir + "/out.0");
+  EXPECT_NE(out0.find("rank 1 on node 1 exited with code 5; stopping this node's ranks"),
+            std::string::npos)
+      << out0;
+  EXPECT_NE(out0.find("restarting every node's ranks (restart 1 of 1"), std::string::npos) << out0;
+  EXPECT_NE(read_file(dir + "/out.1").find("restarting every node's ranks (restart 1 of 1"),
+            std::string::npos);
+}
+
+// Restarts are counted job-wide: with none left, both nodes give up with the failed rank's code.
+TEST(Launcher, WithoutRestartsLeftEveryNodeExitsWithTheFailedRanksCode) {
+  const std::string dir = make_dir();
+  const int port = free_port_pair();
+  ASSERT_NE(port, 0);
+  auto pids = start_two_nodes(dir, port, {{}, {}},
+                              {"sh", "-c", "if [ $RANK = 0 ]; then exit 7; fi; exec sleep 30"});
+  EXPECT_EQ(wait_exit(pids[0]), 7) << read_file(dir + "/out.0");
+  EXPECT_EQ(wait_exit(pids[1]), 7) << read_file(dir + "/out.1");
+  EXPECT_NE(read_file(dir + "/out.1")
+                .find("the job ends on every node: rank 0 on node 0 exited "
+                      "with code 7"),
+            std::string::npos)
+      << read_file(dir + "/out.1");
+}
+
+// Node 1's launcher is SIGKILLed: node 0 names it, ends its own rank, and exits; node 1's rank
+// dies with its launcher.
+TEST(Launcher, ALostNodeEndsTheJobNamingIt) {
+  const std::string dir = make_dir();
+  const int port = free_port_pair();
+  ASSERT_NE(port, 0);
+  auto pids = start_two_nodes(dir, port, {{"--max-restarts", "3"}, {"--max-restarts", "3"}},
+                              {g_child, "sleep", dir});
+  wait_for_children(dir);
+  const pid_t rank0 = read_pid(dir + "/child.0"), rank1 = read_pid(dir + "/child.1");
+  ASSERT_GT(rank0, 0);
+  ASSERT_GT(rank1, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(pids[1], SIGKILL);
+  wait_exit(pids[1]);
+  EXPECT_EQ(wait_exit(pids[0]), 1) << read_file(dir + "/out.0");
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  const std::string out0 = read_file(dir + "/out.0");
+  EXPECT_NE(out0.find("node 1 is lost: its dtrain-launch closed the connection"), std::string::npos)
+      << out0;
+  EXPECT_EQ(out0.find("restarting"), std::string::npos) << "a lost node is not restarted\n" << out0;
+  for (int i = 0; i < 100 && (alive(rank0) || alive(rank1)); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_FALSE(alive(rank0));
+  EXPECT_FALSE(alive(rank1));
+}
+
+// Node 0's launcher is SIGKILLed: node 1 names it, ends its rank and exits.
+TEST(Launcher, LosingNodeZeroEndsTheOtherNodes) {
+  const std::string dir = make_dir();
+  const int port = free_port_pair();
+  ASSERT_NE(port, 0);
+  auto pids = start_two_nodes(dir, port, {{}, {}}, {g_child, "sleep", dir});
+  wait_for_children(dir);
+  const pid_t rank1 = read_pid(dir + "/child.1");
+  ASSERT_GT(rank1, 0);
+  ::kill(pids[0], SIGKILL);
+  wait_exit(pids[0]);
+  EXPECT_EQ(wait_exit(pids[1]), 1) << read_file(dir + "/out.1");
+  EXPECT_NE(read_file(dir + "/out.1")
+                .find("node 0 is lost: its dtrain-launch at 127.0.0.1:" + std::to_string(port + 1) +
+                      " closed the connection"),
+            std::string::npos)
+      << read_file(dir + "/out.1");
+  for (int i = 0; i < 100 && alive(rank1); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_FALSE(alive(rank1));
+}
+
+// A node whose options differ from node 0's is refused, naming both; node 0 ends too.
+TEST(Launcher, ANodeWithOtherOptionsIsRefusedNamingThem) {
+  const std::string dir = make_dir();
+  const int port = free_port_pair();
+  ASSERT_NE(port, 0);
+  auto pids = start_two_nodes(dir, port, {{"--max-restarts", "1"}, {"--max-restarts", "2"}},
+                              {g_child, "sleep", dir});
+  EXPECT_EQ(wait_exit(pids[1]), 2) << read_file(dir + "/out.1");
+  EXPECT_EQ(wait_exit(pids[0]), 1) << read_file(dir + "/out.0");
+  EXPECT_NE(read_file(dir + "/out.1")
+                .find("refused this node: node 1 has --max-restarts 2, "
+                      "node 0 1; give every node the same"),
+            std::string::npos)
+      << read_file(dir + "/out.1");
+  EXPECT_NE(read_file(dir + "/out.0").find("node 1 is lost: it was refused"), std::string::npos)
+      << read_file(dir + "/out.0");
 }
 
 TEST(Launcher, MissingProgramExits127) {

@@ -20,6 +20,11 @@ node, where the groups are the same. A launcher environment that contradicts the
 (LOCAL_WORLD_SIZE=4 on nodes of 2) is refused naming both. DTRAIN_STORE_BIND and
 GLOO_SOCKET_IFNAME are honoured.
 
+The launchers act as one job: a rank SIGKILLed on node 1 restarts both nodes together, and
+the run's losses and final parameters equal an uninterrupted run's bit for bit; a node whose
+launcher is SIGKILLed, or whose link goes down, ends the job on the other node, naming it,
+with nothing left running.
+
 Needs root (ip netns, unshare --uts). Where namespaces cannot be made, prints
 "SKIPPED: <reason>" and exits 0. The namespaces, veth pair and /etc/netns files are removed
 on exit, whatever happens; every process runs under a time limit.
@@ -30,6 +35,7 @@ import argparse
 import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -112,9 +118,9 @@ def skip_reason():
     return None
 
 
-def train_args(trainer, out, strategy, extra=()):
+def train_args(trainer, out, strategy, extra=(), steps=STEPS):
     args = [trainer, "--config", "configs/tiny/ddp_fp32.yaml",
-            "--set", f"train.steps={STEPS}", "--set", "logging.every_steps=1",
+            "--set", f"train.steps={steps}", "--set", "logging.every_steps=1",
             "--set", "logging.progress_bar=false", "--set", "parallel.backend=gloo",
             "--set", f"logging.metrics_file={out}/metrics.jsonl",
             "--set", "parallel.timeout_s=60"]
@@ -156,17 +162,20 @@ def base_env():
     return env
 
 
-def one_node(args, strategy, out):
-    extra = ["--set", "parallel.hybrid_group_size=2"] if strategy == "hsdp" else []
+def one_node(args, strategy, out, extra=(), steps=STEPS):
+    extra = list(extra)
+    if strategy == "hsdp":
+        extra += ["--set", "parallel.hybrid_group_size=2"]
     p = subprocess.Popen([args.launcher, "--nproc-per-node", "4", "--master-port", "0", "--"]
-                         + train_args(args.trainer, out, strategy, extra),
+                         + train_args(args.trainer, out, strategy, extra, steps),
                          env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     codes, output = run_all([p], "one node")
     return codes, output
 
 
-def two_nodes(nodes, args, style, strategy, out, extra_env=None, node_env=None):
+def start_two_nodes(nodes, args, style, strategy, out, extra_env=None, node_env=None,
+                    launch=(), extra=(), steps=STEPS):
     procs = []
     for node in range(2):
         env = base_env()
@@ -174,9 +183,9 @@ def two_nodes(nodes, args, style, strategy, out, extra_env=None, node_env=None):
         if style == "launch":
             argv = [args.launcher, "--nnodes", "2", "--node-rank", str(node),
                     "--nproc-per-node", "2", "--master-addr", HOSTS[0],
-                    "--master-port", str(PORT), "--run-id", "mn", "--"]
+                    "--master-port", str(PORT), "--run-id", "mn"] + list(launch) + ["--"]
             procs.append(subprocess.Popen(
-                nodes.command(node, argv + train_args(args.trainer, out, strategy)),
+                nodes.command(node, argv + train_args(args.trainer, out, strategy, extra, steps)),
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
             continue
         for local in range(2):
@@ -200,9 +209,35 @@ def two_nodes(nodes, args, style, strategy, out, extra_env=None, node_env=None):
             e.update((node_env or [{}, {}])[node])
             # Only rank 0 writes the metrics file.
             procs.append(subprocess.Popen(
-                nodes.command(node, train_args(args.trainer, out, strategy)),
+                nodes.command(node, train_args(args.trainer, out, strategy, extra, steps)),
                 env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return run_all(procs, style)
+    return procs
+
+
+def two_nodes(*a, **kw):
+    return run_all(start_two_nodes(*a, **kw), a[2])
+
+
+def final_checksum(output):
+    found = re.findall(r"parameters identical on all \d+ rank\(s\) \(xxh64 ([0-9a-f]+)\)", output)
+    return found[-1] if found else None
+
+
+def wait_training(procs, out, limit_s=60):
+    """Until rank 0 has logged two steps (or a process ended, or limit_s passed)."""
+    deadline = time.time() + limit_s
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if os.path.exists(f"{out}/metrics.jsonl") and len(losses(out)) >= 2:
+            return
+        time.sleep(0.1)
+
+
+def namespace_pids(nodes):
+    pids = []
+    for ns in nodes.ns:
+        pids += subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                               text=True).stdout.split()
+    return pids
 
 
 def main():
@@ -287,6 +322,82 @@ def main():
     check(all(c != 0 for c in codes) and
           "says local rank 0 of 4, but the ranks that met from its node" in output,
           f"LOCAL_WORLD_SIZE=4 on nodes of 2 ranks is refused naming both: exit {codes}",
+          output)
+
+    # Job-wide restart: rank 3 (on node 1) is SIGKILLed after its step-4 checkpoint. Both
+    # nodes' launchers stop their ranks and restart them together at attempt 1, which resumes
+    # from step 4: the losses and the final parameters equal an uninterrupted one-node run's.
+    steps = 6
+    ckpt = ["--set", "checkpoint.every_steps=2"]
+    ref = f"{work}/one_restart"
+    os.makedirs(ref)
+    codes, output = one_node(args, "ddp", ref, ckpt + ["--set", f"checkpoint.dir={ref}/ckpt"],
+                             steps)
+    check(codes == [0], f"one node, {steps} steps with checkpoints: exit {codes}", output)
+    want_losses, want_sum = losses(ref), final_checksum(output)
+    out = f"{work}/restart"
+    os.makedirs(out)
+    t0 = time.time()
+    codes, output = two_nodes(nodes, args, "launch", "ddp", out,
+                              {"DTRAIN_TEST_KILL_AT_STEP": "4:3"}, launch=["--max-restarts", "1"],
+                              extra=ckpt + ["--set", f"checkpoint.dir={out}/ckpt"], steps=steps)
+    what = "SIGKILL of rank 3 on node 1 at step 4, --max-restarts 1"
+    print("\n".join(l for l in output.splitlines() if "dtrain-launch]" in l), flush=True)
+    check(codes == [0, 0] and output.count("restarting every node's ranks (restart 1 of 1") == 2
+          and "rank 3 on node 1 was killed by signal 9; stopping this node's ranks" in output
+          and f"resumed from {out}/ckpt/step_00000004 at step 4" in output,
+          f"{what}: both nodes restart together and resume from step 4 (exit {codes}, "
+          f"{time.time() - t0:.1f} s)", output)
+    got_losses = losses(out) if os.path.exists(f"{out}/metrics.jsonl") else None
+    check(got_losses == want_losses and want_sum is not None
+          and final_checksum(output) == want_sum,
+          f"{what}: losses {got_losses} and final parameters (xxh64 {final_checksum(output)}) "
+          f"equal the uninterrupted run's ({want_sum}) bit for bit", output)
+
+    # Loss of a whole node: node 1's dtrain-launch is SIGKILLed mid-run. Node 0 names it, ends
+    # its ranks and exits within the collective timeout (60 s) plus 10 s; nothing is left.
+    out = f"{work}/lost"
+    os.makedirs(out)
+    procs = start_two_nodes(nodes, args, "launch", "ddp", out, launch=["--max-restarts", "2"],
+                            steps=100000)
+    wait_training(procs, out)
+    t0 = time.time()
+    procs[1].kill()
+    codes, output = run_all(procs, "lost node")
+    took = time.time() - t0
+    left = []
+    for _ in range(50):
+        left = namespace_pids(nodes)
+        if not left:
+            break
+        time.sleep(0.1)
+    print("\n".join(l for l in output.splitlines() if "dtrain-launch]" in l), flush=True)
+    check(codes[0] == 1 and took < 70
+          and "node 1 is lost: its dtrain-launch closed the connection" in output
+          and "the job ends on every node: node 1 is lost" in output
+          and "restarting" not in output and not left,
+          f"node 1's dtrain-launch SIGKILLed: node 0 exits {codes[0]} in {took:.1f} s naming "
+          f"node 1, no restart, processes left in the namespaces: {left}", output)
+
+    # A node that goes silent (its link down: no FIN, no reset): the launchers' keepalive
+    # notices within about 15 s, before the ranks' collective timeout (30 s here), and both
+    # nodes end, each naming the other.
+    out = f"{work}/silent"
+    os.makedirs(out)
+    procs = start_two_nodes(nodes, args, "launch", "ddp", out, steps=100000,
+                            extra=["--set", "parallel.timeout_s=30"])
+    wait_training(procs, out)
+    t0 = time.time()
+    subprocess.run(["ip", "-n", nodes.ns[1], "link", "set", nodes.veth[1], "down"], check=True,
+                   timeout=30)
+    codes, output = run_all(procs, "silent node")
+    took = time.time() - t0
+    subprocess.run(["ip", "-n", nodes.ns[1], "link", "set", nodes.veth[1], "up"], timeout=30)
+    print("\n".join(l for l in output.splitlines() if "dtrain-launch]" in l), flush=True)
+    check(codes == [1, 1] and took < 40
+          and "node 1 is lost: its dtrain-launch stopped answering" in output
+          and "node 0 is lost: its dtrain-launch at node0:29501 stopped answering" in output,
+          f"node 1's link down: both nodes exit {codes} in {took:.1f} s, each naming the other",
           output)
 
     print(f"multinode: {len(failures)} failure(s), {time.time() - started:.0f} s", flush=True)
