@@ -73,6 +73,8 @@ class Section {
     return node_ && node_.IsMap() && node_[key] && !node_[key].IsNull();
   }
 
+  bool has_map(const std::string& key) const { return has(key) && node_[key].IsMap(); }
+
   Section section(const std::string& key) {
     known_.push_back(key);
     YAML::Node child = node_ && node_.IsMap() ? node_[key] : YAML::Node();
@@ -224,6 +226,24 @@ void read_model(Section s, ModelConfig& m) {
   s.read("n_heads", m.n_heads);
   s.read("d_ff", m.d_ff);
   s.read("tie_weights", m.tie_weights);
+  // recompute: none | full | {every_n: K}
+  if (s.has_map("recompute")) {
+    Section r = s.section("recompute");
+    r.read("every_n", m.recompute_every);
+    r.finish();  // a misspelt every_n is named first
+    r.check(r.has("every_n"), "every_n", "required key is missing ({every_n: K})");
+    r.check(m.recompute_every >= 1, "every_n",
+            "must be >= 1 (1 recomputes every block), got " + std::to_string(m.recompute_every));
+  } else {
+    std::string recompute = "none";
+    s.read("recompute", recompute);
+    s.check(recompute == "none" || recompute == "full", "recompute",
+            "expected none, full or {every_n: K}, got '" + recompute + "'");
+    m.recompute_every = recompute == "full" ? 1 : 0;
+  }
+  s.check(m.recompute_every == 0 || m.type == ModelType::kTransformer, "recompute",
+          "recomputes the transformer's blocks; model.type " + std::string(name_of(m.type)) +
+              " has none (remove it)");
   s.read("in_features", m.in_features);
   s.read("hidden", m.hidden);
   s.read("depth", m.depth);

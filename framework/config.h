@@ -93,6 +93,8 @@ struct ModelConfig {
   int64_t n_heads = 4;
   int64_t d_ff = 1024;
   bool tie_weights = true;
+  // model.recompute (sharding/recompute.h): 0 none, 1 full (every block), K {every_n: K}
+  int64_t recompute_every = 0;
   // mlp
   int64_t in_features = 64;
   int64_t hidden = 256;

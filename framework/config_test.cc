@@ -83,6 +83,22 @@ TEST(Config, OverridesApplyAndCreateKeys) {
   EXPECT_EQ(c.precision.scaler.growth_interval, 7);
 }
 
+TEST(Config, RecomputeIsNoneFullOrEveryNthBlock) {
+  EXPECT_EQ(parse_config(kGood, "run.yaml").model.recompute_every, 0);
+  EXPECT_EQ(parse_config(kGood, "run.yaml", {"model.recompute=full"}).model.recompute_every, 1);
+  EXPECT_EQ(parse_config(kGood, "run.yaml", {"model.recompute=none"}).model.recompute_every, 0);
+  EXPECT_EQ(parse_config(kGood, "run.yaml", {"model.recompute={every_n: 3}"}).model.recompute_every,
+            3);
+  expect_yaml_error(kGood, {"model.recompute", "expected none, full or {every_n: K}, got 'yes'"},
+                    {"model.recompute=yes"});
+  expect_yaml_error(kGood, {"model.recompute.every_n", "must be >= 1"},
+                    {"model.recompute={every_n: 0}"});
+  expect_yaml_error(kGood, {"model.recompute.evry_n", "did you mean 'every_n'?"},
+                    {"model.recompute={evry_n: 2}"});
+  expect_yaml_error(kGood, {"model.recompute", "model.type mlp has none"},
+                    {"model.type=mlp", "model.recompute=full"});
+}
+
 TEST(ConfigError, UnknownKeyNamesPathLineAndSuggestion) {
   expect_yaml_error(replace(kGood, "  lr: 1.0e-3", "  lr: 1.0e-3\n  learnin_rate: 2"),
                     {"run.yaml:10:", "train.learnin_rate", "unknown key", "keys under train"});

@@ -105,6 +105,62 @@ TEST(EndToEnd, FsdpConfigTrainsUnderMpirun) {
   expect_loss_falls("configs/tiny/fsdp_bf16.yaml", kMpirun);
 }
 
+// The run's per-step losses (as printed in the metrics file) and its final parameters' digest.
+std::pair<std::vector<std::string>, std::string> trajectory(const std::string& config,
+                                                            const std::string& extra,
+                                                            const std::string& name) {
+  const std::string out = tmp(name + ".jsonl");
+  std::remove(out.c_str());
+  Result r =
+      run(launch(2) + " " + g_trainer + " --config " + config +
+          " --set train.steps=3 --set logging.every_steps=1 --set logging.metrics_file=" + out +
+          " " + extra);
+  EXPECT_EQ(r.code, 0) << r.output;
+  std::vector<std::string> losses;
+  for (const auto& row : metrics(out)) losses.push_back(row["loss"].Scalar());
+  const std::string key = "parameters identical on all 2 rank(s) (xxh64 ";
+  const size_t at = r.output.find(key);
+  EXPECT_NE(at, std::string::npos) << r.output;
+  return {losses, at == std::string::npos ? "" : r.output.substr(at + key.size(), 16)};
+}
+
+// Activation recompute changes what is kept for backward, never a gradient: every strategy
+// and precision (2 ranks, 2 micro-batches each, so no_sync accumulation too) gives bitwise
+// the run without it, with every block and with every 2nd block recomputed.
+TEST(EndToEnd, RecomputeLeavesEveryRunBitwiseTheSame) {
+  struct Case {
+    std::string config, extra;
+  };
+  const std::vector<Case> cases{
+      {"configs/tiny/ddp_fp32.yaml", ""},
+      {"configs/tiny/ddp_bf16.yaml", ""},
+      {"configs/tiny/fsdp_fp32.yaml", "--set parallel.sharding_strategy=full_shard"},
+      {"configs/tiny/fsdp_bf16.yaml", "--set parallel.sharding_strategy=full_shard"},
+      {"configs/tiny/fsdp_fp32.yaml", "--set parallel.sharding_strategy=shard_grad_op"},
+      {"configs/tiny/fsdp_bf16.yaml", "--set parallel.sharding_strategy=shard_grad_op"},
+      {"configs/tiny/fsdp_fp32.yaml", "--set parallel.sharding_strategy=no_shard"},
+      {"configs/tiny/fsdp_bf16.yaml", "--set parallel.sharding_strategy=no_shard"},
+      {"configs/tiny/fsdp_fp32.yaml",
+       "--set parallel.sharding_strategy=hybrid_shard --set parallel.hybrid_group_size=1"},
+      {"configs/tiny/fsdp_bf16.yaml",
+       "--set parallel.sharding_strategy=hybrid_shard --set parallel.hybrid_group_size=1"},
+  };
+  int i = 0;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.config + " " + c.extra);
+    const std::string name = "recompute" + std::to_string(i++);
+    // The tiny model has 2 blocks: every_n 2 recomputes the first only.
+    const std::string recompute =
+        i % 2 == 0 ? "--set model.recompute=full" : "--set 'model.recompute={every_n: 2}'";
+    const auto plain = trajectory(c.config, c.extra, name + "a");
+    const auto again = trajectory(c.config, c.extra + " " + recompute, name + "b");
+    ASSERT_EQ(plain.first.size(), 3u);
+    EXPECT_EQ(plain.first, again.first) << recompute;
+    EXPECT_FALSE(plain.second.empty());
+    EXPECT_EQ(plain.second, again.second) << recompute << ": the final parameters differ";
+  }
+}
+
 TEST(EndToEnd, FsdpOnlyPrecisionFieldsAreRefusedUnderDdp) {
   Result r =
       run(g_trainer + " --config configs/tiny/ddp_bf16.yaml --set precision.output_dtype=fp32");

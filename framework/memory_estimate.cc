@@ -66,7 +66,20 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
     // the softmax's attention probabilities in fp32 (and their cast when computing in 16
     // bits), and the logits with their fp32 loss copies.
     const double scores = static_cast<double>(m.n_heads) * t * (4 + (cb != 4 ? cb : 0));
-    const double per_token = static_cast<double>(m.n_layers) * (18 * d * cb + scores) +
+    const double block = 18 * d * cb + scores;
+    // A recomputed block (i % K == 0) keeps its input only (the residual stream: the compute
+    // dtype under FSDP, fp32 under autocast). The peak holds the kept blocks' activations at
+    // the start of backward, or, while the last recomputed block (K (r - 1)) runs again, its
+    // own and those of the (K - 1)(r - 1) kept blocks below it.
+    double live_blocks = static_cast<double>(m.n_layers), kept_inputs = 0;
+    if (m.recompute_every > 0) {
+      const int64_t r = (m.n_layers - 1) / m.recompute_every + 1;
+      live_blocks =
+          static_cast<double>(std::max(m.n_layers - r, (m.recompute_every - 1) * (r - 1) + 1));
+      kept_inputs = static_cast<double>(r);
+    }
+    const double input = c.parallel.strategy == ParallelStrategy::kFsdp ? cb : 4;
+    const double per_token = live_blocks * block + kept_inputs * d * input +
                              static_cast<double>(m.vocab_size) * (cb + 8);
     e.activations = tokens * t * per_token;
   } else {

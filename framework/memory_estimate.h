@@ -18,7 +18,9 @@
 //   activations  per token: layers x (18 d_model-wide values in the compute dtype + heads x
 //                seq_len attention probabilities in fp32, and in the compute dtype when it
 //                is 16-bit) + the logits; within 1% of the tracked bytes of a measured fp32
-//                step at d_model 128 and 512 (memory_estimate_test, step_bench)
+//                step at d_model 128 and 512 (memory_estimate_test, step_bench). A
+//                recomputed block (model.recompute) keeps d_model values, its input, plus
+//                one block's activations while it is recomputed
 //   construction every rank builds the full fp32 model before FSDP shards it
 // It is an estimate: the allocator's slack, libraries and threads come on top.
 #pragma once

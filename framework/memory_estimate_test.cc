@@ -36,11 +36,39 @@ TEST(MemoryEstimate, FsdpShardsParametersGradientsAndOptimizerStateOverTheRanks)
 
 // The activation term, set against what one process's step really holds (tracked tensor
 // bytes above the steady state, gradients kept allocated).
+// Recomputed blocks (model.recompute) too: every block, and every 2nd, at 2 and 6 layers.
+double measured_activations(int64_t layers, int64_t recompute_every);
+
 TEST(MemoryEstimate, ActivationsAreWithinATenthOfAMeasuredStep) {
   TrackedCpuMemory::install();
-  const RunConfig c = lm_config("none", 128, 2);
+  double plain6 = 0, full6 = 0;
+  for (int64_t layers : {2, 6}) {
+    for (int64_t every : {0, 1, 2}) {
+      SCOPED_TRACE("layers " + std::to_string(layers) + " recompute_every " +
+                   std::to_string(every));
+      RunConfig c = lm_config("none", 128, layers);
+      c.model.recompute_every = every;
+      const double measured = measured_activations(layers, every);
+      const double estimated = estimate_memory(c, 1).activations;
+      EXPECT_NEAR(estimated / measured, 1.0, 0.1)
+          << "estimated " << estimated << " B, measured " << measured << " B";
+      if (layers == 6 && every == 0) plain6 = measured;
+      if (layers == 6 && every == 1) full6 = measured;
+    }
+  }
+  // Six blocks recomputed hold less than half the activations of six kept.
+  EXPECT_LT(full6, 0.5 * plain6);
+}
+
+double measured_activations(int64_t layers, int64_t recompute_every) {
   at::manual_seed(0);
-  TransformerLM m(TransformerLMOptions().d_model(128).n_layers(2).n_heads(8).d_ff(512).seq_len(64));
+  TransformerLM m(TransformerLMOptions()
+                      .d_model(128)
+                      .n_layers(layers)
+                      .n_heads(8)
+                      .d_ff(512)
+                      .seq_len(64)
+                      .recompute_every(recompute_every));
   torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(1e-3));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   double measured = 0;
@@ -53,9 +81,7 @@ TEST(MemoryEstimate, ActivationsAreWithinATenthOfAMeasuredStep) {
     opt.step();
     measured = static_cast<double>(TrackedCpuMemory::peak_bytes() - steady);
   }
-  const double estimated = estimate_memory(c, 1).activations;
-  EXPECT_NEAR(estimated / measured, 1.0, 0.1)
-      << "estimated " << estimated << " B, measured " << measured << " B";
+  return measured;
 }
 
 TEST(MemoryEstimate, GuardRefusesARunThatCannotFitNamingTheEstimateAndFsdp) {

@@ -303,11 +303,16 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                  .n_layers(c.model.n_layers)
                  .n_heads(c.model.n_heads)
                  .d_ff(c.model.d_ff)
-                 .tie_weights(c.model.tie_weights);
+                 .tie_weights(c.model.tie_weights)
+                 .recompute_every(c.model.recompute_every);
     TransformerLM lm(o);
     lm->to(device);
-    logging::info("model: TransformerLM, ", transformer_lm_parameter_count(o) / 1e6,
-                  "M parameters");
+    logging::info("model: TransformerLM, ", transformer_lm_parameter_count(o) / 1e6, "M parameters",
+                  c.model.recompute_every == 0 ? std::string()
+                  : c.model.recompute_every == 1
+                      ? std::string(", every block recomputed in backward")
+                      : ", every " + std::to_string(c.model.recompute_every) +
+                            "th block recomputed in backward");
     task.description =
         "TransformerLM " + logging::fixed(transformer_lm_parameter_count(o) / 1e6, 1) + "M";
     task.make_strategy = [lm, &comm, &c](amp::NumericsMonitor* monitor) {

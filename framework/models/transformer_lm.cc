@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "sharding/recompute.h"
 
 namespace dtrain::framework {
 
@@ -40,9 +41,15 @@ BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff) {
 }
 
 at::Tensor BlockImpl::forward(const at::Tensor& x) {
-  at::Tensor h = x + attn->forward(ln1->forward(x));
-  at::Tensor f = at::gelu(at::linear(ln2->forward(h), fc->weight, fc->bias), "tanh");
-  return h + at::linear(f, fc_proj->weight, fc_proj->bias);
+  auto body = [this](const at::Tensor& in) {
+    at::Tensor h = in + attn->forward(ln1->forward(in));
+    at::Tensor f = at::gelu(at::linear(ln2->forward(h), fc->weight, fc->bias), "tanh");
+    return h + at::linear(f, fc_proj->weight, fc_proj->bias);
+  };
+  if (!recompute) return body(x);
+  return sharding::recompute(
+      [body](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{body(in[0])}; },
+      {x}, parameters())[0];
 }
 
 TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o) {
@@ -50,7 +57,9 @@ TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o
   pos_emb = register_module("pos_emb", torch::nn::Embedding(o.seq_len(), o.d_model()));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layers(); ++i) {
-    blocks->push_back(BlockUnit(o.d_model(), o.n_heads(), o.d_ff()));
+    BlockUnit block(o.d_model(), o.n_heads(), o.d_ff());
+    block->recompute = o.recompute_every() > 0 && i % o.recompute_every() == 0;
+    blocks->push_back(block);
   }
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model()})));
   if (!o.tie_weights()) {

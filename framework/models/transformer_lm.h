@@ -10,7 +10,8 @@
 // residual projections scaled by 1/sqrt(2 n_layers), zero biases. Linear layers run through
 // at::linear, which fuses the bias into the matrix multiply as Python's F.linear does
 // (LibTorch's torch::nn::functional::linear adds it separately for 3-D inputs, which rounds
-// differently). Each block is an FSDP wrap point (BlockUnit).
+// differently). Each block is an FSDP wrap point (BlockUnit), and can recompute its
+// activations in backward (recompute_every).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -31,6 +32,9 @@ struct TransformerLMOptions {
   TORCH_ARG(int64_t, n_heads) = 4;
   TORCH_ARG(int64_t, d_ff) = 1024;
   TORCH_ARG(bool, tie_weights) = true;
+  // Activation recompute (sharding/recompute.h) of block i when i % recompute_every == 0:
+  // 0 none, 1 every block ("full"), K every K-th.
+  TORCH_ARG(int64_t, recompute_every) = 0;
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
@@ -48,7 +52,9 @@ TORCH_MODULE(CausalSelfAttention);
 class BlockImpl : public torch::nn::Module {
  public:
   BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff);
+  // With `recompute`, through sharding::recompute: only x is kept for backward.
   at::Tensor forward(const at::Tensor& x);
+  bool recompute = false;
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
