@@ -139,6 +139,101 @@ int64_t available_memory_bytes() {
   return -1;
 }
 
+namespace {
+
+bool fits(const RunConfig& c, int world, int ranks_here, int64_t available) {
+  return estimate_memory(c, world).peak() * ranks_here <= 0.9 * static_cast<double>(available);
+}
+
+int64_t& depth_of(RunConfig& c) {
+  return c.model.type == ModelType::kTransformer ? c.model.n_layers : c.model.depth;
+}
+
+}  // namespace
+
+int64_t deepest_that_fits(const RunConfig& c, int world, int ranks_here, int64_t available) {
+  RunConfig probe = c;
+  auto fits_at = [&](int64_t depth) {
+    depth_of(probe) = depth;
+    return fits(probe, world, ranks_here, available);
+  };
+  if (!fits_at(1)) return 0;
+  int64_t lo = 1, hi = 2;
+  while (hi < (int64_t{1} << 30) && fits_at(hi)) {
+    lo = hi;
+    hi *= 2;
+  }
+  while (hi - lo > 1) {  // fits_at(lo), !fits_at(hi)
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits_at(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64_t available) {
+  const MemoryEstimate e = estimate_memory(c, world);
+  const bool lm = c.model.type == ModelType::kTransformer;
+  std::ostringstream os;
+  auto row = [&](const std::string& what, double bytes, const std::string& note = "") {
+    char name[48];
+    std::snprintf(name, sizeof(name), "  %-38s", what.c_str());
+    os << name << format_bytes(bytes) << (note.empty() ? "" : "  (" + note + ")") << "\n";
+  };
+  os << "memory estimate for " << c.source << ": " << (lm ? "TransformerLM" : "MLP") << ", "
+     << static_cast<double>(e.parameter_count) / 1e6 << "M parameters, strategy "
+     << name_of(c.parallel.strategy);
+  if (c.parallel.strategy == ParallelStrategy::kFsdp) {
+    os << " " << name_of(c.parallel.sharding_strategy);
+  }
+  os << ", precision " << name_of(c.precision.policy) << ", " << world << " rank(s), " << ranks_here
+     << " on this node\nper rank:\n";
+  row("parameters (fp32 masters)", e.parameters);
+  row("gradients", e.gradients);
+  row("optimizer state", e.optimizer,
+      c.train.optimizer == OptimizerType::kAdamW ? "AdamW: 2 fp32 values per parameter" : "");
+  row("gathered units, low-precision copies", e.compute,
+      c.parallel.strategy == ParallelStrategy::kFsdp
+          ? "limit_all_gathers " + std::to_string(c.parallel.limit_all_gathers) +
+                " units and the root in param_dtype, taken from and returned to the pool"
+          : "");
+  if (lm) {
+    RunConfig other = c;
+    other.model.recompute_every = c.model.recompute_every == 0 ? 1 : 0;
+    const double alt = estimate_memory(other, world).activations;
+    row("activations", e.activations,
+        c.model.recompute_every == 0 ? "with model.recompute: full " + format_bytes(alt)
+                                     : "without recompute " + format_bytes(alt));
+  } else {
+    row("activations", e.activations);
+  }
+  row("buffers", 0, "the built-in models have none");
+  row("construction peak", e.construction, "the full fp32 model, before FSDP shards it");
+  row("peak", e.peak());
+  if (available < 0) {
+    os << "this node's available memory is unknown";
+  } else {
+    const double need = e.peak() * ranks_here;
+    os << "this node: " << ranks_here << " rank(s) x " << format_bytes(e.peak()) << " = "
+       << format_bytes(need) << " of " << format_bytes(static_cast<double>(available))
+       << " available: " << (fits(c, world, ranks_here, available) ? "fits" : "does NOT fit")
+       << " (the limit is 90%)\n";
+    const int64_t deepest = deepest_that_fits(c, world, ranks_here, available);
+    const char* key = lm ? "model.n_layers" : "model.depth";
+    if (deepest == 0) {
+      os << "no depth of this width fits: not even " << key << " 1";
+    } else {
+      RunConfig d = c;
+      depth_of(d) = deepest;
+      os << "deepest of this width that fits: " << key << " " << deepest << " ("
+         << static_cast<double>(estimate_memory(d, world).parameter_count) / 1e6 << "M parameters)";
+    }
+  }
+  if (c.device == ComputeDevice::kCuda) {
+    os << "\n(host memory; a CUDA run's device memory is not estimated here)";
+  }
+  return os.str();
+}
+
 void check_memory_fits(const RunConfig& c, int world, int ranks_here, int64_t available) {
   if (available < 0) return;
   const MemoryEstimate e = estimate_memory(c, world);

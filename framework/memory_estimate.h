@@ -51,6 +51,16 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world);
 // Bytes the system can give new allocations now (MemAvailable), or -1 when unknown.
 int64_t available_memory_bytes();
 
+// `dtrain-train --estimate`: the estimate's terms per rank for `world` ranks, activations
+// with and without recompute, what `ranks_here` ranks need of `available` bytes (< 0:
+// unknown), and the deepest model of the same width that fits (n_layers, or the MLP's
+// depth), as DeepSpeed's estimate_zero3_model_states_mem_needs answers for ZeRO-3.
+std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64_t available);
+
+// The deepest model of this config's width whose ranks_here ranks fit in 90% of `available`
+// (0: not even one layer).
+int64_t deepest_that_fits(const RunConfig& c, int world, int ranks_here, int64_t available);
+
 // Throws ConfigError when `ranks_here` ranks of this estimate exceed 90% of `available`
 // bytes (< 0: unknown, no check), naming the estimate and the choices that would fit.
 void check_memory_fits(const RunConfig& c, int world, int ranks_here, int64_t available);

@@ -84,6 +84,38 @@ double measured_activations(int64_t layers, int64_t recompute_every) {
   return measured;
 }
 
+// --estimate's report: every term, recompute's effect, and the deepest model that fits, which
+// does fit while one layer more does not.
+TEST(MemoryEstimate, TheReportNamesEveryTermAndTheDeepestModelThatFits) {
+  const RunConfig c = lm_config("fsdp", 512, 6);
+  const int64_t available = int64_t{4} << 30;
+  const std::string report = estimate_report(c, 2, 2, available);
+  for (const char* needle :
+       {"memory estimate for run.yaml: TransformerLM", "strategy fsdp full_shard",
+        "2 rank(s), 2 on this node", "parameters (fp32 masters)", "gradients", "optimizer state",
+        "gathered units, low-precision copies", "activations", "with model.recompute: full",
+        "buffers", "construction peak", "peak", "of 4.00 GiB available: fits",
+        "deepest of this width that fits: model.n_layers "}) {
+    EXPECT_NE(report.find(needle), std::string::npos) << needle << " in\n" << report;
+  }
+  const int64_t deepest = deepest_that_fits(c, 2, 2, available);
+  ASSERT_GT(deepest, 6);
+  EXPECT_NE(report.find("model.n_layers " + std::to_string(deepest) + " ("), std::string::npos);
+  RunConfig at = c, over = c;
+  at.model.n_layers = deepest;
+  over.model.n_layers = deepest + 1;
+  EXPECT_LE(estimate_memory(at, 2).peak() * 2, 0.9 * static_cast<double>(available));
+  EXPECT_GT(estimate_memory(over, 2).peak() * 2, 0.9 * static_cast<double>(available));
+  // Recompute lets a deeper model fit in the same memory.
+  RunConfig r = c;
+  r.model.recompute_every = 1;
+  EXPECT_GT(deepest_that_fits(r, 2, 2, available), deepest);
+  EXPECT_NE(estimate_report(r, 2, 2, available).find("without recompute"), std::string::npos);
+  EXPECT_NE(estimate_report(c, 2, 2, 1 << 20).find("does NOT fit"), std::string::npos);
+  EXPECT_NE(estimate_report(c, 2, 2, 1 << 20).find("no depth of this width fits"),
+            std::string::npos);
+}
+
 TEST(MemoryEstimate, GuardRefusesARunThatCannotFitNamingTheEstimateAndFsdp) {
   // ~0.6B parameters: DDP needs ~10 GiB per rank, two ranks on a 16 GiB machine do not fit;
   // FSDP needs ~6 GiB per rank.

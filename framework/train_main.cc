@@ -1,8 +1,11 @@
 // dtrain-train: trains a model as a YAML config says.
 //   dtrain-train --config configs/tiny/ddp_fp32.yaml [--set train.lr=1e-3 ...] [--resume DIR]
 // Run it under dtrain-launch, mpirun or srun for several ranks; alone for one.
+//   dtrain-train --config X --estimate [--ranks N] [--ranks-per-node M]
+// prints the memory estimate per rank (framework/memory_estimate.h) and trains nothing.
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +21,7 @@
 #include "core/logging.h"
 #include "framework/config.h"
 #include "framework/memory.h"
+#include "framework/memory_estimate.h"
 #include "framework/trainer.h"
 
 namespace {
@@ -73,7 +77,38 @@ int main(int argc, char** argv) {
   app.add_option("--resume", resume,
                  "continue from this checkpoint directory (checkpoint.resume: auto takes the "
                  "newest complete one in checkpoint.dir)");
+  bool estimate = false;
+  int ranks = 0, ranks_per_node = 0;
+  app.add_flag("--estimate", estimate,
+               "print the memory each rank needs (parameters, gradients, optimizer state, "
+               "activations with and without recompute, ...) and the deepest model of this "
+               "width that fits, then exit without training");
+  app.add_option("--ranks", ranks, "with --estimate: the job's ranks (default WORLD_SIZE, or 1)")
+      ->check(CLI::Range(1, 1 << 24));
+  app.add_option("--ranks-per-node", ranks_per_node,
+                 "with --estimate: ranks sharing this node's memory (default LOCAL_WORLD_SIZE, "
+                 "or --ranks)")
+      ->check(CLI::Range(1, 1 << 24));
   dtrain::cli::parse(app, argc, argv);
+  if (estimate) {
+    try {
+      auto config = dtrain::framework::load_config(config_path, overrides);
+      auto env_int = [](const char* name, int fallback) {
+        const char* v = std::getenv(name);
+        return v != nullptr && std::atoi(v) > 0 ? std::atoi(v) : fallback;
+      };
+      if (ranks == 0) ranks = env_int("WORLD_SIZE", 1);
+      if (ranks_per_node == 0) ranks_per_node = env_int("LOCAL_WORLD_SIZE", ranks);
+      std::cout << dtrain::framework::estimate_report(config, ranks,
+                                                      std::min(ranks, ranks_per_node),
+                                                      dtrain::framework::available_memory_bytes())
+                << std::endl;
+      return 0;
+    } catch (...) {
+      auto failure = dtrain::cli::failure_of(std::current_exception());
+      quit(failure.code, failure.message);
+    }
+  }
   if (!resume.empty()) overrides.push_back("checkpoint.resume=" + resume);
   // A file-size limit (RLIMIT_FSIZE) must fail the write with EFBIG, which the checkpoint
   // reports, not kill the process with SIGXFSZ.
