@@ -104,7 +104,8 @@ RankInfo detect_rank_info(const RendezvousOptions& options, const EnvLookup& env
   info.attempt = static_cast<int>(env_int(env, "TORCHELASTIC_RESTART_COUNT", 0));
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
-  info.node_key = host[0] != 0 ? host : "localhost";
+  info.host = host[0] != 0 ? host : "localhost";
+  info.node_key = info.host;
   if (auto group = env("GROUP_RANK"); group && !group->empty()) info.node_key += "#" + *group;
   if (auto token = env("DTRAIN_JOB_TOKEN")) info.token = *token;
   if (auto addr = env("MASTER_ADDR")) info.master_addr = *addr;
@@ -417,9 +418,7 @@ std::string gloo_address(const RankInfo& info) {
       std::all_of(info.node_of.begin(), info.node_of.end(), [](int n) { return n == 0; });
   if (one_node) return "127.0.0.1";
   if (std::getenv("GLOO_SOCKET_IFNAME") != nullptr) return "";
-  char host[256] = {};
-  ::gethostname(host, sizeof(host) - 1);
-  if (!net::resolves_to_loopback(host)) return "";
+  if (!net::resolves_to_loopback(info.host)) return "";
   // Rank 0's node: the address that routes to the next node's; the others: the one that
   // routes to MASTER_ADDR.
   const int mine = info.node_of.empty() ? 0 : info.node_of[info.rank];
@@ -427,7 +426,7 @@ std::string gloo_address(const RankInfo& info) {
   if (mine == 0 && info.node_addresses.size() > 1) toward = info.node_addresses[1];
   const std::string address = net::local_address_toward(toward);
   DTRAIN_CHECK_AS(CommError, !address.empty() && !net::is_loopback_literal(address),
-                  "gloo: this host's name ('", host,
+                  "gloo: this host's name ('", info.host,
                   "') resolves to a loopback address, and no route leads from here to ", toward,
                   ": set GLOO_SOCKET_IFNAME to the interface the nodes share");
   return address;

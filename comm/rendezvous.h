@@ -55,6 +55,7 @@ struct RankInfo {
   // when it did not, they are the single-node guess until the rendezvous learns them.
   bool local_given = false;
   std::string local_vars;
+  std::string host;  // this host's name (gethostname)
   // This rank's node as the ranks tell nodes apart: the host name, plus "#GROUP_RANK" where
   // a launcher sets GROUP_RANK (several launchers on one host are separate nodes).
   std::string node_key;
