@@ -14,6 +14,7 @@
 
 #include "comm/backend.h"
 #include "core/error.h"
+#include "core/glob.h"
 #include "framework/hardware.h"
 
 namespace dtrain::framework {
@@ -273,11 +274,48 @@ void read_data(Section s, DataConfig& d) {
   s.read_choice("source", d.source);
   s.read("path", d.path);
   s.read("seed", d.seed);
-  // A path names a corpus: it selects one, and never sits unused beside synthetic data.
-  if (path_given && !source_given) d.source = DataSource::kCorpus;
-  s.check(!path_given || d.source == DataSource::kCorpus, "path",
-          "is a corpus file, but data.source is " + std::string(name_of(d.source)) +
-              ", which would leave it unread: use data.source: corpus, or remove data.path");
+  s.read("dtype", d.dtype);
+  s.read("val_path", d.val_path);
+  auto token_file = [](const std::string& p) {
+    auto ends = [&](const char* e) {
+      const std::string x(e);
+      return p.size() >= x.size() && p.compare(p.size() - x.size(), x.size(), x) == 0;
+    };
+    return ends(".bin") || ends(".npy");
+  };
+  // A path names the data: it selects a corpus (a .bin or .npy path, token files), and never
+  // sits unused beside synthetic data.
+  if (path_given && !source_given) {
+    d.source = token_file(d.path) ? DataSource::kTokens : DataSource::kCorpus;
+  }
+  s.check(!path_given || d.source != DataSource::kSynthetic, "path",
+          "names data, but data.source is synthetic, which would leave it unread: use "
+          "data.source: corpus (a text file) or tokens (.bin/.npy files), or remove data.path");
+  s.check(d.source != DataSource::kCorpus || !token_file(d.path), "path",
+          "'" + d.path +
+              "' is a token file (.bin/.npy), which data.source: corpus would read as "
+              "text bytes: use data.source: tokens");
+  for (const char* key : {"dtype", "val_path"}) {
+    s.check(!s.has(key) || d.source == DataSource::kTokens, key,
+            "applies to data.source: tokens, not " + std::string(name_of(d.source)));
+  }
+  if (d.source == DataSource::kTokens) {
+    s.check(path_given, "path", "is required with data.source: tokens (a file or a glob)");
+    s.check(d.dtype == "uint16" || d.dtype == "uint32", "dtype",
+            "expected uint16 or uint32 (the .bin files' token type), got '" + d.dtype + "'");
+    for (const auto& [key, pattern] :
+         {std::pair<const char*, const std::string&>{"path", d.path}, {"val_path", d.val_path}}) {
+      if (pattern.empty()) continue;
+      const auto files = glob_files(pattern);
+      s.check(!files.empty(), key, "'" + pattern + "' matches no file");
+      for (const auto& f : files) {
+        s.check(token_file(f), key,
+                "'" + f +
+                    "' is neither a .bin nor an .npy token file (a text file is "
+                    "data.source: corpus)");
+      }
+    }
+  }
   if (d.source == DataSource::kCorpus) {
     s.check(!std::filesystem::is_directory(d.path), "path",
             "'" + d.path + "' is a directory; give a text file, or use source: synthetic");
@@ -523,7 +561,7 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
               "or use it through the library with an optimizer that takes low-precision "
               "gradients");
   }
-  if (cfg.model.type == ModelType::kMlp && cfg.data.source == DataSource::kCorpus) {
+  if (cfg.model.type == ModelType::kMlp && cfg.data.source != DataSource::kSynthetic) {
     top.section("data").fail("source",
                              "a corpus (data.source: corpus, or a data.path) feeds a "
                              "transformer's tokens, but model.type: mlp trains on synthetic "

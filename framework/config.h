@@ -39,10 +39,11 @@ inline constexpr std::array<std::pair<ModelType, const char*>, 3> kModelTypes{{
 constexpr const auto& choices(ModelType) { return kModelTypes; }
 
 // data.source
-enum class DataSource { kSynthetic, kCorpus };
-inline constexpr std::array<std::pair<DataSource, const char*>, 2> kDataSources{{
+enum class DataSource { kSynthetic, kCorpus, kTokens };
+inline constexpr std::array<std::pair<DataSource, const char*>, 3> kDataSources{{
     {DataSource::kSynthetic, "synthetic"},
     {DataSource::kCorpus, "corpus"},
+    {DataSource::kTokens, "tokens"},
 }};
 constexpr const auto& choices(DataSource) { return kDataSources; }
 
@@ -105,6 +106,11 @@ struct ModelConfig {
 struct DataConfig {
   DataSource source = DataSource::kSynthetic;
   std::string path = "/usr/share/common-licenses/GPL-3";  // corpus: a text file
+  // tokens (framework/data.h TokenFileSource): path is a file or a glob of .bin/.npy files;
+  // dtype is the .bin files' (an .npy says its own); val_path the validation files (none:
+  // the training files' last windows are held out).
+  std::string dtype = "uint16";
+  std::string val_path;
   int64_t seed = 1;
 };
 

@@ -99,6 +99,33 @@ TEST(Config, RecomputeIsNoneFullOrEveryNthBlock) {
                     {"model.type=mlp", "model.recompute=full"});
 }
 
+TEST(Config, TokenFilesAreADataSourceWithTheirOwnChecks) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  const std::string dir = std::string(base ? base : "/tmp") + "/config_tokens";
+  std::system(("mkdir -p " + dir + " && : > " + dir + "/a.bin && : > " + dir + "/b.npy").c_str());
+  // A .bin or .npy path selects token files; a glob matches many.
+  RunConfig c = parse_config(kGood, "run.yaml", {"data.path=" + dir + "/*.bin"});
+  EXPECT_EQ(c.data.source, DataSource::kTokens);
+  EXPECT_EQ(c.data.dtype, "uint16");
+  c = parse_config(kGood, "run.yaml",
+                   {"data.source=tokens", "data.path=" + dir + "/a.bin", "data.dtype=uint32",
+                    "data.val_path=" + dir + "/b.npy"});
+  EXPECT_EQ(c.data.dtype, "uint32");
+  EXPECT_EQ(c.data.val_path, dir + "/b.npy");
+  expect_yaml_error(kGood, {"data.path", "'" + dir + "/none*.bin' matches no file"},
+                    {"data.path=" + dir + "/none*.bin"});
+  expect_yaml_error(kGood, {"data.dtype", "expected uint16 or uint32", "got 'int8'"},
+                    {"data.path=" + dir + "/a.bin", "data.dtype=int8"});
+  expect_yaml_error(kGood, {"data.dtype", "applies to data.source: tokens, not corpus"},
+                    {"data.source=corpus", "data.dtype=uint32"});
+  expect_yaml_error(kGood, {"data.path", "is a token file", "use data.source: tokens"},
+                    {"data.source=corpus", "data.path=" + dir + "/a.bin"});
+  expect_yaml_error(kGood, {"data.path", "is required with data.source: tokens"},
+                    {"data.source=tokens"});
+  expect_yaml_error(kGood, {"data.source", "model.type: mlp"},
+                    {"model.type=mlp", "data.path=" + dir + "/a.bin"});
+}
+
 TEST(ConfigError, UnknownKeyNamesPathLineAndSuggestion) {
   expect_yaml_error(replace(kGood, "  lr: 1.0e-3", "  lr: 1.0e-3\n  learnin_rate: 2"),
                     {"run.yaml:10:", "train.learnin_rate", "unknown key", "keys under train"});

@@ -3,10 +3,19 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 
 #include "core/error.h"
+#include "core/glob.h"
 
 namespace dtrain::framework {
 namespace {
@@ -85,14 +94,27 @@ Batch ByteCorpusSource::windows(const std::vector<int64_t>& starts) const {
   return {w.narrow(1, 0, seq_len_).contiguous(), w.narrow(1, 1, seq_len_).contiguous()};
 }
 
-Batch ByteCorpusSource::next(int64_t step, int64_t micro) {
-  const int64_t per_epoch = static_cast<int64_t>(sampler_.indices().size());
-  std::vector<int64_t> starts;
-  for (int64_t b = 0; b < batch_size_; ++b) {
-    const int64_t k = (step * micro_batches_ + micro) * batch_size_ + b;  // this rank's k-th
-    sampler_.set_epoch(k / per_epoch);
-    starts.push_back(sampler_.indices()[k % per_epoch] * seq_len_);
+namespace {
+
+// The samples of micro-batch `micro` of `step` for this rank: its k-th samples onward, k
+// counted over steps, micro-batches and batch rows, across epochs.
+std::vector<int64_t> drawn(DistributedSampler& sampler, int64_t step, int64_t micro,
+                           int64_t batch_size, int64_t micro_batches) {
+  const int64_t per_epoch = static_cast<int64_t>(sampler.indices().size());
+  std::vector<int64_t> ids;
+  for (int64_t b = 0; b < batch_size; ++b) {
+    const int64_t k = (step * micro_batches + micro) * batch_size + b;
+    sampler.set_epoch(k / per_epoch);
+    ids.push_back(sampler.indices()[k % per_epoch]);
   }
+  return ids;
+}
+
+}  // namespace
+
+Batch ByteCorpusSource::next(int64_t step, int64_t micro) {
+  std::vector<int64_t> starts = drawn(sampler_, step, micro, batch_size_, micro_batches_);
+  for (auto& s : starts) s *= seq_len_;
   return windows(starts);
 }
 
@@ -101,6 +123,238 @@ Batch ByteCorpusSource::validation(int rank, int world) {
   std::vector<int64_t> starts;
   for (int64_t i = rank; i < eval_samples_; i += world) starts.push_back((first + i) * seq_len_);
   return windows(starts);
+}
+
+namespace {
+
+using File = TokenFileSource::File;
+
+// An .npy file's header: the token type and count, and where the data starts.
+void read_npy_header(File& f, const unsigned char* bytes, size_t size, const std::string& key) {
+  auto fail = [&](const std::string& why) {
+    DTRAIN_FAIL(ConfigError, key, ": '", f.path, "' ", why);
+  };
+  if (size < 10 || std::memcmp(bytes, "\x93NUMPY", 6) != 0) fail("is not an .npy file");
+  const int major = bytes[6];
+  size_t header_len = 0, start = 0;
+  if (major == 1) {
+    header_len = bytes[8] | (static_cast<size_t>(bytes[9]) << 8);
+    start = 10;
+  } else if (major == 2 || major == 3) {
+    if (size < 12) fail("is truncated in its header");
+    header_len = bytes[8] | (static_cast<size_t>(bytes[9]) << 8) |
+                 (static_cast<size_t>(bytes[10]) << 16) | (static_cast<size_t>(bytes[11]) << 24);
+    start = 12;
+  } else {
+    fail("has .npy format version " + std::to_string(major) + ", which dtrain does not read");
+  }
+  if (start + header_len > size) fail("is truncated in its header");
+  const std::string header(reinterpret_cast<const char*>(bytes + start), header_len);
+  auto value = [&](const std::string& name) {
+    const size_t at = header.find("'" + name + "'");
+    if (at == std::string::npos) fail("has no '" + name + "' in its .npy header");
+    size_t v = header.find(':', at) + 1;
+    while (v < header.size() && header[v] == ' ') ++v;
+    return v;
+  };
+  size_t d = value("descr");
+  const std::string descr = header.substr(d + 1, header.find('\'', d + 1) - d - 1);
+  if (descr == "<u2" || descr == "|u2") {
+    f.item = 2;
+  } else if (descr == "<u4") {
+    f.item = 4;
+  } else if (descr == "<i4") {
+    f.item = 4;
+    f.is_signed = true;
+  } else if (descr == "<i8") {
+    f.item = 8;
+    f.is_signed = true;
+  } else {
+    fail("holds dtype '" + descr +
+         "'; token files hold uint16, uint32, int32 or int64 (little-endian)");
+  }
+  if (header.compare(value("fortran_order"), 4, "True") == 0) fail("is in Fortran order");
+  size_t s = value("shape");
+  const std::string shape = header.substr(s, header.find(')', s) - s + 1);
+  std::string compact;  // "(N,)" for a flat array
+  for (char ch : shape) {
+    if (ch != ' ') compact += ch;
+  }
+  int64_t n = -1;
+  int used = 0;
+  if (std::sscanf(compact.c_str(), "(%ld,)%n", &n, &used) != 1 || n < 0 ||
+      used != static_cast<int>(compact.size())) {
+    fail("has shape " + shape + "; a token file is one flat array, shape (N,)");
+  }
+  f.tokens = bytes + start + header_len;
+  const size_t data = size - start - header_len;
+  if (data < static_cast<size_t>(n) * f.item) {
+    fail("is truncated: its header says " + std::to_string(n) + " tokens, it holds " +
+         std::to_string(data / f.item));
+  }
+  f.count = n;
+}
+
+// Maps every file `pattern` matches.
+std::vector<File> map_files(const std::string& pattern, const std::string& bin_dtype,
+                            int64_t seq_len, const std::string& key) {
+  std::vector<File> files;
+  for (const auto& path : glob_files(pattern)) {
+    File f;
+    f.path = path;
+    files.push_back(f);
+    File& m = files.back();
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    DTRAIN_CHECK_AS(ConfigError, fd >= 0, key, ": cannot open '", path,
+                    "': ", std::strerror(errno));
+    struct stat st {};
+    ::fstat(fd, &st);
+    const size_t size = static_cast<size_t>(st.st_size);
+    if (size > 0) {
+      m.map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+      if (m.map == MAP_FAILED) m.map = nullptr;
+    }
+    ::close(fd);
+    DTRAIN_CHECK_AS(ConfigError, size == 0 || m.map != nullptr, key, ": cannot map '", path,
+                    "': ", std::strerror(errno));
+    m.map_bytes = size;
+    if (m.map != nullptr) ::madvise(m.map, size, MADV_RANDOM);
+    const auto* bytes = static_cast<const unsigned char*>(m.map);
+    if (path.size() > 4 && path.compare(path.size() - 4, 4, ".npy") == 0) {
+      read_npy_header(m, bytes, size, key);
+    } else {
+      m.item = bin_dtype == "uint32" ? 4 : 2;
+      DTRAIN_CHECK_AS(ConfigError, size % m.item == 0, key, ": '", path, "' has ", size,
+                      " bytes, not a whole number of ", bin_dtype,
+                      " tokens: truncated, or not data.dtype ", bin_dtype);
+      m.tokens = bytes;
+      m.count = static_cast<int64_t>(size / m.item);
+    }
+    m.windows = m.count > seq_len ? (m.count - 1) / seq_len : 0;
+  }
+  DTRAIN_CHECK_AS(ConfigError, !files.empty(), key, ": '", pattern, "' matches no file");
+  int64_t first = 0;
+  for (auto& f : files) {
+    f.first_window = first;
+    first += f.windows;
+  }
+  return files;
+}
+
+int64_t total_windows(const std::vector<File>& files) {
+  return files.empty() ? 0 : files.back().first_window + files.back().windows;
+}
+
+int64_t total_tokens(const std::vector<File>& files) {
+  int64_t n = 0;
+  for (const auto& f : files) n += f.count;
+  return n;
+}
+
+void unmap(std::vector<File>& files) {
+  for (auto& f : files) {
+    if (f.map != nullptr) ::munmap(f.map, f.map_bytes);
+    f.map = nullptr;
+  }
+}
+
+}  // namespace
+
+TokenFileSource::TokenFileSource(const std::string& pattern, const std::string& bin_dtype,
+                                 const std::string& val_pattern, int64_t vocab, int64_t seq_len,
+                                 int64_t batch_size, int64_t micro_batches, int world_size,
+                                 int rank, uint64_t seed, int64_t eval_samples)
+    : train_(map_files(pattern, bin_dtype, seq_len, "data.path")),
+      val_(val_pattern.empty() ? std::vector<File>()
+                               : map_files(val_pattern, bin_dtype, seq_len, "data.val_path")),
+      vocab_(vocab),
+      seq_len_(seq_len),
+      batch_size_(batch_size),
+      micro_batches_(micro_batches),
+      eval_samples_(eval_samples),
+      sampler_([&] {
+        const int64_t windows = total_windows(train_);
+        const int64_t held_out = val_.empty() ? eval_samples : 0;
+        if (windows <= held_out) {
+          unmap(train_);
+          unmap(val_);
+          DTRAIN_FAIL(ConfigError, "data.path: '", pattern, "' holds ", total_tokens(train_),
+                      " tokens in ", windows, " window(s) of model.seq_len + 1 = ", seq_len + 1,
+                      " tokens, too few to ",
+                      held_out > 0 ? "hold out " + std::to_string(held_out) +
+                                         " for validation (or give data.val_path) and "
+                                   : std::string(),
+                      "train on the rest");
+        }
+        if (!val_.empty() && total_windows(val_) < eval_samples) {
+          unmap(train_);
+          unmap(val_);
+          DTRAIN_FAIL(ConfigError, "data.val_path: '", val_pattern, "' holds ", total_windows(val_),
+                      " window(s) of model.seq_len + 1 = ", seq_len + 1,
+                      " tokens, fewer than train.eval_samples ", eval_samples);
+        }
+        val_first_ = val_.empty() ? windows - held_out : 0;
+        return DistributedSampler(windows - held_out, world_size, rank, seed);
+      }()) {
+  const int64_t tokens = total_tokens(train_);
+  description_ =
+      "tokens " + pattern + " (" + std::to_string(train_.size()) + " file(s), " +
+      (tokens >= 1000000 ? std::to_string(tokens / 1000000) + "M" : std::to_string(tokens)) +
+      " tokens)";
+}
+
+TokenFileSource::~TokenFileSource() {
+  unmap(train_);
+  unmap(val_);
+}
+
+Batch TokenFileSource::windows(const std::vector<File>& files,
+                               const std::vector<int64_t>& ids) const {
+  at::Tensor w = at::empty({static_cast<int64_t>(ids.size()), seq_len_ + 1}, at::kLong);
+  int64_t* out = w.data_ptr<int64_t>();
+  for (int64_t id : ids) {
+    auto it = std::upper_bound(files.begin(), files.end(), id,
+                               [](int64_t v, const File& f) { return v < f.first_window; });
+    const File& f = *(it - 1);
+    const int64_t start = (id - f.first_window) * seq_len_;
+    for (int64_t t = 0; t <= seq_len_; ++t, ++out) {
+      const unsigned char* p = f.tokens + (start + t) * f.item;
+      int64_t v = 0;
+      if (f.item == 2) {
+        uint16_t x;
+        std::memcpy(&x, p, 2);
+        v = x;
+      } else if (f.item == 4) {
+        if (f.is_signed) {
+          int32_t x;
+          std::memcpy(&x, p, 4);
+          v = x;
+        } else {
+          uint32_t x;
+          std::memcpy(&x, p, 4);
+          v = x;
+        }
+      } else {
+        std::memcpy(&v, p, 8);
+      }
+      DTRAIN_CHECK_AS(ConfigError, v >= 0 && v < vocab_, "data: '", f.path, "' holds token id ", v,
+                      " at token ", start + t, ", outside model.vocab_size ", vocab_,
+                      " (is the tokenizer's vocabulary larger, or the file another dtype than "
+                      "data.dtype?)");
+      *out = v;
+    }
+  }
+  return {w.narrow(1, 0, seq_len_).contiguous(), w.narrow(1, 1, seq_len_).contiguous()};
+}
+
+Batch TokenFileSource::next(int64_t step, int64_t micro) {
+  return windows(train_, drawn(sampler_, step, micro, batch_size_, micro_batches_));
+}
+
+Batch TokenFileSource::validation(int rank, int world) {
+  std::vector<int64_t> ids;
+  for (int64_t i = rank; i < eval_samples_; i += world) ids.push_back(val_first_ + i);
+  return windows(val_.empty() ? train_ : val_, ids);
 }
 
 SyntheticLMSource::SyntheticLMSource(int64_t vocab, int64_t seq_len, int64_t batch_size, int rank,

@@ -89,6 +89,53 @@ class ByteCorpusSource : public BatchSource {
   DistributedSampler sampler_;
 };
 
+// TokenFileSource: token files as nanoGPT and Megatron's preprocessing leave them, memory-
+// mapped, never read whole: flat .bin files of uint16 or uint32 tokens (nanoGPT's train.bin)
+// and 1-D .npy arrays (uint16, uint32, int32 or int64), one file or a glob of many. Sample i
+// is the window of seq_len + 1 tokens at i x seq_len within one file (windows never span
+// two files; each file's trailing partial window is unused), sampled like the corpus' windows
+// (DistributedSampler over all files' windows, resumed from the step alone). Validation: the
+// first eval_samples windows of val_path's files when given, else the training files' last
+// eval_samples windows, held out of training. A file that is truncated (not a whole number of
+// tokens, or shorter than its .npy header says), of an unknown dtype, shorter than one window,
+// or holding a token id outside [0, vocab) is an error naming the file (the id check is made
+// on each window as it is read, so a 100 GB dataset opens at once).
+class TokenFileSource : public BatchSource {
+ public:
+  TokenFileSource(const std::string& pattern, const std::string& bin_dtype,
+                  const std::string& val_pattern, int64_t vocab, int64_t seq_len,
+                  int64_t batch_size, int64_t micro_batches, int world_size, int rank,
+                  uint64_t seed, int64_t eval_samples = 12);
+  ~TokenFileSource() override;
+  TokenFileSource(const TokenFileSource&) = delete;
+  TokenFileSource& operator=(const TokenFileSource&) = delete;
+  Batch next(int64_t step, int64_t micro) override;
+  Batch validation(int rank, int world) override;
+  int64_t items_per_sample() const override { return seq_len_; }
+  std::string describe() const override { return description_; }
+  int64_t num_samples() const { return sampler_.num_samples(); }
+
+  struct File {
+    std::string path;
+    const unsigned char* tokens = nullptr;  // into the mapping
+    void* map = nullptr;
+    size_t map_bytes = 0;
+    int64_t count = 0;  // tokens
+    int item = 2;       // bytes per token
+    bool is_signed = false;
+    int64_t first_window = 0, windows = 0;
+  };
+
+ private:
+  // Windows by their index over `files`' windows in order.
+  Batch windows(const std::vector<File>& files, const std::vector<int64_t>& ids) const;
+  std::string description_;
+  std::vector<File> train_, val_;
+  int64_t vocab_, seq_len_, batch_size_, micro_batches_, eval_samples_;
+  int64_t val_first_ = 0;  // the first validation window (in val_, or held out of train_)
+  DistributedSampler sampler_;
+};
+
 class SyntheticLMSource : public BatchSource {
  public:
   SyntheticLMSource(int64_t vocab, int64_t seq_len, int64_t batch_size, int rank, uint64_t seed,

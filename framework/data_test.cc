@@ -1,8 +1,15 @@
 #include "framework/data.h"
 
+#include "core/error.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
 #include <set>
 
 namespace dtrain::framework {
@@ -68,6 +75,196 @@ TEST(Validation, SharesCoverTheSameSetAtAnyWorldSize) {
   SyntheticLMSource lm(50, 8, 2, 0, 1);
   EXPECT_TRUE(at::equal(at::cat({lm.validation(0, 2).inputs, lm.validation(1, 2).inputs}).sum(),
                         lm.validation(0, 1).inputs.sum()));
+}
+
+// ---- token files -------------------------------------------------------------------------
+
+std::string scratch(const std::string& name) {
+  const char* base = std::getenv("TEST_TMPDIR");
+  return std::string(base ? base : "/tmp") + "/" + name;
+}
+
+template <typename T>
+void write_bin(const std::string& path, const std::vector<T>& tokens) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(T));
+}
+
+// An .npy file as numpy.save writes one (format 1.0, header padded to 64 bytes).
+template <typename T>
+void write_npy(const std::string& path, const std::vector<T>& tokens, const std::string& descr,
+               const std::string& shape = "") {
+  std::string dict = "{'descr': '" + descr + "', 'fortran_order': False, 'shape': (" +
+                     (shape.empty() ? std::to_string(tokens.size()) + "," : shape) + "), }";
+  while ((10 + dict.size() + 1) % 64 != 0) dict += ' ';
+  dict += '\n';
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write("\x93NUMPY\x01\x00", 8);
+  const uint16_t len = static_cast<uint16_t>(dict.size());
+  f.write(reinterpret_cast<const char*>(&len), 2);
+  f << dict;
+  f.write(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(T));
+}
+
+template <typename T>
+std::vector<T> ramp(size_t n, int64_t offset, int64_t vocab) {
+  std::vector<T> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<T>((static_cast<int64_t>(i) + offset) % vocab);
+  return v;
+}
+
+// What a window holds: the file's tokens from `start`, shifted by one for the targets.
+void expect_window(const Batch& b, int64_t row, int64_t first_token, int64_t vocab,
+                   int64_t seq_len) {
+  for (int64_t t = 0; t < seq_len; ++t) {
+    ASSERT_EQ(b.inputs[row][t].item<int64_t>(), (first_token + t) % vocab) << "row " << row;
+    ASSERT_EQ(b.targets[row][t].item<int64_t>(), (first_token + t + 1) % vocab) << "row " << row;
+  }
+}
+
+TEST(TokenFiles, BinAndNpyFilesByGlobGiveTheirWindowsNeverSpanningTwoFiles) {
+  const std::string dir = scratch("tokens_glob");
+  std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str());
+  const int64_t vocab = 1000, seq = 16;
+  // File a: 100 uint16 tokens (6 windows), b: 50 int32 tokens in an .npy (3 windows).
+  write_bin(dir + "/a.bin", ramp<uint16_t>(100, 0, vocab));
+  write_npy(dir + "/b.npy", ramp<int32_t>(50, 500, vocab), "<i4");
+  TokenFileSource src(dir + "/*", "uint16", "", vocab, seq, 4, 1, 1, 0, 7, /*eval_samples=*/2);
+  EXPECT_EQ(src.num_samples(), 9 - 2);  // the last 2 windows are held out
+  EXPECT_NE(src.describe().find("2 file(s), 150 tokens"), std::string::npos) << src.describe();
+  // Every training window, over enough steps, is one of a's or b's, read right.
+  std::set<int64_t> firsts;
+  for (int64_t step = 0; step < 4; ++step) {
+    Batch b = src.next(step, 0);
+    ASSERT_EQ(b.inputs.sizes(), (std::vector<int64_t>{4, seq}));
+    for (int64_t r = 0; r < 4; ++r) {
+      const int64_t first = b.inputs[r][0].item<int64_t>();
+      firsts.insert(first);
+      expect_window(b, r, first, vocab, seq);
+      const bool in_a = first < 100 && first % seq == 0 && first / seq < 6;
+      const bool in_b = first >= 500 && (first - 500) % seq == 0 && (first - 500) / seq < 1;
+      EXPECT_TRUE(in_a || in_b) << "window starting at token " << first;
+    }
+  }
+  EXPECT_EQ(firsts.size(), 7u) << "every training window is drawn in an epoch";
+  // Validation: b's last two windows (tokens 16 and 32 of b), never trained on.
+  Batch v = src.validation(0, 1);
+  ASSERT_EQ(v.inputs.size(0), 2);
+  expect_window(v, 0, 516, vocab, seq);
+  expect_window(v, 1, 532, vocab, seq);
+}
+
+TEST(TokenFiles, BatchesDependOnTheStepAloneAndValPathServesValidation) {
+  const std::string dir = scratch("tokens_val");
+  std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str());
+  write_bin(dir + "/train.bin", ramp<uint32_t>(4000, 0, 70000));
+  write_npy(dir + "/val.npy", ramp<uint32_t>(200, 60000, 70000), "<u4");
+  auto make = [&](int rank) {
+    return std::make_unique<TokenFileSource>(dir + "/train.bin", "uint32", dir + "/val.npy", 70000,
+                                             32, 4, 2, 2, rank, 5, 4);
+  };
+  auto a = make(0), b = make(0), other = make(1);
+  EXPECT_EQ(a->num_samples(), 124);  // nothing held out: val_path holds the validation windows
+  for (int64_t step : {0, 3, 40}) {  // 40 steps x 2 micro x 4 > one epoch (62 per rank)
+    EXPECT_TRUE(at::equal(a->next(step, 1).inputs, b->next(step, 1).inputs));
+    EXPECT_FALSE(at::equal(a->next(step, 1).inputs, other->next(step, 1).inputs));
+  }
+  Batch v = a->validation(0, 1);
+  ASSERT_EQ(v.inputs.size(0), 4);
+  for (int64_t r = 0; r < 4; ++r) expect_window(v, r, 60000 + 32 * r, 70000, 32);
+}
+
+std::string config_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "(no ConfigError)";
+}
+
+TEST(TokenFiles, BadFilesAreRefusedNamingTheFile) {
+  const std::string dir = scratch("tokens_bad");
+  std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str());
+  auto open = [&](const std::string& name, const std::string& dtype = "uint16",
+                  int64_t vocab = 1000) {
+    return config_error(
+        [&] { TokenFileSource(dir + "/" + name, dtype, "", vocab, 16, 2, 1, 1, 0, 1, 2); });
+  };
+  // A .bin file cut in the middle of a token.
+  write_bin(dir + "/odd.bin", std::vector<uint8_t>(301, 1));
+  EXPECT_NE(open("odd.bin").find("'" + dir +
+                                 "/odd.bin' has 301 bytes, not a whole number of "
+                                 "uint16 tokens"),
+            std::string::npos)
+      << open("odd.bin");
+  // An .npy whose data ends before its header's count.
+  write_npy(dir + "/short.npy", ramp<uint16_t>(100, 0, 1000), "<u2", "500,");
+  EXPECT_NE(open("short.npy").find("is truncated: its header says 500 tokens, it holds 100"),
+            std::string::npos)
+      << open("short.npy");
+  write_npy(dir + "/float.npy", std::vector<float>(100, 1.0f), "<f4");
+  EXPECT_NE(open("float.npy").find("holds dtype '<f4'"), std::string::npos) << open("float.npy");
+  write_npy(dir + "/matrix.npy", ramp<uint16_t>(100, 0, 1000), "<u2", "10, 10");
+  EXPECT_NE(open("matrix.npy").find("a token file is one flat array"), std::string::npos)
+      << open("matrix.npy");
+  // Fewer tokens than the windows it needs.
+  write_bin(dir + "/tiny.bin", ramp<uint16_t>(40, 0, 1000));
+  EXPECT_NE(open("tiny.bin")
+                .find("holds 40 tokens in 2 window(s) of model.seq_len + 1 = 17 "
+                      "tokens, too few to hold out 2"),
+            std::string::npos)
+      << open("tiny.bin");
+  EXPECT_NE(open("nothing*.bin").find("matches no file"), std::string::npos);
+  // A tokenizer's vocabulary larger than the model's (or another dtype than data.dtype): an
+  // id outside the vocabulary, named with its file and place, when its window is read.
+  write_bin(dir + "/wide.bin", std::vector<uint16_t>(400, 999));
+  TokenFileSource wrong(dir + "/wide.bin", "uint16", "", 999, 16, 8, 1, 1, 0, 1, 2);
+  const std::string e = config_error([&] {
+    for (int64_t step = 0; step < 8; ++step) wrong.next(step, 0);
+  });
+  EXPECT_NE(e.find("'" + dir + "/wide.bin' holds token id 999 at token"), std::string::npos) << e;
+  EXPECT_NE(e.find("outside model.vocab_size 999"), std::string::npos) << e;
+}
+
+// The data path is never the bottleneck, and a file far larger than what is read is never
+// read whole: a 4 GiB file (sparse, so it costs no disk) opens at once, and sampling it
+// grows the resident set by the pages read, not by the file.
+long rss_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::atol(line.c_str() + 6);
+  }
+  return -1;
+}
+
+TEST(TokenFiles, AFourGiBFileOpensAtOnceAndSamplingItKeepsTheMemoryFlat) {
+  const std::string path = scratch("tokens_big.bin");
+  {
+    std::FILE* f = std::fopen(path.c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(::ftruncate(fileno(f), int64_t{4} << 30), 0);
+    std::fclose(f);
+  }
+  const long before = rss_kib();
+  const auto t0 = std::chrono::steady_clock::now();
+  TokenFileSource src(path, "uint16", "", 50304, 1024, 8, 1, 2, 0, 1);
+  const double open_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto t1 = std::chrono::steady_clock::now();
+  const int batches = 200;
+  for (int step = 0; step < batches; ++step) src.next(step, 0);
+  const double per_s =
+      batches / std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  const long grown = rss_kib() - before;
+  std::printf(
+      "4 GiB token file: opened in %.3f s, %.0f batches/s (8 x 1024 tokens), RSS grew "
+      "%ld KiB\n",
+      open_s, per_s, grown);
+  EXPECT_EQ(src.num_samples(), ((int64_t{2} << 30) - 1) / 1024 - 12);
+  EXPECT_LT(grown, 64 * 1024) << "sampling read the file, not its windows";
+  std::remove(path.c_str());
 }
 
 TEST(SyntheticSources, AreReproducibleAndRankSpecific) {

@@ -173,6 +173,39 @@ TEST(EndToEnd, RecomputeLeavesTheOtherFsdpStrategiesBitwiseTheSame) {
       "recompute_b");
 }
 
+// Token files hold what a corpus holds: the GPL-3 text's bytes as uint16 tokens, in a .bin
+// and in an .npy (as numpy.save writes it), train bitwise the run on the text itself.
+TEST(EndToEnd, TokenFilesOfACorpusTrainBitwiseAsTheCorpus) {
+  std::ifstream text("/usr/share/common-licenses/GPL-3", std::ios::binary);
+  std::vector<uint16_t> tokens;
+  for (int c; (c = text.get()) != EOF;) tokens.push_back(static_cast<uint16_t>(c));
+  ASSERT_GT(tokens.size(), 30000u);
+  const std::string bin = tmp("gpl3.bin"), npy = tmp("gpl3.npy");
+  {
+    std::ofstream f(bin, std::ios::binary | std::ios::trunc);
+    f.write(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
+    std::string dict = "{'descr': '<u2', 'fortran_order': False, 'shape': (" +
+                       std::to_string(tokens.size()) + ",), }";
+    while ((10 + dict.size() + 1) % 64 != 0) dict += ' ';
+    dict += '\n';
+    std::ofstream g(npy, std::ios::binary | std::ios::trunc);
+    g.write("\x93NUMPY\x01\x00", 8);
+    const uint16_t len = static_cast<uint16_t>(dict.size());
+    g.write(reinterpret_cast<const char*>(&len), 2);
+    g << dict;
+    g.write(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 2);
+  }
+  const auto corpus = trajectory("configs/tiny/ddp_fp32.yaml", "", "tokens_corpus");
+  ASSERT_EQ(corpus.first.size(), 3u);
+  for (const std::string& path : {bin, npy}) {
+    SCOPED_TRACE(path);
+    const auto got = trajectory("configs/tiny/ddp_fp32.yaml",
+                                "--set data.source=tokens --set data.path=" + path, "tokens_file");
+    EXPECT_EQ(got.first, corpus.first);
+    EXPECT_EQ(got.second, corpus.second) << "the final parameters differ";
+  }
+}
+
 TEST(EndToEnd, EstimatePrintsTheMemoryPerRankAndTrainsNothing) {
   const std::string out = tmp("estimate.jsonl");
   std::remove(out.c_str());

@@ -323,6 +323,10 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                       ": model.vocab_size must be >= 256 for the byte corpus");
       data = std::make_unique<ByteCorpusSource>(c.data.path, c.model.seq_len, micro_batch,
                                                 c.train.micro_batches, world, rank, data_seed);
+    } else if (c.data.source == DataSource::kTokens) {
+      data = std::make_unique<TokenFileSource>(
+          c.data.path, c.data.dtype, c.data.val_path, c.model.vocab_size, c.model.seq_len,
+          micro_batch, c.train.micro_batches, world, rank, data_seed, c.train.eval_samples);
     } else {
       data = std::make_unique<SyntheticLMSource>(c.model.vocab_size, c.model.seq_len, micro_batch,
                                                  rank, data_seed);
@@ -687,8 +691,9 @@ TrainResult Trainer::train() {
 void Trainer::report() {
   result_.steps = c_.train.steps;
   log_parameters_agree(*model_, comm_.get());
+  // A sample is text for byte-level data; token files would need their tokenizer.
   if (c_.model.type == ModelType::kTransformer && c_.model.vocab_size >= 256 &&
-      first_step_ < c_.train.steps) {
+      c_.data.source != DataSource::kTokens && first_step_ < c_.train.steps) {
     const std::string text = sample_text(*model_, device_, c_.model.seq_len, 48);
     logging::info("sample: \"", text, "\"");
   }
