@@ -159,8 +159,8 @@ TEST(EndToEnd, RecomputeLeavesDdpAndFullShardBitwiseTheSame) {
 }
 
 // CMake's sanitized ctest run leaves this one out (Bazel runs it): the same code paths as
-// above, six more runs.
-TEST(EndToEnd, RecomputeLeavesTheOtherFsdpStrategiesBitwiseTheSame) {
+// above, and fp16 with the GradScaler (DDP) and the ShardedGradScaler (FSDP).
+TEST(EndToEnd, RecomputeLeavesTheOtherStrategiesAndFp16BitwiseTheSame) {
   const std::string hybrid =
       "--set parallel.sharding_strategy=hybrid_shard --set parallel.hybrid_group_size=1";
   expect_recompute_changes_nothing(
@@ -169,7 +169,9 @@ TEST(EndToEnd, RecomputeLeavesTheOtherFsdpStrategiesBitwiseTheSame) {
        {"configs/tiny/fsdp_fp32.yaml", "--set parallel.sharding_strategy=no_shard"},
        {"configs/tiny/fsdp_bf16.yaml", "--set parallel.sharding_strategy=no_shard"},
        {"configs/tiny/fsdp_fp32.yaml", hybrid},
-       {"configs/tiny/fsdp_bf16.yaml", hybrid}},
+       {"configs/tiny/fsdp_bf16.yaml", hybrid},
+       {"configs/tiny/ddp_fp16.yaml", ""},
+       {"configs/tiny/fsdp_fp16.yaml", ""}},
       "recompute_b");
 }
 
