@@ -62,11 +62,11 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
     largest_unit = 4 * d + 4 * d * d + 4 * d + 2 * d * static_cast<double>(m.d_ff) +
                    static_cast<double>(m.d_ff) + d;
     root = static_cast<double>(e.parameter_count) - largest_unit * static_cast<double>(m.n_layers);
-    // Saved for backward per token: 16 d_model-wide values per block in the compute dtype
-    // and the fused attention's log-sum-exp per head in fp32 (no T x T probabilities), the
-    // embedding and final norm's 4 d_model-wide values, and the logits with their fp32 loss
-    // copies.
-    const double block = 16 * d * cb + static_cast<double>(m.n_heads) * 4;
+    // Saved for backward per token: ~18 d_model-wide values per block in the compute dtype,
+    // the softmax's attention probabilities in fp32 (and their cast when computing in 16
+    // bits), and the logits with their fp32 loss copies.
+    const double scores = static_cast<double>(m.n_heads) * t * (4 + (cb != 4 ? cb : 0));
+    const double block = 18 * d * cb + scores;
     // A recomputed block (i % K == 0) keeps its input only (the residual stream: the compute
     // dtype under FSDP, fp32 under autocast). The peak holds the kept blocks' activations at
     // the start of backward, or, while the last recomputed block (K (r - 1)) runs again, its
@@ -79,7 +79,7 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
       kept_inputs = static_cast<double>(r);
     }
     const double input = c.parallel.strategy == ParallelStrategy::kFsdp ? cb : 4;
-    const double per_token = live_blocks * block + kept_inputs * d * input + 4 * d * cb +
+    const double per_token = live_blocks * block + kept_inputs * d * input +
                              static_cast<double>(m.vocab_size) * (cb + 8);
     e.activations = tokens * t * per_token;
   } else {

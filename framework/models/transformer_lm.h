@@ -1,10 +1,9 @@
 // TransformerLM: a GPT-style decoder-only language model over byte tokens.
 //
 // token + learned position embedding -> n_layers x [x + attn(ln1(x)); x + mlp(ln2(x))]
-// -> final LayerNorm -> head. Attention is causal multi-head self-attention through
-// at::scaled_dot_product_attention (is_causal): ATen's fused kernels (flash on CPU; flash or
-// memory-efficient on CUDA), which accumulate the softmax in fp32 for 16-bit inputs and keep
-// no T x T probabilities for backward. The MLP is
+// -> final LayerNorm -> head. Attention is causal multi-head self-attention with an explicit
+// softmax, computed in fp32 whatever the autocast dtype (LibTorch's CPU autocast lists leave
+// softmax in its input dtype; fp32 keeps the probabilities accurate). The MLP is
 // Linear -> GELU(tanh) -> Linear. With tie_weights the head reuses the token embedding
 // (logits = x @ tok_emb^T): one parameter, registered once, so DDP and optimizers see it once.
 // No dropout: runs are deterministic for a seed. Initialization follows GPT-2: N(0, 0.02),
