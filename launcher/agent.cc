@@ -76,8 +76,8 @@ struct Conn {
   bool closed = false;
   bool silent = false;  // closed because the peer stopped answering (keep_alive)
 
-  // Reads what the socket has; complete lines go to `lines`.
-  void read_into(std::vector<std::string>& lines) {
+  // Appends what the socket has to `buf` (or notes that it closed).
+  void fill() {
     char chunk[4096];
     ssize_t n = ::recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
@@ -87,11 +87,19 @@ struct Conn {
       return;
     }
     buf.append(chunk, static_cast<size_t>(n));
-    size_t nl;
-    while ((nl = buf.find('\n')) != std::string::npos) {
-      lines.push_back(buf.substr(0, nl));
-      buf.erase(0, nl + 1);
-    }
+  }
+  // The next complete line in `buf`, taken out of it; false when there is none yet.
+  bool take_line(std::string& line) {
+    const size_t nl = buf.find('\n');
+    if (nl == std::string::npos) return false;
+    line = buf.substr(0, nl);
+    buf.erase(0, nl + 1);
+    return true;
+  }
+  // Reads what the socket has; complete lines (buffered ones first) go to `lines`.
+  void read_into(std::vector<std::string>& lines) {
+    fill();
+    for (std::string line; take_line(line);) lines.push_back(line);
   }
   void close() {
     if (fd >= 0) ::close(fd);
@@ -474,7 +482,6 @@ class Member final : public JobAgent {
                  " did not welcome this node (it said '", line.substr(0, 80), "')");
     attempt_ = to_int(rest);
     // A stop sent right after the welcome waits in the buffer for the first handle().
-    pending_ = conn_.buf.find('\n') != std::string::npos;
   }
   ~Member() override { conn_.close(); }
 
@@ -484,11 +491,8 @@ class Member final : public JobAgent {
 
   AgentEvent handle(const std::vector<pollfd>& fds) override {
     std::vector<std::string> lines;
-    if (pending_) {
-      pending_ = false;
-      lines = take_buffered();
-    }
-    if (conn_.fd >= 0 && readable(fds, conn_.fd)) conn_.read_into(lines);
+    if (conn_.fd >= 0 && readable(fds, conn_.fd)) conn_.fill();
+    for (std::string line; conn_.take_line(line);) lines.push_back(line);
     for (const auto& line : lines) {
       std::string why;
       auto w = words(line, 2, &why);
@@ -577,40 +581,17 @@ class Member final : public JobAgent {
     return out;
   }
 
-  std::vector<std::string> take_buffered() {
-    std::vector<std::string> lines;
-    size_t nl;
-    while ((nl = conn_.buf.find('\n')) != std::string::npos) {
-      lines.push_back(conn_.buf.substr(0, nl));
-      conn_.buf.erase(0, nl + 1);
-    }
-    return lines;
-  }
-
   // The next line from node 0 ("" when the connection closed or the deadline passed; a
   // readable `signal_fd` ends the wait with an error).
   std::string next_line(Clock::time_point deadline, int signal_fd) {
-    while (true) {
-      size_t nl = conn_.buf.find('\n');
-      if (nl != std::string::npos) {
-        std::string line = conn_.buf.substr(0, nl);
-        conn_.buf.erase(0, nl + 1);
-        return line;
-      }
+    for (std::string line;;) {
+      if (conn_.take_line(line)) return line;
       if (conn_.closed || Clock::now() >= deadline) return "";
       pollfd p[2] = {{conn_.fd, POLLIN, 0}, {signal_fd, POLLIN, 0}};
       if (::poll(p, signal_fd >= 0 ? 2 : 1, 200) <= 0) continue;
       DTRAIN_CHECK(!(p[1].revents & POLLIN) || signal_fd < 0,
                    "interrupted while waiting for node 0 at ", where_);
-      char chunk[4096];
-      ssize_t n = ::recv(conn_.fd, chunk, sizeof(chunk), MSG_DONTWAIT);
-      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-      if (n <= 0) {
-        conn_.closed = true;
-        conn_.silent = n < 0 && errno == ETIMEDOUT;
-        continue;
-      }
-      conn_.buf.append(chunk, static_cast<size_t>(n));
+      conn_.fill();
     }
   }
 
@@ -621,7 +602,6 @@ class Member final : public JobAgent {
   std::string where_;
   Conn conn_;
   int attempt_ = 0;
-  bool pending_ = false;
 };
 
 }  // namespace
