@@ -311,8 +311,8 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                   c.model.recompute_every == 0 ? std::string()
                   : c.model.recompute_every == 1
                       ? std::string(", every block recomputed in backward")
-                      : ", every " + std::to_string(c.model.recompute_every) +
-                            "th block recomputed in backward");
+                      : ", one block in every " + std::to_string(c.model.recompute_every) +
+                            " recomputed in backward");
     task.description =
         "TransformerLM " + logging::fixed(transformer_lm_parameter_count(o) / 1e6, 1) + "M";
     task.make_strategy = [lm, &comm, &c](amp::NumericsMonitor* monitor) {
