@@ -90,7 +90,8 @@ int main(int argc, char** argv) {
   TrackedCpuMemory::install();  // before any tensor
   CLI::App app{"step_bench: TransformerLM step time and memory under dtrain's DDP or FSDP"};
   dtrain::cli::setup(app, "step_bench");
-  std::string strategy = "ddp", sharding = "full_shard", precision = "fp32";
+  std::string strategy = "ddp", sharding = "full_shard", precision = "fp32",
+              layout = "per_parameter";
   std::string optimizer = "fused", scaler_mode;
   int64_t steps = 8, warmup = 2, d_model = 512, layers = 6, heads = 8, d_ff = 2048, seq = 64,
           batch = 4, vocab = 256, limit = 2;
@@ -126,6 +127,8 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch, "sequences per rank");
   app.add_option("--bucket-cap-mb", bucket_cap_mb, "DDP");
   app.add_option("--limit-all-gathers", limit, "FSDP");
+  app.add_option("--shard-layout", layout, "FSDP: per_parameter or flat")
+      ->check(CLI::IsMember({"per_parameter", "flat"}));
   app.add_flag("--forward-prefetch", forward_prefetch, "FSDP");
   app.add_flag("--one-queue", one_queue, "FSDP: reduce-scatters on the gathers' communicator");
   app.add_flag("--local-ab", local_ab,
@@ -191,6 +194,8 @@ int main(int argc, char** argv) {
             .sharding_strategy(dtrain::sharding::parse_sharding_strategy(sharding))
             .mixed_precision(dtrain::amp::MixedPrecisionPolicy::preset(precision))
             .limit_all_gathers(limit)
+            .shard_layout(layout == "flat" ? dtrain::sharding::ShardLayout::kFlat
+                                           : dtrain::sharding::ShardLayout::kPerParameter)
             .forward_prefetch(forward_prefetch)
             .separate_reduce_group(!one_queue));
     params = fsdp->parameters();

@@ -1,7 +1,14 @@
 // Every collective x dtype x op x size, on real ranks (see comm/BUILD for the launches).
 // Each rank computes the expected buffer itself and compares element by element.
 #include <ATen/ATen.h>
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
 #include <cmath>
@@ -185,6 +192,57 @@ TEST_F(Test, HalfAndBFloat16SumsRoundOncePerPairwiseStep) {
       at::Tensor err = (x.to(at::kFloat) - exact).abs();
       EXPECT_TRUE((err <= ulp * 0.5 * (size - 1)).all().item<bool>())
           << "max err/ulp " << (err / ulp).max().item<float>();
+    }
+  }
+}
+
+// A free port on 127.0.0.1 chosen by rank 0, known to every rank.
+int agreed_port() {
+  at::Tensor port = at::zeros({1}, at::kInt);
+  if (world().rank() == 0) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
+      port[0] = ntohs(a.sin_port);
+    }
+    ::close(fd);
+  }
+  world().broadcast(port, 0).wait();
+  return port[0].item<int>();
+}
+
+// The sums of dtrain's Gloo reduce-scatter round as c10d's own Gloo reduce_scatter_tensor
+// (PyTorch's, which fully_shard uses) does, bit for bit: shard sizes where gloo's blocks are
+// the chunks and where they are not (odd sizes, and segments past gloo's 1 MiB).
+TEST_F(Test, GlooReduceScatterSumsRoundAsC10dGloosDo) {
+  if (world().backend() != "gloo") GTEST_SKIP() << "compares with c10d's Gloo";
+  const int rank = world().rank(), size = world().size();
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(agreed_port());
+  opts.isServer = rank == 0;
+  opts.numWorkers = size;
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "c10d", c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts));
+  auto pg_opts = c10d::ProcessGroupGloo::Options::create();
+  pg_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  c10d::ProcessGroupGloo pg(store, rank, size, pg_opts);
+  for (auto t : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (int64_t n : {1, 7, 1000, 1001, 300007, 600001}) {
+      SCOPED_TRACE(::testing::Message() << c10::toString(t) << ", " << n << " per rank");
+      at::manual_seed(77 + n);  // the same draws on every rank; each rank takes its row
+      // Magnitudes over several decades, so the order of the additions shows in the bits.
+      at::Tensor all = (at::randn({size, size * n}) * at::exp2(at::randint(-8, 9, {size, 1})));
+      at::Tensor in = all[rank].to(t).contiguous();
+      at::Tensor mine = at::empty({n}, in.options());
+      world().reduce_scatter(in, mine).wait();
+      at::Tensor theirs = at::empty({n}, in.options());
+      pg._reduce_scatter_base(theirs, in)->wait();
+      const int64_t differ = (mine.view(-1) != theirs.view(-1)).sum().item<int64_t>();
+      EXPECT_EQ(differ, 0) << "elements that round otherwise than c10d's";
     }
   }
 }

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -68,36 +69,94 @@ void combine(const at::Tensor& a, const at::Tensor& b, ReduceOp op, at::Tensor& 
   }
 }
 
+// The elements per block c10d's Gloo all-reduce sums in one rank's order (gloo's ring:
+// segments of at most 1 MiB, at least two per rank, P = segments / ranks per block):
+// block b = [b*B, (b+1)*B) of the buffer, cut at its end.
+int64_t gloo_block(int64_t numel, int64_t element_size, int size) {
+  const int64_t max_segment = std::max<int64_t>(1, (int64_t{1} << 20) / element_size);
+  int64_t segments = std::max<int64_t>((numel + max_segment - 1) / max_segment, 2 * size);
+  segments = (segments + size - 1) / size * size;
+  return segments / size * ((numel + segments - 1) / segments);
+}
+
 // Reduce-scatter as a ring of point-to-point steps. c10d's Gloo builds reduce_scatter from a
 // full all-reduce plus a slice, which moves twice the bytes; the ring moves (N-1)/N of the
-// input, as NCCL's does, and copies nothing but chunks. At step k rank r sends its partial
-// sum of chunk r-1-k to r+1 and receives r-1's partial sum of chunk r-2-k, to which it adds
-// its own; after N-1 steps chunk r is complete on rank r. The input is left as it was.
+// input, as NCCL's does. It adds as c10d's Gloo does, so sums round alike (FSDP's parity with
+// fully_shard over Gloo, at any world size): the buffer is cut into gloo's blocks
+// (gloo_block), and block b becomes x_b + (x_{b+1} + (... + (x_{b+N-2} + x_{b+N-1}))). At
+// step k rank r sends its partial sum of block r+1+k to r-1 and receives r+1's partial sum
+// of block r+2+k, to which it adds its own on the left; after N-1 steps block r is complete
+// on rank r. Blocks are usually the output chunks themselves; where gloo's rounding makes
+// them longer, each rank then sends the neighbours the parts of its block their chunks hold.
+// The input is left as it was.
 void ring_reduce_scatter(c10d::ProcessGroupGloo& pg, int size, int rank, const at::Tensor& in,
                          at::Tensor& out, ReduceOp op, int64_t seq) {
-  const int64_t n = out.numel();
+  const int64_t n = out.numel(), total = in.numel();
   if (size == 1) {
     out.copy_(in);
     return;
   }
-  auto chunk = [&](int64_t i) { return in.narrow(0, ((i % size + size) % size) * n, n); };
+  const int64_t block = std::max<int64_t>(gloo_block(total, in.element_size(), size), 1);
+  const bool aligned = block == n;
+  auto begin_of = [&](int64_t b) { return std::min(b * block, total); };
+  auto block_of = [&](int64_t i) {
+    const int64_t b = (i % size + size) % size;
+    return in.narrow(0, begin_of(b), begin_of(b + 1) - begin_of(b));
+  };
   const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
-  at::Tensor incoming = at::empty({n}, in.options());
-  at::Tensor sending = chunk(rank - 1);  // step 0: this rank's own values
-  at::Tensor partial[2] = {at::empty({n}, in.options()), at::empty({n}, in.options())};
+  at::Tensor incoming = at::empty({block}, in.options());
+  at::Tensor owned = aligned ? out : at::empty({block}, in.options());
+  at::Tensor sending = block_of(rank + 1);  // step 0: this rank's own values
+  at::Tensor partial[2] = {at::empty({block}, in.options()), at::empty({block}, in.options())};
   for (int k = 0; k + 1 < size; ++k) {
     // Tags only need to tell this op's steps apart: ops run one at a time on the worker.
     const int tag = static_cast<int>((seq % (1 << 20)) * 64 + k);
-    std::vector<at::Tensor> send{sending};
-    std::vector<at::Tensor> recv{incoming};
-    auto sent = pg.send(send, next, tag);
-    auto got = pg.recv(recv, prev, tag);
-    got->wait();
-    sent->wait();
-    at::Tensor& sum = k + 2 == size ? out : partial[k % 2];
-    combine(chunk(rank - 2 - k), incoming, op, sum);
+    const at::Tensor mine = block_of(rank + 2 + k);
+    const int64_t len = mine.numel();  // the block received, and the one sent next
+    at::Tensor got_values = incoming.narrow(0, 0, len);
+    c10::intrusive_ptr<c10d::Work> sent, got;
+    if (sending.numel() > 0) {
+      std::vector<at::Tensor> send{sending};
+      sent = pg.send(send, prev, tag);
+    }
+    if (len > 0) {
+      std::vector<at::Tensor> recv{got_values};
+      got = pg.recv(recv, next, tag);
+    }
+    if (got) got->wait();
+    if (sent) sent->wait();
+    at::Tensor sum = (k + 2 == size ? owned : partial[k % 2]).narrow(0, 0, len);
+    if (len > 0) combine(mine, got_values, op, sum);
     sending = sum;
   }
+  if (aligned) return;
+  // Block r holds elements [begin_of(r), begin_of(r + 1)); chunk c is [c*n, (c+1)*n).
+  const int tag = static_cast<int>((seq % (1 << 20)) * 64 + 63);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<std::vector<at::Tensor>> keep;
+  for (int peer = 0; peer < size; ++peer) {
+    // Mine that its chunk holds, and its that my chunk holds.
+    const int64_t send_lo = std::max(begin_of(rank), peer * n);
+    const int64_t send_hi = std::min(begin_of(rank + 1), (peer + 1) * n);
+    const int64_t recv_lo = std::max(begin_of(peer), rank * n);
+    const int64_t recv_hi = std::min(begin_of(peer + 1), (rank + 1) * n);
+    if (peer == rank) {
+      if (send_hi > send_lo) {
+        out.narrow(0, send_lo - rank * n, send_hi - send_lo)
+            .copy_(owned.narrow(0, send_lo - begin_of(rank), send_hi - send_lo));
+      }
+      continue;
+    }
+    if (send_hi > send_lo) {
+      keep.push_back({owned.narrow(0, send_lo - begin_of(rank), send_hi - send_lo)});
+      works.push_back(pg.send(keep.back(), peer, tag));
+    }
+    if (recv_hi > recv_lo) {
+      keep.push_back({out.narrow(0, recv_lo - rank * n, recv_hi - recv_lo)});
+      works.push_back(pg.recv(keep.back(), peer, tag));
+    }
+  }
+  for (auto& w : works) w->wait();
 }
 
 // All-gather as a ring of point-to-point steps, received straight into the output: at step k

@@ -26,6 +26,9 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "framework/checkpoint/hash.h"
@@ -134,17 +137,21 @@ TEST(Resume, Fp16WithGradScalerIsBitwiseExactScalesIncluded) {
                          "--set precision.scaler.growth_interval=3");
 }
 
+// Saved in the per_parameter layout at 4 ranks; read back at 2 ranks in the same layout and
+// at 3 in the flat one.
 TEST(Resume, ShardedCheckpointReshardsFromFourRanksToTwoAndThree) {
   const std::string four = tmp("four");
   const std::string eval = "--set train.eval_every=20";
   Result r = run(train_cmd("configs/tiny/fsdp_fp32.yaml", 4, four, eval));
   ASSERT_EQ(r.code, 0) << r.output;
   const double want = std::stod(metrics(four)[20]["val_loss"]);
-  for (int ranks : {2, 3}) {
-    SCOPED_TRACE(::testing::Message() << ranks << " ranks");
+  for (const auto& [ranks, layout] :
+       std::vector<std::pair<int, std::string>>{{2, "per_parameter"}, {3, "flat"}}) {
+    SCOPED_TRACE(::testing::Message() << ranks << " ranks, " << layout);
     const std::string dir = tmp("at" + std::to_string(ranks));
-    Result s = run(train_cmd("configs/tiny/fsdp_fp32.yaml", ranks, dir,
-                             eval + " --resume " + four + "/step_00000020"));
+    Result s = run(train_cmd(
+        "configs/tiny/fsdp_fp32.yaml", ranks, dir,
+        eval + " --set parallel.shard_layout=" + layout + " --resume " + four + "/step_00000020"));
     ASSERT_EQ(s.code, 0) << s.output;
     EXPECT_NE(s.output.find("written at 4 rank(s)"), std::string::npos) << s.output;
     auto m = metrics(dir);

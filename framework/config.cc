@@ -371,6 +371,7 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.read("forward_prefetch", p.forward_prefetch);
   s.read("backward_prefetch", p.backward_prefetch);
   s.read("limit_all_gathers", p.limit_all_gathers);
+  s.read_choice("shard_layout", p.shard_layout);
   s.read_list("wrap_modules", p.wrap_modules);
   s.read("wrap_min_params", p.wrap_min_params);
   s.read("hybrid_group_size", p.hybrid_group_size);

@@ -142,6 +142,7 @@ struct ParallelConfig {
   bool forward_prefetch = false;
   bool backward_prefetch = true;
   int64_t limit_all_gathers = 2;
+  sharding::ShardLayout shard_layout = sharding::ShardLayout::kPerParameter;
   // FSDP auto-wrap: which of the model's wrap points become units (class names; empty: all),
   // and the fewest parameters a unit must hold.
   std::vector<std::string> wrap_modules;

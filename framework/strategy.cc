@@ -31,6 +31,7 @@ sharding::FSDPOptions fsdp_options(const RunConfig& c, amp::NumericsMonitor* mon
       .forward_prefetch(p.forward_prefetch)
       .backward_prefetch(p.backward_prefetch)
       .limit_all_gathers(p.limit_all_gathers)
+      .shard_layout(p.shard_layout)
       .hybrid_group_size(p.hybrid_group_size)
       .monitor(monitor);
   return o;

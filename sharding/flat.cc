@@ -5,11 +5,70 @@
 #include <c10/core/Storage.h>
 #include <c10/util/strides.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <vector>
 
 namespace dtrain::sharding {
+
+int64_t place_params(ShardLayout layout, const std::vector<std::vector<int64_t>>& shapes, int64_t n,
+                     std::vector<ParamPlace>& out) {
+  out.clear();
+  int64_t total = 0, used = 0;
+  for (const auto& shape : shapes) {
+    ParamPlace p;
+    p.offset = total;
+    p.numel = 1;
+    for (int64_t d : shape) p.numel *= d;
+    if (layout == ShardLayout::kPerParameter) {
+      const int64_t rows = shape.empty() ? 1 : shape[0];
+      const int64_t row_numel = rows > 0 ? p.numel / rows : 0;
+      p.chunk = (rows + n - 1) / n * row_numel;
+      p.shard_at = used;
+      used += p.chunk;
+    }
+    total += p.numel;
+    out.push_back(p);
+  }
+  if (layout == ShardLayout::kFlat) used = (total + n - 1) / n;
+  return std::max<int64_t>(1, used);
+}
+
+Located locate(ShardLayout layout, const ParamPlace& p, int64_t shard_size, int64_t e) {
+  Located l;
+  if (layout == ShardLayout::kPerParameter) {
+    l.rank = e / p.chunk;
+    const int64_t in = e - l.rank * p.chunk;
+    l.pos = p.shard_at + in;
+    l.run = std::min(p.chunk - in, p.numel - e);
+  } else {
+    const int64_t u = p.offset + e;
+    l.rank = u / shard_size;
+    l.pos = u - l.rank * shard_size;
+    l.run = std::min(shard_size - l.pos, p.numel - e);
+  }
+  return l;
+}
+
+Held held_by(ShardLayout layout, const ParamPlace& p, int64_t shard_size, int64_t r) {
+  Held h;
+  if (layout == ShardLayout::kPerParameter) {
+    h.begin = std::min(r * p.chunk, p.numel);
+    h.count = std::min(p.chunk, p.numel - h.begin);
+    h.pos = p.shard_at;
+  } else {
+    const int64_t lo = r * shard_size;
+    const int64_t begin = std::max(p.offset, lo);
+    const int64_t end = std::min(p.offset + p.numel, lo + shard_size);
+    if (end > begin) {
+      h.begin = begin - p.offset;
+      h.count = end - begin;
+      h.pos = begin - lo;
+    }
+  }
+  return h;
+}
 
 at::Tensor flat_slot(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape) {
   return flat_slot(flat, offset, shape, c10::contiguous_strides(shape));

@@ -5,6 +5,8 @@
 //                    LibTorch's Optimizer::zero_grad() calls detach_() on every gradient and
 //                    autograd refuses detach_() on views
 //   divide_factors   how a gradient reduction averages: before and after the collective
+//   ParamPlace,      where a unit's shards hold each parameter's elements (ShardLayout),
+//   locate           for the unit itself and for sharded checkpoints read at another size
 //   free_storage /   drop and re-create a buffer's memory while keeping its Storage object,
 //   alloc_storage    so every tensor that views it (parameters, tensors autograd saved in
 //                    forward) sees the data again once it is refilled (FSDP's reshard and
@@ -16,8 +18,42 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
+
+#include "sharding/sharding_strategy.h"
 
 namespace dtrain::sharding {
+
+// One parameter of a unit sharded over N ranks, each holding a shard of S elements.
+struct ParamPlace {
+  int64_t offset = 0;  // first element in the unit's parameters flattened and concatenated
+  int64_t numel = 0;
+  int64_t chunk = 0;     // per_parameter: elements per rank, padding included
+  int64_t shard_at = 0;  // per_parameter: where its chunk starts in every rank's shard
+};
+
+// Places the parameters (their shapes, in order) for a shard group of n ranks; returns S.
+// per_parameter: chunk = ceil(dim0 / n) rows (a 0-dim parameter is one row).
+int64_t place_params(ShardLayout layout, const std::vector<std::vector<int64_t>>& shapes, int64_t n,
+                     std::vector<ParamPlace>& out);
+
+// Element e of a parameter: the rank holding it, its position in that rank's shard, and how
+// many of the parameter's elements from e on follow it there (at least 1).
+struct Located {
+  int64_t rank = 0;
+  int64_t pos = 0;
+  int64_t run = 0;
+};
+Located locate(ShardLayout layout, const ParamPlace& p, int64_t shard_size, int64_t e);
+
+// The parameter's elements that rank r holds: [begin, begin + count) of the parameter, at
+// `pos` in r's shard (count may be 0).
+struct Held {
+  int64_t begin = 0;
+  int64_t count = 0;
+  int64_t pos = 0;
+};
+Held held_by(ShardLayout layout, const ParamPlace& p, int64_t shard_size, int64_t r);
 
 at::Tensor flat_slot(const at::Tensor& flat, int64_t offset, at::IntArrayRef shape);
 // The same with explicit strides (a non-contiguous parameter's own layout).

@@ -150,7 +150,8 @@ FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
   pool_ = std::make_unique<BufferPool>(options_.limit_all_gathers());
   for (auto& spec : units) {
     units_.push_back(std::make_unique<FlatUnit>(spec.name, std::move(spec.params), groups_, mp,
-                                                options_.sync_module_states(), pool_.get()));
+                                                options_.sync_module_states(), pool_.get(),
+                                                options_.shard_layout()));
   }
   // Hooks after the units changed the parameters' dtype (which drops their accumulators).
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -571,11 +572,12 @@ std::vector<FSDPState::UnitLayout> FSDPState::layouts() const {
   for (const auto& u : units_) {
     UnitLayout l;
     l.name = u->name();
+    l.layout = u->layout();
     l.numel = u->numel();
     l.shard_size = u->shard_numel();
     l.shard_group_size = u->shard_group_size();
     l.shard_rank = u->shard_rank();
-    for (const auto& p : u->params()) l.params.push_back({p.name, p.shape, p.offset, p.numel});
+    for (const auto& p : u->params()) l.params.push_back({p.name, p.shape, p.place()});
     out.push_back(std::move(l));
   }
   return out;
@@ -590,21 +592,14 @@ std::vector<at::Tensor> FSDPState::flat_shards(const std::vector<at::Tensor>& pa
   return out;
 }
 
-std::vector<at::Tensor> FSDPState::parts_from(const FlatReader& read) const {
-  std::vector<std::vector<at::Tensor>> by_unit;
-  for (size_t u = 0; u < units_.size(); ++u) {
-    const FlatUnit& unit = *units_[u];
-    const int64_t lo = unit.shard_rank() * unit.shard_numel();
-    const int64_t count =
-        std::max<int64_t>(0, std::min(unit.numel(), lo + unit.shard_numel()) - lo);
-    at::Tensor flat = at::zeros({unit.shard_numel()}, unit.master_shard().options());
-    if (count > 0) {
-      flat.narrow(0, 0, count).copy_(read(static_cast<int64_t>(u), lo, count));
-    }
-    by_unit.push_back(unit.parts_of(flat));
-  }
+std::vector<at::Tensor> FSDPState::parts_from(const PartReader& read) const {
   std::vector<at::Tensor> out;
-  for (const auto& [u, i] : order_) out.push_back(by_unit[u][i]);
+  for (const auto& [u, i] : order_) {
+    const auto& p = units_[u]->params()[i];
+    const int64_t count = p.master.numel();
+    out.push_back(count > 0 ? read(u, i, p.master_begin, count).to(p.master.device())
+                            : at::empty({0}, p.master.options().requires_grad(false)));
+  }
   return out;
 }
 

@@ -68,6 +68,9 @@ struct FSDPOptions {
   TORCH_ARG(bool, forward_prefetch) = false;
   TORCH_ARG(bool, backward_prefetch) = true;
   TORCH_ARG(int64_t, limit_all_gathers) = 2;
+  // Which ranks hold which elements (sharding/sharding_strategy.h): fully_shard's dim-0
+  // chunks by default, or FSDP1's flat buffer.
+  TORCH_ARG(ShardLayout, shard_layout) = ShardLayout::kPerParameter;
   // Reduce-scatters on a communicator of their own (see UnitGroups::reduce), as FSDP2 uses a
   // separate CUDA stream for them.
   TORCH_ARG(bool, separate_reduce_group) = true;
@@ -136,23 +139,26 @@ class FSDPState : public GradientSync {
   std::vector<at::Tensor> gather_full(const std::vector<at::Tensor>& parts) const;
   // This rank's parts of module-shaped full tensors (every rank holds them).
   std::vector<at::Tensor> local_parts(const std::vector<at::Tensor>& full) const;
-  // Sharded checkpoints: each unit's flat layout, this rank's flat [S] of a quantity per unit,
-  // and the reverse from a reader of any unit's global flat range (resharding to another
-  // world size reads what the old ranks' files hold of this rank's new range).
+  // Sharded checkpoints: each unit's layout, this rank's flat [S] of a quantity per unit, and
+  // the reverse from a reader of any range of a parameter's elements (resharding to another
+  // world size or layout reads what the old ranks' files hold of this rank's new parts).
   struct UnitLayout {
     std::string name;
+    ShardLayout layout = ShardLayout::kPerParameter;
     int64_t numel = 0, shard_size = 0, shard_group_size = 1, shard_rank = 0;
     struct Entry {
       std::string name;
       std::vector<int64_t> shape;
-      int64_t offset = 0, numel = 0;
+      ParamPlace place;
     };
     std::vector<Entry> params;
   };
   std::vector<UnitLayout> layouts() const;
   std::vector<at::Tensor> flat_shards(const std::vector<at::Tensor>& parts) const;
-  using FlatReader = std::function<at::Tensor(int64_t unit, int64_t begin, int64_t count)>;
-  std::vector<at::Tensor> parts_from(const FlatReader& read) const;
+  // Elements [begin, begin + count) of parameter `param` (in its unit's order) of unit `unit`.
+  using PartReader =
+      std::function<at::Tensor(int64_t unit, int64_t param, int64_t begin, int64_t count)>;
+  std::vector<at::Tensor> parts_from(const PartReader& read) const;
   // Replaces the masters' values (every rank's part; optimizers keep their state).
   void set_parameters(const std::vector<at::Tensor>& parts);
   bool require_sync() const override { return require_sync_; }

@@ -25,7 +25,7 @@ double since(Clock::time_point t0) {
 
 FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
                    UnitGroups groups, const amp::MixedPrecisionPolicy& policy,
-                   bool sync_module_states, BufferPool* pool)
+                   bool sync_module_states, BufferPool* pool, ShardLayout layout)
     : name_(std::move(name)),
       pool_(pool),
       groups_(std::move(groups)),
@@ -38,6 +38,7 @@ FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tens
     rank_ = groups_.shard->rank();
   }
   replicas_ = groups_.replicate ? groups_.replicate->size() : 1;
+  layout_ = n_ > 1 ? layout : ShardLayout::kFlat;  // one rank: the layouts are the same
   world_ = n_ * replicas_;
   // FSDP2's rule (_get_gradient_divide_factors): fp32 and bf16 gradients are summed, then
   // divided (ReduceOp.AVG: by the shard group after the reduce-scatter, by the replicas after
@@ -62,44 +63,54 @@ FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tens
     p.name = pname;
     p.module_param = t;
     p.shape = t.sizes().vec();
-    p.offset = total_;
-    p.numel = t.numel();
     p.trainable = t.requires_grad();
     frozen_ = frozen_ || !p.trainable;
     trainable_ += p.trainable ? 1 : 0;
-    total_ += p.numel;
     params_.push_back(std::move(p));
   }
-  shard_size_ = std::max<int64_t>(1, (total_ + n_ - 1) / n_);
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& p : params_) shapes.push_back(p.shape);
+  std::vector<ParamPlace> places;
+  shard_size_ = place_params(layout_, shapes, n_, places);
   padded_ = shard_size_ * n_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    p.offset = places[i].offset;
+    p.numel = places[i].numel;
+    p.chunk = places[i].chunk;
+    p.shard_at = places[i].shard_at;
+    total_ += p.numel;
+  }
 
   c10::NoGradGuard no_grad;
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
-  // Every rank starts from rank 0's values (as DDP does), then keeps its slice.
-  at::Tensor flat = at::zeros({padded_}, fp32);
+  // Every rank starts from rank 0's values (as DDP does), then keeps its parts.
+  at::Tensor flat = at::empty({std::max<int64_t>(1, total_)}, fp32);
   for (const auto& p : params_) {
     flat.narrow(0, p.offset, p.numel).copy_(p.module_param.detach().reshape({-1}));
   }
   if (sync_module_states && groups_.world && groups_.world->size() > 1) {
     groups_.world->broadcast(flat, 0).wait();
   }
-  shard_ = flat.narrow(0, rank_ * shard_size_, shard_size_).clone();
-  flat = at::Tensor();
-  const int64_t lo = rank_ * shard_size_, hi = lo + shard_size_;
+  shard_ = at::zeros({shard_size_}, fp32);
   for (auto& p : params_) {
-    const int64_t begin = std::max(p.offset, lo), end = std::min(p.offset + p.numel, hi);
-    const int64_t count = std::max<int64_t>(0, end - begin);
-    p.master = flat_slot(shard_, count > 0 ? begin - lo : 0, {count});
+    const Held h = held_by(layout_, p.place(), shard_size_, rank_);
+    if (h.count > 0) {
+      shard_.narrow(0, h.pos, h.count).copy_(flat.narrow(0, p.offset + h.begin, h.count));
+    }
+    p.master = flat_slot(shard_, h.pos, {h.count});
     p.master.requires_grad_(p.trainable);
-    p.master_begin = count > 0 ? begin - p.offset : 0;
+    p.master_begin = h.begin;
+    p.master_at = h.pos;
   }
+  flat = at::Tensor();
 
   const auto compute = at::TensorOptions().dtype(param_dtype_).device(device);
   empty_ = at::empty({0}, compute);
   if (n_ == 1 && param_dtype_ == at::kFloat) {
     full_ = shard_;  // NO_SHARD in fp32: the module's tensors view the masters themselves
   } else {
-    full_ = at::empty({padded_}, compute);
+    full_ = at::empty({layout_ == ShardLayout::kFlat ? padded_ : total_}, compute);
     if (n_ > 1) free_storage(full_);
   }
   // From here on the module's tensors have param_dtype and are sharded. This is their one
@@ -147,13 +158,21 @@ void FlatUnit::unshard() {
     return;
   }
   if (state_ != State::kSharded) return;
-  alloc_storage(full_, pool_);
+  // flat: the gather writes the parameters' memory. per_parameter: a rank-major buffer whose
+  // chunks wait_unsharded copies out; full_ gets its memory then, so a prefetched gather in
+  // flight holds one copy of the unit, not two.
+  if (layout_ == ShardLayout::kFlat) {
+    alloc_storage(full_, pool_);
+    gathered_ = full_;
+  } else {
+    gathered_ = buffer(padded_, full_.options());
+  }
   // The all-gather input in param_dtype exists only while the gather runs (the collective
   // keeps it alive): a persistent copy would add param_dtype bytes / N to the steady state.
   at::Tensor input = param_dtype_ == at::kFloat ? shard_ : shard_.to(param_dtype_);
   std::optional<trace::Label> label;
   if (trace::enabled()) label.emplace("fsdp unit " + name_);
-  gather_ = groups_.shard->all_gather(input, full_);
+  gather_ = groups_.shard->all_gather(input, gathered_);
   works_.push_back(gather_);
   state_ = State::kGathering;
 }
@@ -165,8 +184,75 @@ void FlatUnit::wait_unsharded(double* waited_s) {
   gather_.wait();
   if (waited_s != nullptr) *waited_s += since(t0);
   gather_ = comm::Work();
+  if (layout_ == ShardLayout::kPerParameter) {
+    c10::NoGradGuard no_grad;
+    alloc_storage(full_, pool_);
+    copy_out(gathered_, full_);
+  }
+  gathered_ = at::Tensor();
   state_ = State::kUnsharded;
   point_module_params_at_full();
+}
+
+at::Tensor FlatUnit::buffer(int64_t numel, const at::TensorOptions& options) const {
+  return pool_ != nullptr ? pool_->empty(numel, options) : at::empty({numel}, options);
+}
+
+std::vector<std::pair<at::Tensor, at::Tensor>> FlatUnit::blocks(const Param& p,
+                                                                const at::Tensor& param,
+                                                                const at::Tensor& ranked) const {
+  // An undefined `param` gives undefined first views (only the buffer's are wanted).
+  auto part = [&](int64_t begin, int64_t count) {
+    return param.defined() ? param.narrow(0, begin, count) : at::Tensor();
+  };
+  if (layout_ == ShardLayout::kFlat) {
+    return {{part(0, p.numel), ranked.narrow(0, p.offset, p.numel)}};
+  }
+  std::vector<std::pair<at::Tensor, at::Tensor>> out;
+  if (p.chunk == 0) return out;
+  // Ranks [0, k) hold whole chunks: one [k, chunk] block, strided by S in the buffer; rank
+  // k holds the rest.
+  const int64_t k = p.numel / p.chunk, rest = p.numel - k * p.chunk;
+  if (k > 0) {
+    at::Tensor whole = part(0, k * p.chunk);
+    out.emplace_back(whole.defined() ? whole.view({k, p.chunk}) : whole,
+                     ranked.view({n_, shard_size_}).narrow(0, 0, k).narrow(1, p.shard_at, p.chunk));
+  }
+  if (rest > 0) {
+    out.emplace_back(part(k * p.chunk, rest), ranked.narrow(0, k * shard_size_ + p.shard_at, rest));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> FlatUnit::padding(const at::Tensor& ranked) const {
+  std::vector<at::Tensor> out;
+  if (layout_ == ShardLayout::kFlat) {
+    if (padded_ > total_) out.push_back(ranked.narrow(0, total_, padded_ - total_));
+    return out;
+  }
+  const at::Tensor rows = ranked.view({n_, shard_size_});
+  int64_t used = 0;
+  for (const auto& p : params_) {
+    used = std::max(used, p.shard_at + p.chunk);
+    if (p.chunk == 0) continue;
+    const int64_t k = p.numel / p.chunk, rest = p.numel - k * p.chunk;
+    if (rest > 0)
+      out.push_back(ranked.narrow(0, k * shard_size_ + p.shard_at + rest, p.chunk - rest));
+    const int64_t empty_from = k + (rest > 0 ? 1 : 0);
+    if (empty_from < n_) {
+      out.push_back(rows.narrow(0, empty_from, n_ - empty_from).narrow(1, p.shard_at, p.chunk));
+    }
+  }
+  if (used < shard_size_) out.push_back(rows.narrow(1, used, shard_size_ - used));
+  return out;
+}
+
+void FlatUnit::copy_out(const at::Tensor& ranked, const at::Tensor& out) const {
+  for (const auto& p : params_) {
+    for (auto& [param, ranked_part] : blocks(p, out.narrow(0, p.offset, p.numel), ranked)) {
+      param.copy_(ranked_part);
+    }
+  }
 }
 
 void FlatUnit::reshard() {
@@ -177,6 +263,7 @@ void FlatUnit::reshard() {
   if (state_ == State::kSharded) return;
   if (state_ == State::kGathering) gather_.wait();  // never free what a collective writes
   gather_ = comm::Work();
+  gathered_ = at::Tensor();
   c10::NoGradGuard no_grad;
   for (auto& p : params_) p.module_param.set_data(empty_);
   free_storage(full_);
@@ -184,9 +271,8 @@ void FlatUnit::reshard() {
 }
 
 void FlatUnit::alloc_reduce_full() {
-  const auto opts = at::TensorOptions().dtype(reduce_dtype_).device(shard_.device());
-  reduce_full_ = pool_ != nullptr ? pool_->empty(padded_, opts) : at::empty({padded_}, opts);
-  if (padded_ > total_) reduce_full_.narrow(0, total_, padded_ - total_).zero_();
+  reduce_full_ = buffer(padded_, at::TensorOptions().dtype(reduce_dtype_).device(shard_.device()));
+  for (auto& pad : padding(reduce_full_)) pad.zero_();
 }
 
 bool FlatUnit::count_ready(int64_t i) {
@@ -204,15 +290,15 @@ bool FlatUnit::take_module_grad(int64_t i) {
   if (!g.defined()) return false;
   c10::NoGradGuard no_grad;
   if (!reduce_full_.defined()) alloc_reduce_full();
-  at::Tensor slot = reduce_full_.narrow(0, p.offset, p.numel);
-  at::Tensor src = g.reshape({-1});
   // Averaging, fused with the copy when no cast is needed (FSDP divides in the reduce
   // dtype, after the cast).
-  if (src.scalar_type() == reduce_dtype_ && pre_ != 1) {
-    at::div_out(slot, src, at::scalar_tensor(pre_, src.options().device(at::kCPU)));
-  } else {
-    slot.copy_(src);
-    if (pre_ != 1) slot.div_(pre_);
+  for (auto& [src, slot] : blocks(p, g.reshape({-1}), reduce_full_)) {
+    if (src.scalar_type() == reduce_dtype_ && pre_ != 1) {
+      at::div_out(slot, src, at::scalar_tensor(pre_, src.options().device(at::kCPU)));
+    } else {
+      slot.copy_(src);
+      if (pre_ != 1) slot.div_(pre_);
+    }
   }
   g.reset();  // the unsharded gradient is no longer needed
   filled_[i] = true;
@@ -235,7 +321,7 @@ void FlatUnit::launch_reduce() {
     if (filled_[i] || (params_[i].trainable && take_module_grad(static_cast<int64_t>(i)))) {
       continue;
     }
-    reduce_full_.narrow(0, params_[i].offset, params_[i].numel).zero_();
+    for (auto& block : blocks(params_[i], at::Tensor(), reduce_full_)) block.second.zero_();
   }
   std::optional<trace::Label> label;
   if (trace::enabled()) label.emplace("fsdp unit " + name_);
@@ -280,12 +366,9 @@ void FlatUnit::finish_reduce(double* waited_s) {
   for (const auto& p : params_) fresh = fresh || (p.trainable && !p.master.grad().defined());
   if (fresh) {
     grad_shard_ = reduce_shard_.scalar_type() == target ? reduce_shard_ : reduce_shard_.to(target);
-    const int64_t lo = rank_ * shard_size_;
     for (auto& p : params_) {
-      if (!p.trainable) continue;
-      const int64_t count = p.master.numel();
-      p.master.mutable_grad() =
-          flat_slot(grad_shard_, count > 0 ? p.offset + p.master_begin - lo : 0, {count});
+      if (p.trainable)
+        p.master.mutable_grad() = flat_slot(grad_shard_, p.master_at, {p.master.numel()});
     }
   } else {
     grad_shard_.add_(reduce_shard_);  // a second backward before the optimizer step
@@ -313,30 +396,29 @@ void FlatUnit::reset_backward() {
 at::Tensor FlatUnit::gather(const at::Tensor& flat) const {
   c10::NoGradGuard no_grad;
   if (n_ == 1) return flat.narrow(0, 0, total_).clone();
-  at::Tensor full = at::empty({padded_}, flat.options());
-  groups_.shard->all_gather(flat.contiguous(), full).wait();
-  return full.narrow(0, 0, total_);
+  at::Tensor ranked = at::empty({padded_}, flat.options());
+  groups_.shard->all_gather(flat.contiguous(), ranked).wait();
+  if (layout_ == ShardLayout::kFlat) return ranked.narrow(0, 0, total_);
+  at::Tensor full = at::empty({total_}, flat.options());
+  copy_out(ranked, full);
+  return full;
 }
 
 at::Tensor FlatUnit::flat_of(const std::vector<at::Tensor>& parts) const {
   c10::NoGradGuard no_grad;
   at::Tensor flat = at::zeros({shard_size_}, shard_.options());
-  const int64_t lo = rank_ * shard_size_;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     if (!parts[i].defined() || p.master.numel() == 0) continue;
-    flat.narrow(0, p.offset + p.master_begin - lo, p.master.numel()).copy_(parts[i].reshape({-1}));
+    flat.narrow(0, p.master_at, p.master.numel()).copy_(parts[i].reshape({-1}));
   }
   return flat;
 }
 
 std::vector<at::Tensor> FlatUnit::parts_of(const at::Tensor& flat) const {
   std::vector<at::Tensor> out;
-  const int64_t lo = rank_ * shard_size_;
-  for (const auto& p : params_) {
-    const int64_t count = p.master.numel();
-    out.push_back(flat.narrow(0, count > 0 ? p.offset + p.master_begin - lo : 0, count).clone());
-  }
+  for (const auto& p : params_)
+    out.push_back(flat.narrow(0, p.master_at, p.master.numel()).clone());
   return out;
 }
 

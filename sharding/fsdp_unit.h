@@ -1,10 +1,10 @@
-// FlatUnit: one FSDP unit's parameters as one flat buffer, sharded over a group of ranks.
+// FlatUnit: one FSDP unit's parameters, sharded over a group of ranks.
 //
-// Layout (FSDP1's FlatParameter, chosen over FSDP2's per-parameter dim-0 shards because the
-// gathered buffer *is* the parameters, so neither the all-gather nor the reduce-scatter
-// needs a copy to or from a rank-major layout): the unit's parameters, flattened in
-// registration order, concatenated and zero-padded to a multiple of the shard group size N.
-// Rank r owns the contiguous slice [r*S, (r+1)*S), S = padded / N.
+// Layout (ShardLayout, sharding/sharding_strategy.h): per_parameter by default, FSDP2's
+// dim-0 chunks, so each gradient element is owned, and so summed by the reduce-scatter, as
+// fully_shard's is; or flat, FSDP1's FlatParameter, where the gathered buffer is the
+// parameters themselves. Either way rank r's shard is one buffer of S elements, and the
+// collectives run on rank-major buffers of N*S elements (rank r's shard at r*S).
 //
 // Buffers and who owns them (all on the parameters' device):
 //   shard_        fp32 [S]     the master shard. The optimizer steps `masters`: per
@@ -13,11 +13,15 @@
 //   grad_shard_   fp32 [S]     the masters' .grad (reduce dtype with keep_low_precision_grads)
 //   (a cast)      param [S]    the all-gather input when param_dtype is not fp32, alive
 //                              only while the gather runs
-//   full_         param [N*S]  the gathered parameters. Its Storage object lives as long as
-//                              the unit; resharding frees its memory and unsharding refills
-//                              it, so tensors autograd saved from the parameters in forward
-//                              (weight.t() views) read the re-gathered data in backward.
-//   reduce_full_  reduce [N*S] gradients, pre-divided, for the reduce-scatter (per backward)
+//   gathered_     param [N*S]  per_parameter: the all-gather output, alive until its chunks
+//                              are copied out into full_
+//   full_         param        the gathered parameters, flattened and concatenated (flat:
+//                              the all-gather output itself, [N*S]). Its Storage object lives
+//                              as long as the unit; resharding frees its memory and
+//                              unsharding refills it, so tensors autograd saved from the
+//                              parameters in forward (weight.t() views) read the re-gathered
+//                              data in backward.
+//   reduce_full_  reduce [N*S] gradients, pre-divided, rank-major, for the reduce-scatter
 //   reduce_shard_ reduce [S]   its result
 // The module's own parameter tensors keep their identity (names, autograd accumulators) and
 // always have param_dtype: they view full_ while unsharded and hold 0-element tensors while
@@ -27,7 +31,7 @@
 //
 // Group sizes: the shard group (N ranks) all-gathers and reduce-scatters; the replicate
 // group (HYBRID_SHARD, NO_SHARD) all-reduces the reduced shard. N = 1 (NO_SHARD) skips the
-// gather: full_ is shard_ itself in fp32, or its cast.
+// gather: full_ is shard_ itself in fp32, or its cast (both layouts are the same there).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -60,11 +64,15 @@ class FlatUnit {
     std::string name;         // as in the unwrapped module (state-dict key)
     at::Tensor module_param;  // the module's own tensor, re-pointed (param_dtype)
     std::vector<int64_t> shape;
-    int64_t offset = 0;  // first element in the unpadded flat layout
+    int64_t offset = 0;  // first element in the unit's parameters flattened and concatenated
     int64_t numel = 0;
+    int64_t chunk = 0;     // per_parameter: elements per rank, padding included
+    int64_t shard_at = 0;  // per_parameter: where its chunk starts in every rank's shard
     bool trainable = true;
     at::Tensor master;         // this rank's part: 1-D fp32 slot of shard_, possibly empty
     int64_t master_begin = 0;  // index of master[0] within the flattened parameter
+    int64_t master_at = 0;     // index of master[0] within shard_
+    ParamPlace place() const { return {offset, numel, chunk, shard_at}; }
   };
   enum class State { kSharded, kGathering, kUnsharded };
 
@@ -74,7 +82,7 @@ class FlatUnit {
   // `pool` (may be null; must outlive the unit) recycles the gathered and gradient buffers.
   FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
            UnitGroups groups, const amp::MixedPrecisionPolicy& policy, bool sync_module_states,
-           BufferPool* pool = nullptr);
+           BufferPool* pool = nullptr, ShardLayout layout = ShardLayout::kPerParameter);
   FlatUnit(const FlatUnit&) = delete;
   FlatUnit& operator=(const FlatUnit&) = delete;
 
@@ -85,6 +93,8 @@ class FlatUnit {
   int64_t shard_numel() const { return shard_size_; }
   int64_t shard_group_size() const { return n_; }
   int64_t shard_rank() const { return rank_; }
+  // The layout in use (flat when N = 1, where both are the same).
+  ShardLayout layout() const { return layout_; }
   bool has_frozen_params() const { return frozen_; }
   // Parameters that take gradients (0: an all-frozen unit, which is never reduced).
   int64_t trainable_count() const { return trainable_; }
@@ -136,8 +146,8 @@ class FlatUnit {
   at::Tensor flat_of(const std::vector<at::Tensor>& parts) const;
   // parts_of: the reverse, from this rank's flat [S] (copies).
   std::vector<at::Tensor> parts_of(const at::Tensor& flat) const;
-  // gather: every rank's flat [S] of a quantity, as the unit's full flat (collective over the
-  // shard group; numel() elements).
+  // gather: every rank's flat [S] of a quantity, as the unit's parameters flattened and
+  // concatenated (collective over the shard group; numel() elements).
   at::Tensor gather(const at::Tensor& flat) const;
   // This rank's fp32 master shard [S] (padding included).
   const at::Tensor& master_shard() const { return shard_; }
@@ -147,6 +157,16 @@ class FlatUnit {
 
  private:
   void point_module_params_at_full();
+  // A parameter's elements as pairs of same-shaped views: of `param` (its values flattened)
+  // and of `ranked`, a rank-major [N*S] buffer; at most two blocks.
+  std::vector<std::pair<at::Tensor, at::Tensor>> blocks(const Param& p, const at::Tensor& param,
+                                                        const at::Tensor& ranked) const;
+  // The views of a rank-major buffer that no parameter element occupies (zero in every
+  // reduce-scatter input).
+  std::vector<at::Tensor> padding(const at::Tensor& ranked) const;
+  // The parameters flattened and concatenated (numel() elements) from a rank-major buffer.
+  void copy_out(const at::Tensor& ranked, const at::Tensor& out) const;
+  at::Tensor buffer(int64_t numel, const at::TensorOptions& options) const;
   // Moves params()[i]'s module .grad, pre-divided, into reduce_full_ (false: it has none).
   bool take_module_grad(int64_t i);
   void alloc_reduce_full();
@@ -166,11 +186,12 @@ class FlatUnit {
   // before and post_ after the sum (fp16, as DDP).
   bool average_after_ = false;
   double pre_ = 1, post_ = 1;
+  ShardLayout layout_ = ShardLayout::kPerParameter;
   int64_t total_ = 0, padded_ = 0, shard_size_ = 0;
   bool frozen_ = false;
   int64_t trainable_ = 0;
 
-  at::Tensor shard_, grad_shard_, full_, empty_;
+  at::Tensor shard_, grad_shard_, full_, gathered_, empty_;
   at::Tensor reduce_full_, reduce_shard_;
   State state_ = State::kSharded;
   bool stale_ = true;  // N = 1: full_ must be refreshed from the masters

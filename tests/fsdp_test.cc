@@ -184,12 +184,16 @@ TEST_F(Test, ParameterNamesAreTheUnwrappedModulesAndTiedWeightsAppearOnce) {
     mine += t.numel();
   }
   EXPECT_EQ(got, names);
-  // Sharded: each rank holds about 1/N of every unit (plus at most N - 1 padding each).
-  int64_t total = 0;
-  for (const auto& n : names) total += plain->named_parameters()[n].numel();
+  // Sharded as fully_shard shards: rank r holds chunk r of every parameter cut on dim 0
+  // (torch.chunk: ceil(dim0 / N) rows each, none where there are fewer chunks than ranks).
+  int64_t want = 0;
+  for (const auto& n : names) {
+    const at::Tensor t = plain->named_parameters()[n];
+    const auto chunks = (t.dim() == 0 ? t.reshape({1}) : t).chunk(world().size(), 0);
+    if (world().rank() < static_cast<int>(chunks.size())) want += chunks[world().rank()].numel();
+  }
+  EXPECT_EQ(mine, want);
   const int64_t units = static_cast<int64_t>(fsdp.state().units().size());
-  EXPECT_LE(mine, total / world().size() + units * world().size());
-  EXPECT_GE(mine, total / world().size() - units * world().size());
   // Two blocks and the root (embeddings, final norm; the head is the tied embedding).
   EXPECT_EQ(units, 3);
 }

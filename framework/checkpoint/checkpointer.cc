@@ -20,6 +20,7 @@
 #include "amp/numerics.h"
 #include "comm/communicator.h"
 #include "comm/types.h"
+#include "core/choices.h"
 #include "core/error.h"
 #include "core/logging.h"
 #include "framework/checkpoint/atomic_file.h"
@@ -480,8 +481,11 @@ void describe_model(const CheckpointParts& p, bool sharded, ckpt::Meta& m) {
   }
   if (!sharded) return;
   for (const auto& l : p.fsdp->layouts()) {
-    ckpt::UnitMeta unit{l.name, l.numel, l.shard_size, l.shard_group_size, {}};
-    for (const auto& e : l.params) unit.params.push_back({e.name, e.shape, e.offset, e.numel});
+    ckpt::UnitMeta unit{l.name, name_of(l.layout), l.numel, l.shard_size, l.shard_group_size, {}};
+    for (const auto& e : l.params) {
+      unit.params.push_back(
+          {e.name, e.shape, e.place.offset, e.place.numel, e.place.chunk, e.place.shard_at});
+    }
     m.units.push_back(std::move(unit));
   }
 }
@@ -791,18 +795,22 @@ void read_sharded(const CheckpointParts& p, const Source& src, const Params& par
     return cache.at(w);
   };
   const c10::Device device = p.fsdp->all_parameters().front().second.device();
+  // Elements of a parameter from whichever files the saving run's layout put them in.
   auto reader = [&](const std::string& what) {
-    return [&, what](int64_t unit, int64_t begin, int64_t count) {
-      const int64_t size = units[unit].shard_size;
-      at::Tensor flat_out = at::empty({count}, at::kFloat);
-      for (int64_t pos = begin; pos < begin + count;) {
-        const int64_t q = pos / size, in = pos - q * size;
-        const int64_t n = std::min(begin + count - pos, size - in);
-        at::Tensor flat = shard_file(q).at(layouts[unit].name + "|" + what).toTensor();
-        flat_out.narrow(0, pos - begin, n).copy_(flat.narrow(0, in, n));
-        pos += n;
+    return [&, what](int64_t unit, int64_t param, int64_t begin, int64_t count) {
+      const ckpt::UnitMeta& saved = units[unit];
+      const ckpt::UnitParamMeta& e = saved.params[param];
+      const auto layout = choice_from_name<sharding::ShardLayout>(saved.layout).value();
+      const sharding::ParamPlace place{e.offset, e.numel, e.chunk, e.shard_at};
+      at::Tensor out = at::empty({count}, at::kFloat);
+      for (int64_t i = begin; i < begin + count;) {
+        const sharding::Located l = sharding::locate(layout, place, saved.shard_size, i);
+        const int64_t n = std::min(begin + count - i, l.run);
+        at::Tensor flat = shard_file(l.rank).at(layouts[unit].name + "|" + what).toTensor();
+        out.narrow(0, i - begin, n).copy_(flat.narrow(0, l.pos, n));
+        i += n;
       }
-      return flat_out.to(device);
+      return out.to(device);
     };
   };
   out.values = p.fsdp->parts_from(reader("params"));

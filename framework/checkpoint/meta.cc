@@ -146,12 +146,30 @@ class Reader {
     // Positions in the flat buffer are divided by it (which shard file holds them).
     unit.shard_size = integer(n, path, "shard_size", 1, kMost);
     unit.shard_group_size = integer(n, path, "shard_group_size", 1, INT_MAX);
+    if (n["layout"]) {
+      unit.layout = text(n, path, "layout");
+      if (unit.layout != "flat" && unit.layout != "per_parameter") {
+        fail(join(path, "layout"), "'" + unit.layout + "' is neither per_parameter nor flat");
+      }
+    }
+    const bool per_parameter = unit.layout == "per_parameter";
     const YAML::Node ps = sequence(n, path, "params");
     for (size_t i = 0; i < ps.size(); ++i) {
       const std::string ppath = at(path + ".params", i);
-      unit.params.push_back({text(ps[i], ppath, "name"), shape(ps[i], ppath),
-                             integer(ps[i], ppath, "offset", 0, kMost),
-                             integer(ps[i], ppath, "numel", 0, kMost)});
+      UnitParamMeta e{text(ps[i], ppath, "name"), shape(ps[i], ppath),
+                      integer(ps[i], ppath, "offset", 0, kMost),
+                      integer(ps[i], ppath, "numel", 0, kMost)};
+      if (per_parameter) {
+        // A file's chunk of the parameter lies inside the file.
+        e.chunk = integer(ps[i], ppath, "chunk", 0, unit.shard_size);
+        e.shard_at = integer(ps[i], ppath, "shard_at", 0, unit.shard_size - e.chunk);
+        if (e.chunk < (e.numel + unit.shard_group_size - 1) / unit.shard_group_size) {
+          fail(join(ppath, "chunk"), std::to_string(e.chunk) + " elements in each of " +
+                                         std::to_string(unit.shard_group_size) +
+                                         " files cannot hold " + std::to_string(e.numel));
+        }
+      }
+      unit.params.push_back(std::move(e));
     }
     return unit;
   }
@@ -276,14 +294,19 @@ std::string write_meta(const Meta& m) {
     o << " \"units\": [";
     for (size_t u = 0; u < m.units.size(); ++u) {
       const UnitMeta& l = m.units[u];
-      o << (u ? ",\n  " : "") << "{\"name\": " << json::quote(l.name) << ", \"numel\": " << l.numel
+      o << (u ? ",\n  " : "") << "{\"name\": " << json::quote(l.name)
+        << ", \"layout\": " << json::quote(l.layout) << ", \"numel\": " << l.numel
         << ", \"shard_size\": " << l.shard_size << ", \"shard_group_size\": " << l.shard_group_size
         << ", \"params\": [";
       for (size_t i = 0; i < l.params.size(); ++i) {
         const UnitParamMeta& e = l.params[i];
         o << (i ? ", " : "") << "{\"name\": " << json::quote(e.name)
           << ", \"shape\": " << ints(e.shape) << ", \"offset\": " << e.offset
-          << ", \"numel\": " << e.numel << "}";
+          << ", \"numel\": " << e.numel;
+        if (l.layout == "per_parameter") {
+          o << ", \"chunk\": " << e.chunk << ", \"shard_at\": " << e.shard_at;
+        }
+        o << "}";
       }
       o << "]}";
     }

@@ -33,18 +33,24 @@ struct ParamMeta {
   std::string dtype;  // comm::dtype_name: fp32, bf16, ...
 };
 
-// One parameter's slice of an FSDP unit's flat buffer.
+// One parameter of an FSDP unit: where the shard files hold its elements
+// (sharding::ParamPlace).
 struct UnitParamMeta {
   std::string name;
   std::vector<int64_t> shape;
-  int64_t offset = 0;  // in the unit's flat buffer
+  int64_t offset = 0;  // in the unit's parameters flattened and concatenated
   int64_t numel = 0;
+  int64_t chunk = 0;     // per_parameter: elements per shard file
+  int64_t shard_at = 0;  // per_parameter: where they start in every shard file
 };
 
 // One FSDP unit (sharded checkpoints).
 struct UnitMeta {
   std::string name;
-  int64_t numel = 0;       // the unit's flat buffer, unpadded
+  // per_parameter or flat (sharding::ShardLayout); checkpoints written before the choice
+  // existed are flat.
+  std::string layout = "flat";
+  int64_t numel = 0;       // the unit's parameters, unpadded
   int64_t shard_size = 0;  // elements per shard file
   int64_t shard_group_size = 1;
   std::vector<UnitParamMeta> params;

@@ -6,7 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 
@@ -20,9 +22,16 @@ Meta sharded_meta() {
   m.world_size = 3;
   m.parameters = {{"blocks.0.\"odd\"\\name\n", {4, 2}, "fp32"}, {"bias", {}, "fp32"}};
   m.optimizer_keys = {"exp_avg", "exp_avg_sq"};
-  m.units = {
-      {"blocks.0", 9, 3, 3, {{"blocks.0.\"odd\"\\name\n", {4, 2}, 0, 8}, {"bias", {}, 8, 1}}},
-      {"", 0, 1, 1, {}}};
+  // At 3 ranks: per_parameter cuts the [4, 2] weight into chunks of 2 rows (4 elements) and
+  // gives the 0-dim bias a chunk of 1 after it; flat cuts the 9 elements into slices of 3.
+  m.units = {{"blocks.0",
+              "per_parameter",
+              9,
+              5,
+              3,
+              {{"blocks.0.\"odd\"\\name\n", {4, 2}, 0, 8, 4, 0}, {"bias", {}, 8, 1, 1, 4}}},
+             {"blocks.1", "flat", 9, 3, 3, {{"w", {4, 2}, 0, 8}, {"b", {}, 8, 1}}},
+             {"", "flat", 0, 1, 1, {}}};
   m.shard_ranks = {0, 1, 2};
   m.files = {{"shard_00000.pt", {"shard_00000.pt", 123, 0xfedcba9876543210ULL}},
              {"rank_00002.pt", {"rank_00002.pt", 7, 1}}};
@@ -48,6 +57,7 @@ void expect_same(const Meta& a, const Meta& b) {
   ASSERT_EQ(a.units.size(), b.units.size());
   for (size_t u = 0; u < a.units.size(); ++u) {
     EXPECT_EQ(a.units[u].name, b.units[u].name);
+    EXPECT_EQ(a.units[u].layout, b.units[u].layout);
     EXPECT_EQ(a.units[u].numel, b.units[u].numel);
     EXPECT_EQ(a.units[u].shard_size, b.units[u].shard_size);
     EXPECT_EQ(a.units[u].shard_group_size, b.units[u].shard_group_size);
@@ -57,6 +67,8 @@ void expect_same(const Meta& a, const Meta& b) {
       EXPECT_EQ(a.units[u].params[i].shape, b.units[u].params[i].shape);
       EXPECT_EQ(a.units[u].params[i].offset, b.units[u].params[i].offset);
       EXPECT_EQ(a.units[u].params[i].numel, b.units[u].params[i].numel);
+      EXPECT_EQ(a.units[u].params[i].chunk, b.units[u].params[i].chunk);
+      EXPECT_EQ(a.units[u].params[i].shard_at, b.units[u].params[i].shard_at);
     }
   }
   EXPECT_EQ(a.shard_ranks, b.shard_ranks);
@@ -109,6 +121,25 @@ TEST(CheckpointMeta, ADamagedFieldIsRefusedByName) {
     EXPECT_NE(std::string(e.what()).find("units[0].shard_group_size"), std::string::npos)
         << e.what();
   }
+  // A chunk that does not fit its files, and a layout nobody writes, are named too.
+  for (const auto& [from_text, to_text, key] : std::vector<std::array<std::string, 3>>{
+           {"\"chunk\": 4", "\"chunk\": 2", "units[0].params[0].chunk"},
+           {"\"shard_at\": 4", "\"shard_at\": 5", "units[0].params[1].shard_at"},
+           {"\"layout\": \"flat\"", "\"layout\": \"diagonal\"", "units[1].layout"}}) {
+    std::string bad = write_meta(sharded_meta());
+    bad.replace(bad.find(from_text), from_text.size(), to_text);
+    try {
+      parse_meta(bad, "test/meta.json");
+      FAIL() << "accepted " << to_text;
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+    }
+  }
+  // Written before the layout was recorded: flat.
+  std::string old = write_meta(sharded_meta());
+  const std::string layout = "\"layout\": \"flat\", ";
+  old.replace(old.find(layout), layout.size(), "");
+  EXPECT_EQ(parse_meta(old, "test/meta.json").units[1].layout, "flat");
   std::string other = write_meta(sharded_meta());
   other.replace(other.find("dtrain-checkpoint"), 17, "someone-elses-fmt");
   EXPECT_THROW(parse_meta(other, "test/meta.json"), CheckpointError);

@@ -32,9 +32,11 @@ int main(int argc, char** argv) {
   dtrain::cli::setup(app, "fsdp_parity");
   dtrain::parity::Args args;
   dtrain::parity::add_options(app, args, "folder for init.pt and dtrain.json");
-  bool fused = false;
+  bool fused = false, flat = false;
   double clip = 0;
   app.add_flag("--fused", fused, "dtrain's fused AdamW (Python's AdamW(fused=True))");
+  app.add_flag("--flat", flat,
+               "FSDP1's flat shard layout instead of fully_shard's per-parameter one");
   app.add_option("--clip", clip, "clip the gradients' total norm to this (0: off)");
   dtrain::cli::parse(app, argc, argv);
 
@@ -43,7 +45,10 @@ int main(int argc, char** argv) {
   TransformerLM model = dtrain::parity::make_model(args);
   const auto policy = dtrain::amp::MixedPrecisionPolicy::preset(args.precision);
   dtrain::sharding::FullyShardedDataParallel<TransformerLM> fsdp(
-      model, world, dtrain::sharding::FSDPOptions().mixed_precision(policy));
+      model, world,
+      dtrain::sharding::FSDPOptions().mixed_precision(policy).shard_layout(
+          flat ? dtrain::sharding::ShardLayout::kFlat
+               : dtrain::sharding::ShardLayout::kPerParameter));
 
   // The start both sides train from (rank 0's values, which FSDP gave every rank). Gathering
   // them is a collective: every rank takes part, rank 0 writes.
