@@ -175,6 +175,7 @@ FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
   ran_since_sync_.assign(units_.size(), false);
   inputs_marked_.assign(units_.size(), 0);
   inputs_pending_.assign(units_.size(), 0);
+  inputs_done_.assign(units_.size(), false);
   trace_forward_start_.assign(units_.size(), -1);
   trace_backward_start_.assign(units_.size(), -1);
   int64_t total = 0, shard = 0;
@@ -208,12 +209,10 @@ bool FSDPState::reshards_after_backward(int64_t unit) const {
 
 void FSDPState::maybe_reshard_in_backward(int64_t unit) {
   FlatUnit& u = *units_[unit];
-  if (!u.grads_done()) return;
-  if (!reshards_after_backward(unit) && (inputs_marked_[unit] == 0 || inputs_pending_[unit] > 0)) {
-    return;  // frozen parameters may still be read: held until the inputs' gradients (or
-             // the end of backward, when no input carried one)
-  }
-  u.reshard();
+  // Once its inputs' gradients are computed, nothing of its backward is left. Before that,
+  // its last gradient ends it unless frozen parameters may still be read (held until the
+  // inputs' gradients, or the end of backward when no input carried one).
+  if (inputs_done_[unit] || (u.grads_done() && reshards_after_backward(unit))) u.reshard();
 }
 
 int64_t FSDPState::gathered_units() const {
@@ -377,6 +376,13 @@ void FSDPState::on_grad_ready(int64_t unit, int64_t param) {
   std::lock_guard<std::mutex> lock(mu_);
   ensure_backward_started();
   FlatUnit& u = *units_[unit];
+  DTRAIN_CHECK_AS(UsageError, !inputs_done_[unit], "FSDP: parameter '", u.params()[param].name,
+                  "' of unit '", u.name(),
+                  "' received its gradient after the gradients of the unit's inputs, so "
+                  "through a tensor computed from it outside the unit's forward (an "
+                  "auxiliary loss on its parameters, say); the unit was already reduced. "
+                  "Compute such terms inside the unit's forward and return them with its "
+                  "outputs.");
   const bool all = require_sync_ ? u.grad_ready(param) : u.count_ready(param);
   if (!all) return;
   ready_[unit] = true;
@@ -398,9 +404,7 @@ void FSDPState::on_grad_ready(int64_t unit, int64_t param) {
 
 at::Tensor FSDPState::unit_input(int64_t unit, const at::Tensor& t) {
   at::Tensor x = cast_input(t, false);
-  if (!grad_forward_ || !x.defined() || !x.requires_grad() || !units_[unit]->has_frozen_params()) {
-    return x;
-  }
+  if (!grad_forward_ || !x.defined() || !x.requires_grad()) return x;
   {
     std::lock_guard<std::mutex> lock(mu_);
     ++inputs_marked_[unit];
@@ -412,7 +416,15 @@ at::Tensor FSDPState::unit_input(int64_t unit, const at::Tensor& t) {
 void FSDPState::post_backward(int64_t unit) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!in_backward_ || inputs_pending_[unit] == 0) return;
-  if (--inputs_pending_[unit] == 0) maybe_reshard_in_backward(unit);
+  if (--inputs_pending_[unit] > 0) return;
+  inputs_done_[unit] = true;
+  if (!ready_[unit]) {
+    // Trainable parameters that did not report are unused in this backward: launch_reduce
+    // takes what earlier no_sync backwards accumulated on them, or zeros.
+    ready_[unit] = true;
+    if (require_sync_) launch_ready();
+  }
+  maybe_reshard_in_backward(unit);
 }
 
 void FSDPState::launch_reduce(FlatUnit& u) {
@@ -423,6 +435,7 @@ void FSDPState::launch_reduce(FlatUnit& u) {
 void FSDPState::reset_input_counts() {
   std::fill(inputs_marked_.begin(), inputs_marked_.end(), 0);
   std::fill(inputs_pending_.begin(), inputs_pending_.end(), 0);
+  std::fill(inputs_done_.begin(), inputs_done_.end(), false);
 }
 
 void FSDPState::launch_ready() {

@@ -109,10 +109,13 @@ class FSDPState : public GradientSync {
   // Inputs: floating tensors cast to param_dtype (the root always when it is low precision,
   // as FSDP's cast_root_forward_inputs; units when cast_forward_inputs).
   at::Tensor cast_input(const at::Tensor& t, bool root) const;
-  // A unit's tensor input: cast_input, then, for a unit holding frozen parameters, passed
-  // through an identity autograd node whose backward runs post_backward(unit) once the
-  // unit's input gradient is computed (FSDP2's RegisterPostBackwardFunction): the moment
-  // its backward no longer reads the gathered parameters.
+  // A unit's tensor input: cast_input, then passed through an identity autograd node whose
+  // backward runs post_backward(unit) once the unit's input gradient is computed (FSDP2's
+  // RegisterPostBackwardFunction): the moment its backward no longer reads the gathered
+  // parameters, and the last moment a gradient of its parameters can arrive through its
+  // outputs. A trainable parameter that has not reported then is unused in this backward:
+  // the unit is reduced and resharded there, not at the end of backward, so frozen and
+  // unused parameters hold back neither the unit nor the reductions after it.
   at::Tensor unit_input(int64_t unit, const at::Tensor& t);
   void post_backward(int64_t unit);
   // The model's outputs: floating tensors cast to output_dtype when set.
@@ -226,6 +229,9 @@ class FSDPState : public GradientSync {
   // Per unit, this iteration: inputs passed through the post-backward node, and how many of
   // them are still waiting for their gradient.
   std::vector<int64_t> inputs_marked_, inputs_pending_;
+  // Per unit, this backward: its inputs' gradients are all computed, so it is complete; a
+  // parameter gradient after that reached the loss around the unit's outputs (refused).
+  std::vector<bool> inputs_done_;
   std::vector<int64_t> backward_order_;  // reduction order, root last
   std::vector<bool> ready_;
   size_t next_launch_ = 0, next_finish_ = 0;  // into backward_order_

@@ -415,13 +415,6 @@ at::Tensor FlatUnit::flat_of(const std::vector<at::Tensor>& parts) const {
   return flat;
 }
 
-std::vector<at::Tensor> FlatUnit::parts_of(const at::Tensor& flat) const {
-  std::vector<at::Tensor> out;
-  for (const auto& p : params_)
-    out.push_back(flat.narrow(0, p.master_at, p.master.numel()).clone());
-  return out;
-}
-
 std::vector<comm::Work> FlatUnit::take_works() {
   std::vector<comm::Work> out;
   out.swap(works_);

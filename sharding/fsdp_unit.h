@@ -144,8 +144,6 @@ class FlatUnit {
   // themselves, an optimizer's state): one 1-D tensor per param, this rank's part.
   // flat_of: those parts as this rank's flat [S] (padding and undefined parts are zeros).
   at::Tensor flat_of(const std::vector<at::Tensor>& parts) const;
-  // parts_of: the reverse, from this rank's flat [S] (copies).
-  std::vector<at::Tensor> parts_of(const at::Tensor& flat) const;
   // gather: every rank's flat [S] of a quantity, as the unit's parameters flattened and
   // concatenated (collective over the shard group; numel() elements).
   at::Tensor gather(const at::Tensor& flat) const;

@@ -54,6 +54,7 @@ struct ZooSpec {
   std::vector<int64_t> calls = {0, 1, 2};  // block indices, in forward order (repeats: reuse)
   std::vector<int> frozen = {0, 0, 0};     // per block: 0 none, 1 weight frozen, 2 all frozen
   int64_t sometimes_unused = -1;           // this block's `extra` runs in all but the last micro
+  bool extra_unused = false;               // no block runs `extra`: unused in every backward
   int64_t skipped_in_last = -1;            // this block does not run in the last micro-batch
   int nograd = 0;                          // no-grad forward: 0 none, 1 before, 2 between, 3 after
   int64_t micro_batches = 1;
@@ -65,7 +66,8 @@ struct ZooSpec {
     os << "], frozen [";
     for (size_t i = 0; i < frozen.size(); ++i) os << (i ? " " : "") << frozen[i];
     os << "], sometimes_unused " << sometimes_unused << ", skipped_in_last " << skipped_in_last
-       << ", nograd " << nograd << ", micro " << micro_batches;
+       << ", nograd " << nograd << ", micro " << micro_batches
+       << (extra_unused ? ", extra unused" : "");
     return os.str();
   }
 };
@@ -188,7 +190,7 @@ class ZooNetImpl : public torch::nn::Module {
     at::Tensor aux = at::zeros({}, h.options());
     for (int64_t b : spec_.calls) {
       if (b == spec_.skipped_in_last && last_micro) continue;
-      const bool use_extra = !(b == spec_.sometimes_unused && last_micro);
+      const bool use_extra = !spec_.extra_unused && !(b == spec_.sometimes_unused && last_micro);
       if (b % 2 == 0) {
         BlockOut o = structs[b / 2]->forward(h, use_extra);
         h = o.hidden;
@@ -508,6 +510,28 @@ TEST_F(Test, FrozenParametersDoNotHoldUnitsGathered) {
   FSDPOptions options;
   options.limit_all_gathers(2);
   check_fsdp(s, options, "FSDP full_shard, frozen weights");
+  FullyShardedDataParallel<ZooNet> model(make_net(s), world_ptr(), options);
+  at::Tensor x = at::randn({kPerRank, kIn}), y = at::randint(0, kClasses, {kPerRank});
+  loss_of(model(x, true), y).backward();
+  if (world().size() > 1) {
+    EXPECT_LE(model.state().peak_gathered_units(), options.limit_all_gathers());
+  }
+}
+
+// Unused parameters in every unit must not keep units gathered until the end of backward, nor
+// hold back the reductions after theirs: each unit is complete once its input's gradient is.
+TEST_F(Test, UnusedParametersDoNotHoldUnitsGathered) {
+  ZooSpec s;
+  s.blocks = 12;
+  s.calls.clear();
+  s.frozen.assign(s.blocks, 0);
+  for (int64_t b = 0; b < s.blocks; ++b) s.calls.push_back(b);
+  s.extra_unused = true;
+  s.steps = 2;
+  s.micro_batches = 2;
+  FSDPOptions options;
+  options.limit_all_gathers(2);
+  check_fsdp(s, options, "FSDP full_shard, unused parameters");
   FullyShardedDataParallel<ZooNet> model(make_net(s), world_ptr(), options);
   at::Tensor x = at::randn({kPerRank, kIn}), y = at::randint(0, kClasses, {kPerRank});
   loss_of(model(x, true), y).backward();
