@@ -36,6 +36,7 @@
 #include "framework/config.h"
 #include "sharding/ddp.h"
 #include "sharding/fsdp.h"
+#include "sharding/recompute.h"
 #include "tests/multirank.h"
 
 namespace dtrain::sharding {
@@ -55,6 +56,7 @@ struct ZooSpec {
   std::vector<int> frozen = {0, 0, 0};     // per block: 0 none, 1 weight frozen, 2 all frozen
   int64_t sometimes_unused = -1;           // this block's `extra` runs in all but the last micro
   bool extra_unused = false;               // no block runs `extra`: unused in every backward
+  bool recompute = false;                  // blocks recompute their forward in backward
   int64_t skipped_in_last = -1;            // this block does not run in the last micro-batch
   int nograd = 0;                          // no-grad forward: 0 none, 1 before, 2 between, 3 after
   int64_t micro_batches = 1;
@@ -67,7 +69,7 @@ struct ZooSpec {
     for (size_t i = 0; i < frozen.size(); ++i) os << (i ? " " : "") << frozen[i];
     os << "], sometimes_unused " << sometimes_unused << ", skipped_in_last " << skipped_in_last
        << ", nograd " << nograd << ", micro " << micro_batches
-       << (extra_unused ? ", extra unused" : "");
+       << (extra_unused ? ", extra unused" : "") << (recompute ? ", recompute" : "");
     return os.str();
   }
 };
@@ -95,13 +97,14 @@ ZooSpec random_spec(uint64_t seed) {
   s.skipped_in_last = pick(-s.blocks, s.blocks - 1);  // none half of the time
   s.nograd = static_cast<int>(pick(0, 3));
   s.micro_batches = pick(1, 3);
+  s.recompute = pick(0, 1) == 1;
   return s;
 }
 
 // What one block computes, shared by both wrap-point types.
 class BlockBase : public torch::nn::Module {
  public:
-  BlockBase(int64_t width, int frozen) {
+  BlockBase(int64_t width, int frozen, bool recompute) : recompute_(recompute) {
     lin = register_module("lin", torch::nn::Linear(width, width));
     extra = register_module("extra", torch::nn::Linear(width, width));
     gain = register_parameter("gain", at::full({}, 1.0));  // 0-dim
@@ -122,10 +125,26 @@ class BlockBase : public torch::nn::Module {
       count.add_(1);
       flag.logical_not_();
     }
-    at::Tensor y = at::tanh(lin(x) * gain + running);
-    if (use_extra) y = y + 0.5 * at::sigmoid(extra(y));
-    return {x + y, (y * y).mean()};
+    auto region = [this, use_extra](const std::vector<at::Tensor>& in) {
+      at::Tensor y = at::tanh(lin(in[0]) * gain + in[1]);
+      if (use_extra) y = y + 0.5 * at::sigmoid(extra(y));
+      return std::vector<at::Tensor>{in[0] + y, (y * y).mean()};
+    };
+    if (!recompute_) {
+      auto out = region({x, running});
+      return {out[0], out[1]};
+    }
+    // The buffer as this call read it: a later call (reuse) changes it before the recompute.
+    std::vector<at::Tensor> params = lin->parameters();
+    params.push_back(gain);
+    if (use_extra) {
+      for (const auto& p : extra->parameters()) params.push_back(p);
+    }
+    auto out = recompute(region, {x, running.clone()}, params);
+    return {out[0], out[1]};
   }
+
+  bool recompute_ = false;
 
  public:
   torch::nn::Linear lin{nullptr}, extra{nullptr};
@@ -168,10 +187,10 @@ class ZooNetImpl : public torch::nn::Module {
     for (int64_t b = 0; b < spec.blocks; ++b) {
       const std::string name = "blocks" + std::to_string(b);
       if (b % 2 == 0) {
-        structs.emplace_back(spec.width, spec.frozen[b]);
+        structs.emplace_back(spec.width, spec.frozen[b], spec.recompute);
         register_module(name, structs.back());
       } else {
-        pairs.emplace_back(spec.width, spec.frozen[b]);
+        pairs.emplace_back(spec.width, spec.frozen[b], spec.recompute);
         register_module(name, pairs.back());
       }
     }
@@ -287,10 +306,15 @@ void zero_grad(const std::vector<at::Tensor>& params) {
   for (auto p : params) p.mutable_grad().reset();
 }
 
-// The reference: one process, the whole batch.
+// The reference: one process, the whole batch, no recompute.
+ZooSpec without_recompute(ZooSpec spec) {
+  spec.recompute = false;
+  return spec;
+}
+
 struct Reference {
   ZooNet net;
-  explicit Reference(const ZooSpec& spec) : net(make_net(spec)) {}
+  explicit Reference(const ZooSpec& spec) : net(make_net(without_recompute(spec))) {}
   void step(const ZooSpec& spec, int64_t step, int64_t total_rows) {
     zero_grad(net->parameters());
     train_step(
@@ -461,6 +485,19 @@ TEST_F(Test, NoGradForwardLeavesTheTrainingForwardAlone) {
     s.nograd = where;
     check_all(s);
   }
+}
+
+// Recompute in every block, with reuse, a frozen weight, unused parameters, no_sync
+// micro-batches and a no-grad forward between: against one process without recompute.
+TEST_F(Test, RecomputedBlocksKeepEveryPatternsGradients) {
+  ZooSpec s;
+  s.recompute = true;
+  s.calls = {0, 1, 0, 2};
+  s.frozen = {0, 1, 0};
+  s.sometimes_unused = 2;
+  s.micro_batches = 2;
+  s.nograd = 2;
+  check_all(s);
 }
 
 TEST_F(Test, NoSyncGradientOfAParameterUnusedInTheLastMicroBatchIsReduced) {
