@@ -412,9 +412,12 @@ void Trainer::setup() {
     // The restored model's validation loss: the same number, at any world size, as the run
     // that wrote the checkpoint logged at this step.
     const double v = validation_loss();
-    logging::info("step ", first_step_, " (restored) val_loss ", logging::fixed(v, 6));
-    metrics_->write(
-        JsonObject().integer("step", first_step_).number("val_loss", v).boolean("restored", true));
+    logging::info("step ", first_step_, " (restored) val_loss ", logging::fixed(v, 6),
+                  perplexity_text(v));
+    JsonObject row;
+    row.integer("step", first_step_).number("val_loss", v);
+    if (language_model()) row.number("val_ppl", std::exp(v), "%.6g");
+    metrics_->write(row.boolean("restored", true));
   }
 }
 
@@ -564,6 +567,16 @@ StepStats Trainer::train_step() {
   return s;
 }
 
+// Validation perplexity, exp(the mean cross-entropy per token), for the config's language
+// model; a classifier's or a user's loss has no tokens to speak of.
+bool Trainer::language_model() const {
+  return task_.per_token_validation && c_.model.type == ModelType::kTransformer;
+}
+
+std::string Trainer::perplexity_text(double val_loss) const {
+  return language_model() ? " val_ppl " + logging::fixed(std::exp(val_loss), 2) : std::string();
+}
+
 // One line in the log and one row in the metrics file for the steps since the last logged
 // one (the loss is their mean, over ranks too). Collective (the mean).
 void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
@@ -584,9 +597,10 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
   if (tty_) std::fprintf(stderr, "\r\033[K");  // the bar gives way to the line
   logging::info(
       "step ", s.step, "/", c_.train.steps, " loss ", logging::fixed(loss, 4),
-      val_loss ? " val_loss " + logging::fixed(*val_loss, 4) : std::string(), " scale ", scale,
-      " grad_norm ", logging::fixed(s.grad_norm, 3), " skipped ", result_.skipped_steps, " lr ",
-      s.lr, " tokens/s ", logging::fixed(tokens_per_s, 0), " step ",
+      val_loss ? " val_loss " + logging::fixed(*val_loss, 4) + perplexity_text(*val_loss)
+               : std::string(),
+      " scale ", scale, " grad_norm ", logging::fixed(s.grad_norm, 3), " skipped ",
+      result_.skipped_steps, " lr ", s.lr, " tokens/s ", logging::fixed(tokens_per_s, 0), " step ",
       logging::fixed(avg_time * 1000, 1), " ms", spread,
       rs ? " comm hidden " + logging::fixed(100 * rs->hidden_fraction(), 0) + "%" : std::string(),
       " peak_rss ", logging::fixed(peak_rss_mb(), 0), " MB",
@@ -602,6 +616,7 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
       .number("comm_hidden", rs ? rs->hidden_fraction() : 1.0, "%.4f")
       .number("peak_rss_mb", peak_rss_mb(), "%.1f");
   if (val_loss) row.number("val_loss", *val_loss);
+  if (val_loss && language_model()) row.number("val_ppl", std::exp(*val_loss), "%.6g");
   metrics_->write(row);
   window_loss_ = window_time_ = 0;
   window_steps_ = 0;

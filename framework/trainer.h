@@ -134,6 +134,8 @@ class Trainer {
   double validation_loss();
   void restore();
   void log_step(const StepStats& s, std::optional<double> val_loss);
+  bool language_model() const;
+  std::string perplexity_text(double val_loss) const;
   void save_checkpoint(const StepStats& s);
   void show_progress(const StepStats& s, bool logged);
   void report();

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -182,6 +183,42 @@ TEST(Metrics, AResumedRunKeepsTheRowsUpToItsStep) {
   EXPECT_EQ(lines, (std::vector<std::string>{"{\"run\":{\"config\":\"resumed\"}}", "{\"step\":1}",
                                              "{\"step\":2}", "{\"step\":3}"}));
   std::remove(path.c_str());
+}
+
+// Each validation row's perplexity is exp(val_loss) for the language model, and a classifier
+// reports none.
+TEST(Metrics, ValidationRowsOfALanguageModelCarryItsPerplexity) {
+  for (const std::string type : {"transformer", "mlp"}) {
+    SCOPED_TRACE(type);
+    const std::string path = ::testing::TempDir() + "/metrics_ppl_" + type + ".jsonl";
+    std::vector<std::string> o = {"logging.metrics_file=" + path, "train.steps=4",
+                                  "train.eval_every=2"};
+    if (type == "transformer") {
+      for (const char* k : {"model.vocab_size=256", "model.seq_len=16", "model.d_model=16",
+                            "model.n_layers=1", "model.n_heads=2", "model.d_ff=32"}) {
+        o.push_back(k);
+      }
+    }
+    RunConfig c = config_with(type, o);
+    train(c, nullptr);
+    std::ifstream in(path);
+    const std::regex val("\"val_loss\":([-0-9.e+]+)"), ppl("\"val_ppl\":([-0-9.e+]+)");
+    int rows = 0;
+    for (std::string line; std::getline(in, line);) {
+      std::smatch v, p;
+      if (!std::regex_search(line, v, val)) continue;
+      ++rows;
+      if (type == "mlp") {
+        EXPECT_FALSE(std::regex_search(line, p, ppl)) << line;
+        continue;
+      }
+      ASSERT_TRUE(std::regex_search(line, p, ppl)) << line;
+      const double want = std::exp(std::stod(v[1].str()));
+      EXPECT_NEAR(std::stod(p[1].str()), want, 1e-5 * want) << line;
+    }
+    EXPECT_EQ(rows, 2);  // steps 2 and 4
+    std::remove(path.c_str());
+  }
 }
 
 }  // namespace
