@@ -276,6 +276,7 @@ void read_data(Section s, DataConfig& d) {
   s.read("seed", d.seed);
   s.read("dtype", d.dtype);
   s.read("val_path", d.val_path);
+  s.read("val_fraction", d.val_fraction);
   auto token_file = [](const std::string& p) {
     auto ends = [&](const char* e) {
       const std::string x(e);
@@ -295,12 +296,16 @@ void read_data(Section s, DataConfig& d) {
           "'" + d.path +
               "' is a token file (.bin/.npy), which data.source: corpus would read as "
               "text bytes: use data.source: tokens");
-  for (const char* key : {"dtype", "val_path"}) {
+  for (const char* key : {"dtype", "val_path", "val_fraction"}) {
     s.check(!s.has(key) || d.source == DataSource::kTokens, key,
             "applies to data.source: tokens, not " + std::string(name_of(d.source)));
   }
   if (d.source == DataSource::kTokens) {
     s.check(path_given, "path", "is required with data.source: tokens (a file or a glob)");
+    s.check(d.val_fraction >= 0 && d.val_fraction < 1, "val_fraction",
+            "must be in [0, 1): the share of the training windows held out for validation");
+    s.check(!(s.has("val_fraction") && s.has("val_path")), "val_fraction",
+            "and data.val_path both name the validation split: keep one");
     s.check(d.dtype == "uint16" || d.dtype == "uint32", "dtype",
             "expected uint16 or uint32 (the .bin files' token type), got '" + d.dtype + "'");
     for (const auto& [key, pattern] :

@@ -108,9 +108,11 @@ struct DataConfig {
   std::string path = "/usr/share/common-licenses/GPL-3";  // corpus: a text file
   // tokens (framework/data.h TokenFileSource): path is a file or a glob of .bin/.npy files;
   // dtype is the .bin files' (an .npy says its own); val_path the validation files (none:
-  // the training files' last windows are held out).
+  // the training files' last windows are held out, val_fraction of them and at least
+  // train.eval_samples).
   std::string dtype = "uint16";
   std::string val_path;
+  double val_fraction = 0;
   int64_t seed = 1;
 };
 

@@ -112,6 +112,15 @@ TEST(Config, TokenFilesAreADataSourceWithTheirOwnChecks) {
                     "data.val_path=" + dir + "/b.npy"});
   EXPECT_EQ(c.data.dtype, "uint32");
   EXPECT_EQ(c.data.val_path, dir + "/b.npy");
+  c = parse_config(kGood, "run.yaml", {"data.path=" + dir + "/a.bin", "data.val_fraction=0.05"});
+  EXPECT_EQ(c.data.val_fraction, 0.05);
+  expect_yaml_error(kGood, {"data.val_fraction", "must be in [0, 1)"},
+                    {"data.path=" + dir + "/a.bin", "data.val_fraction=1"});
+  expect_yaml_error(
+      kGood, {"data.val_fraction", "data.val_path both name the validation split"},
+      {"data.path=" + dir + "/a.bin", "data.val_fraction=0.1", "data.val_path=" + dir + "/b.npy"});
+  expect_yaml_error(kGood, {"data.val_fraction", "applies to data.source: tokens, not corpus"},
+                    {"data.source=corpus", "data.val_fraction=0.1"});
   expect_yaml_error(kGood, {"data.path", "'" + dir + "/none*.bin' matches no file"},
                     {"data.path=" + dir + "/none*.bin"});
   expect_yaml_error(kGood, {"data.dtype", "expected uint16 or uint32", "got 'int8'"},

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -263,7 +264,7 @@ void unmap(std::vector<File>& files) {
 TokenFileSource::TokenFileSource(const std::string& pattern, const std::string& bin_dtype,
                                  const std::string& val_pattern, int64_t vocab, int64_t seq_len,
                                  int64_t batch_size, int64_t micro_batches, int world_size,
-                                 int rank, uint64_t seed, int64_t eval_samples)
+                                 int rank, uint64_t seed, int64_t eval_samples, double val_fraction)
     : train_(map_files(pattern, bin_dtype, seq_len, "data.path")),
       val_(val_pattern.empty() ? std::vector<File>()
                                : map_files(val_pattern, bin_dtype, seq_len, "data.val_path")),
@@ -274,7 +275,14 @@ TokenFileSource::TokenFileSource(const std::string& pattern, const std::string& 
       eval_samples_(eval_samples),
       sampler_([&] {
         const int64_t windows = total_windows(train_);
-        const int64_t held_out = val_.empty() ? eval_samples : 0;
+        const int64_t held_out =
+            val_.empty()
+                ? std::max(
+                      eval_samples,
+                      // ceil, forgiving the product's rounding (0.07 x 100 = 7.000000000000001)
+                      static_cast<int64_t>(
+                          std::ceil(val_fraction * static_cast<double>(windows) - 1e-9)))
+                : 0;
         if (windows <= held_out) {
           unmap(train_);
           unmap(val_);
@@ -282,7 +290,8 @@ TokenFileSource::TokenFileSource(const std::string& pattern, const std::string& 
                       " tokens in ", windows, " window(s) of model.seq_len + 1 = ", seq_len + 1,
                       " tokens, too few to ",
                       held_out > 0 ? "hold out " + std::to_string(held_out) +
-                                         " for validation (or give data.val_path) and "
+                                         " for validation (train.eval_samples, data.val_fraction; "
+                                         "or give data.val_path) and "
                                    : std::string(),
                       "train on the rest");
         }
@@ -294,6 +303,7 @@ TokenFileSource::TokenFileSource(const std::string& pattern, const std::string& 
                       " tokens, fewer than train.eval_samples ", eval_samples);
         }
         val_first_ = val_.empty() ? windows - held_out : 0;
+        val_windows_ = val_.empty() ? held_out : total_windows(val_);
         return DistributedSampler(windows - held_out, world_size, rank, seed);
       }()) {
   const int64_t tokens = total_tokens(train_);
@@ -353,7 +363,10 @@ Batch TokenFileSource::next(int64_t step, int64_t micro) {
 
 Batch TokenFileSource::validation(int rank, int world) {
   std::vector<int64_t> ids;
-  for (int64_t i = rank; i < eval_samples_; i += world) ids.push_back(val_first_ + i);
+  // eval_samples windows spread evenly over the split (the first ones when it holds no more).
+  for (int64_t i = rank; i < eval_samples_; i += world) {
+    ids.push_back(val_first_ + i * val_windows_ / eval_samples_);
+  }
   return windows(val_.empty() ? train_ : val_, ids);
 }
 

@@ -94,18 +94,19 @@ class ByteCorpusSource : public BatchSource {
 // and 1-D .npy arrays (uint16, uint32, int32 or int64), one file or a glob of many. Sample i
 // is the window of seq_len + 1 tokens at i x seq_len within one file (windows never span
 // two files; each file's trailing partial window is unused), sampled like the corpus' windows
-// (DistributedSampler over all files' windows, resumed from the step alone). Validation: the
-// first eval_samples windows of val_path's files when given, else the training files' last
-// eval_samples windows, held out of training. A file that is truncated (not a whole number of
-// tokens, or shorter than its .npy header says), of an unknown dtype, shorter than one window,
-// or holding a token id outside [0, vocab) is an error naming the file (the id check is made
-// on each window as it is read, so a 100 GB dataset opens at once).
+// (DistributedSampler over all files' windows, resumed from the step alone). Validation split:
+// val_path's files when given, else the training files' last windows, held out of training:
+// ceil(val_fraction x windows) of them, and at least eval_samples. The validation set is
+// eval_samples windows spread evenly over the split (all of it when it holds no more). A file that
+// is truncated (not a whole number of tokens, or shorter than its .npy header says), of an unknown
+// dtype, shorter than one window, or holding a token id outside [0, vocab) is an error naming the
+// file (the id check is made on each window as it is read, so a 100 GB dataset opens at once).
 class TokenFileSource : public BatchSource {
  public:
   TokenFileSource(const std::string& pattern, const std::string& bin_dtype,
                   const std::string& val_pattern, int64_t vocab, int64_t seq_len,
                   int64_t batch_size, int64_t micro_batches, int world_size, int rank,
-                  uint64_t seed, int64_t eval_samples = 12);
+                  uint64_t seed, int64_t eval_samples = 12, double val_fraction = 0);
   ~TokenFileSource() override;
   TokenFileSource(const TokenFileSource&) = delete;
   TokenFileSource& operator=(const TokenFileSource&) = delete;
@@ -132,7 +133,8 @@ class TokenFileSource : public BatchSource {
   std::string description_;
   std::vector<File> train_, val_;
   int64_t vocab_, seq_len_, batch_size_, micro_batches_, eval_samples_;
-  int64_t val_first_ = 0;  // the first validation window (in val_, or held out of train_)
+  int64_t val_first_ = 0;    // the first validation window (in val_, or held out of train_)
+  int64_t val_windows_ = 0;  // the validation split's windows
   DistributedSampler sampler_;
 };
 

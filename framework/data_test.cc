@@ -170,9 +170,36 @@ TEST(TokenFiles, BatchesDependOnTheStepAloneAndValPathServesValidation) {
     EXPECT_TRUE(at::equal(a->next(step, 1).inputs, b->next(step, 1).inputs));
     EXPECT_FALSE(at::equal(a->next(step, 1).inputs, other->next(step, 1).inputs));
   }
+  // val.npy holds 6 windows: the 4 validated are spread over them (windows 0, 1, 3, 4).
   Batch v = a->validation(0, 1);
   ASSERT_EQ(v.inputs.size(0), 4);
-  for (int64_t r = 0; r < 4; ++r) expect_window(v, r, 60000 + 32 * r, 70000, 32);
+  const int64_t spread[] = {0, 1, 3, 4};
+  for (int64_t r = 0; r < 4; ++r) expect_window(v, r, 60000 + 32 * spread[r], 70000, 32);
+}
+
+// data.val_fraction: the training files' last tenth is the validation split, never trained
+// on, and the validation set is spread over it.
+TEST(TokenFiles, AValidationFractionHoldsOutTheLastWindowsAndSpreadsTheSetOverThem) {
+  const std::string dir = scratch("tokens_fraction");
+  std::system(("rm -rf " + dir + " && mkdir -p " + dir).c_str());
+  const int64_t vocab = 4000, seq = 32;
+  write_bin(dir + "/train.bin", ramp<uint16_t>(100 * seq + 1, 0, vocab));  // 100 windows
+  TokenFileSource src(dir + "/train.bin", "uint16", "", vocab, seq, 4, 1, 1, 0, 3,
+                      /*eval_samples=*/4, /*val_fraction=*/0.1);
+  EXPECT_EQ(src.num_samples(), 90);
+  for (int64_t step = 0; step < 23; ++step) {  // an epoch and more
+    Batch b = src.next(step, 0);
+    for (int64_t r = 0; r < 4; ++r) {
+      EXPECT_LT(b.inputs[r][0].item<int64_t>() / seq, 90) << "a validation window was trained on";
+    }
+  }
+  Batch v = src.validation(0, 1);
+  ASSERT_EQ(v.inputs.size(0), 4);
+  const int64_t spread[] = {90, 92, 95, 97};
+  for (int64_t r = 0; r < 4; ++r) expect_window(v, r, seq * spread[r], vocab, seq);
+  // At least eval_samples windows are held out whatever the fraction.
+  TokenFileSource few(dir + "/train.bin", "uint16", "", vocab, seq, 4, 1, 1, 0, 3, 12, 0.01);
+  EXPECT_EQ(few.num_samples(), 88);
 }
 
 std::string config_error(const std::function<void()>& f) {

@@ -324,9 +324,10 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
       data = std::make_unique<ByteCorpusSource>(c.data.path, c.model.seq_len, micro_batch,
                                                 c.train.micro_batches, world, rank, data_seed);
     } else if (c.data.source == DataSource::kTokens) {
-      data = std::make_unique<TokenFileSource>(
-          c.data.path, c.data.dtype, c.data.val_path, c.model.vocab_size, c.model.seq_len,
-          micro_batch, c.train.micro_batches, world, rank, data_seed, c.train.eval_samples);
+      data = std::make_unique<TokenFileSource>(c.data.path, c.data.dtype, c.data.val_path,
+                                               c.model.vocab_size, c.model.seq_len, micro_batch,
+                                               c.train.micro_batches, world, rank, data_seed,
+                                               c.train.eval_samples, c.data.val_fraction);
     } else {
       data = std::make_unique<SyntheticLMSource>(c.model.vocab_size, c.model.seq_len, micro_batch,
                                                  rank, data_seed);
