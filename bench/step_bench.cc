@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
               layout = "per_parameter";
   std::string optimizer = "fused", scaler_mode;
   int64_t steps = 8, warmup = 2, d_model = 512, layers = 6, heads = 8, d_ff = 2048, seq = 64,
-          batch = 4, vocab = 256, limit = 2;
+          batch = 4, vocab = 256, limit = 2, hybrid_group = 0;
   double bucket_cap_mb = 25;
   bool forward_prefetch = false, one_queue = false, local_ab = false;
   app.add_option("--strategy", strategy, "ddp, fsdp, or local (one process, no communication)")
@@ -127,6 +127,8 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch, "sequences per rank");
   app.add_option("--bucket-cap-mb", bucket_cap_mb, "DDP");
   app.add_option("--limit-all-gathers", limit, "FSDP");
+  app.add_option("--hybrid-group-size", hybrid_group,
+                 "FSDP hybrid_shard: ranks per shard group (0: one node)");
   app.add_option("--shard-layout", layout, "FSDP: per_parameter or flat")
       ->check(CLI::IsMember({"per_parameter", "flat"}));
   app.add_flag("--forward-prefetch", forward_prefetch, "FSDP");
@@ -194,6 +196,7 @@ int main(int argc, char** argv) {
             .sharding_strategy(dtrain::sharding::parse_sharding_strategy(sharding))
             .mixed_precision(dtrain::amp::MixedPrecisionPolicy::preset(precision))
             .limit_all_gathers(limit)
+            .hybrid_group_size(hybrid_group)
             .shard_layout(layout == "flat" ? dtrain::sharding::ShardLayout::kFlat
                                            : dtrain::sharding::ShardLayout::kPerParameter)
             .forward_prefetch(forward_prefetch)

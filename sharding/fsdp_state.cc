@@ -447,8 +447,11 @@ void FSDPState::launch_ready() {
 }
 
 void FSDPState::finish_previous_reduce() {
+  // The reduce-scatters are waited for here; HYBRID_SHARD's replica all-reduces stay in
+  // flight until finalize_backward.
   for (; next_finish_ < next_launch_; ++next_finish_) {
-    units_[backward_order_[next_finish_]]->finish_reduce(&exposed_s_);
+    FlatUnit& u = *units_[backward_order_[next_finish_]];
+    if (!u.finish_scatter(&exposed_s_)) u.finish_reduce(&exposed_s_);
   }
 }
 

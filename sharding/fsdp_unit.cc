@@ -342,20 +342,39 @@ void FlatUnit::launch_reduce() {
   reduce_launched_ = true;
 }
 
-void FlatUnit::finish_reduce(double* waited_s) {
-  if (!reduce_launched_) return;
+bool FlatUnit::finish_scatter(double* waited_s) {
+  if (!reduce_launched_ || scattered_) return reduce_launched_;
   auto t0 = Clock::now();
   reduce_.wait();
-  c10::NoGradGuard no_grad;
-  if (average_after_ && n_ > 1) reduce_shard_.div_(static_cast<double>(n_));
-  if (n_ > 1 && groups_.replicate) {
-    // HYBRID_SHARD: the replicas of this shard average it next.
-    comm::Work w = groups_.replicate->all_reduce(reduce_shard_);
-    works_.push_back(w);
-    w.wait();
-  }
   if (waited_s != nullptr) *waited_s += since(t0);
   reduce_ = comm::Work();
+  scattered_ = true;
+  if (n_ > 1 && groups_.replicate) {
+    // HYBRID_SHARD: the replicas of this shard average it next, on their own communicator,
+    // while the backward and the next reduce-scatters go on; finish_reduce waits for it.
+    c10::NoGradGuard no_grad;
+    if (average_after_) reduce_shard_.div_(static_cast<double>(n_));
+    replica_ = groups_.replicate->all_reduce(reduce_shard_);
+    works_.push_back(replica_);
+    replica_pending_ = true;
+    return true;
+  }
+  return false;
+}
+
+void FlatUnit::finish_reduce(double* waited_s) {
+  if (!reduce_launched_) return;
+  finish_scatter(waited_s);
+  c10::NoGradGuard no_grad;
+  if (replica_pending_) {
+    auto t0 = Clock::now();
+    replica_.wait();
+    if (waited_s != nullptr) *waited_s += since(t0);
+    replica_ = comm::Work();
+    replica_pending_ = false;
+  } else if (average_after_ && n_ > 1) {
+    reduce_shard_.div_(static_cast<double>(n_));
+  }
   if (average_after_) {
     if (replicas_ > 1) reduce_shard_.div_(static_cast<double>(replicas_));
   } else if (post_ != 1) {
@@ -375,6 +394,7 @@ void FlatUnit::finish_reduce(double* waited_s) {
   }
   reduce_shard_ = at::Tensor();
   reduce_launched_ = false;
+  scattered_ = false;
 }
 
 void FlatUnit::begin_backward() {

@@ -131,8 +131,12 @@ class FlatUnit {
   // or the all-reduce (N = 1 with replicas). Every rank of the groups must call it in the
   // same order.
   void launch_reduce();
-  // Waits for the reduction (and the replicas' all-reduce), post-divides and writes the
-  // masters' gradients: assigned fresh when they were unset, else accumulated.
+  // Waits for the reduce-scatter; under HYBRID_SHARD then issues the replicas' all-reduce of
+  // the shard without waiting for it, and returns true (finish_reduce is then still due;
+  // false: it may run at once).
+  bool finish_scatter(double* waited_s);
+  // Finishes the reduction (finish_scatter, and the replicas' all-reduce), post-divides and
+  // writes the masters' gradients: assigned fresh when they were unset, else accumulated.
   void finish_reduce(double* waited_s);
   // A backward starts: when the optimizer dropped the masters' gradients (zero_grad with
   // set_to_none), the gradient shard is released too, not held until it is rewritten.
@@ -195,8 +199,11 @@ class FlatUnit {
   bool stale_ = true;  // N = 1: full_ must be refreshed from the masters
   comm::Work gather_;
   comm::Work reduce_;
-  std::vector<bool> reported_;  // this backward: the gradient hook fired
-  std::vector<bool> filled_;    // ... and its gradient is in reduce_full_
+  comm::Work replica_;            // HYBRID_SHARD: the replicas' all-reduce
+  bool replica_pending_ = false;  // ... issued and not yet waited for
+  bool scattered_ = false;        // this reduction's reduce-scatter is done
+  std::vector<bool> reported_;    // this backward: the gradient hook fired
+  std::vector<bool> filled_;      // ... and its gradient is in reduce_full_
   int64_t pending_ = 0;
   bool reduce_launched_ = false;
   std::vector<comm::Work> works_;
