@@ -245,6 +245,12 @@ void read_model(Section s, ModelConfig& m) {
   s.check(m.recompute_every == 0 || m.type == ModelType::kTransformer, "recompute",
           "recomputes the transformer's blocks; model.type " + std::string(name_of(m.type)) +
               " has none (remove it)");
+  if (s.has("deferred_init")) {
+    s.read("deferred_init", m.deferred_init);
+    s.check(m.type == ModelType::kTransformer, "deferred_init",
+            "applies to the transformer (built unit by unit under FSDP); model.type " +
+                std::string(name_of(m.type)) + " is always built whole (remove it)");
+  }
   s.read("in_features", m.in_features);
   s.read("hidden", m.hidden);
   s.read("depth", m.depth);
@@ -518,6 +524,8 @@ void read_logging(Section s, LoggingConfig& l) {
   s.read("all_ranks", l.all_ranks);
   s.read("metrics_file", l.metrics_file);
   s.read("progress_bar", l.progress_bar);
+  s.read("sample_tokens", l.sample_tokens);
+  s.check(l.sample_tokens >= 0, "sample_tokens", "must be >= 0 (0: no sample)");
   s.read("progress_every_s", l.progress_every_s);
   s.read("numerics", l.numerics);
   s.read("trace", l.trace);

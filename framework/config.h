@@ -96,6 +96,10 @@ struct ModelConfig {
   bool tie_weights = true;
   // model.recompute (sharding/recompute.h): 0 none, 1 full (every block), K {every_n: K}
   int64_t recompute_every = 0;
+  // model.deferred_init: under FSDP the transformer is built with placeholder parameters and
+  // each unit is initialized as it is sharded (sharding/deferred_init.h), so no rank holds
+  // the whole model; false builds it whole first. The same initial values either way.
+  bool deferred_init = true;
   // mlp
   int64_t in_features = 64;
   int64_t hidden = 256;
@@ -199,6 +203,9 @@ struct LoggingConfig {
   bool all_ranks = false;
   std::string metrics_file;  // JSON lines; empty: none
   bool progress_bar = true;
+  // Byte-level language models: greedy tokens generated at the end of the run (0: none). Each
+  // token is one forward, which under FSDP gathers the whole model once.
+  int64_t sample_tokens = 48;
   // Without a terminal (under dtrain-launch, mpirun, into a file), rank 0 prints a progress
   // line (rate, time left) when this many seconds pass without a line of its own.
   double progress_every_s = 15.0;

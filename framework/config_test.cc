@@ -99,6 +99,19 @@ TEST(Config, RecomputeIsNoneFullOrEveryNthBlock) {
                     {"model.type=mlp", "model.recompute=full"});
 }
 
+TEST(Config, DeferredInitIsTheTransformersDefaultAndOnlyTheTransformers) {
+  EXPECT_TRUE(parse_config(kGood, "run.yaml").model.deferred_init);
+  EXPECT_FALSE(parse_config(kGood, "run.yaml", {"model.deferred_init=false"}).model.deferred_init);
+  expect_yaml_error(kGood, {"model.deferred_init", "model.type mlp is always built whole"},
+                    {"model.type=mlp", "model.deferred_init=true"});
+}
+
+TEST(Config, SampleTokensCountsTheEndOfRunSample) {
+  EXPECT_EQ(parse_config(kGood, "run.yaml").logging.sample_tokens, 48);
+  EXPECT_EQ(parse_config(kGood, "run.yaml", {"logging.sample_tokens=0"}).logging.sample_tokens, 0);
+  expect_yaml_error(kGood, {"logging.sample_tokens", "must be >= 0"}, {"logging.sample_tokens=-1"});
+}
+
 TEST(Config, TokenFilesAreADataSourceWithTheirOwnChecks) {
   const char* base = std::getenv("TEST_TMPDIR");
   const std::string dir = std::string(base ? base : "/tmp") + "/config_tokens";

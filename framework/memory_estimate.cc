@@ -113,8 +113,10 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
             ? (n > 1 || cb != 4 ? p * cb : 0)
             : (static_cast<double>(c.parallel.limit_all_gathers) * largest_unit + root) * cb;
     e.compute = gathered + largest_unit * bytes_of(mp.effective_reduce_dtype());
-    // Building the model: the full fp32 model, plus one unit's flat copy while it is sharded.
-    e.construction = 4 * p + 4 * largest_unit;
+    // Building the model: the TransformerLM is built deferred (placeholders) and each unit is
+    // initialized whole in its fp32 buffer, then sharded; the MLP is built whole first.
+    const bool lm = m.type == ModelType::kTransformer && m.deferred_init;
+    e.construction = (lm ? 4 * p / n : 4 * p) + 4 * std::max(largest_unit, root);
   } else {
     e.parameters = 4 * p;
     e.gradients = 4 * p;
@@ -207,7 +209,11 @@ std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64
     row("activations", e.activations);
   }
   row("buffers", 0, "the built-in models have none");
-  row("construction peak", e.construction, "the full fp32 model, before FSDP shards it");
+  row("construction peak", e.construction,
+      c.parallel.strategy != ParallelStrategy::kFsdp ? "the full fp32 model"
+      : lm && c.model.deferred_init
+          ? "this rank's shards and one unit in fp32 (built deferred, initialized unit by unit)"
+          : "the full fp32 model, before FSDP shards it, and one unit's copy");
   row("peak", e.peak());
   if (available < 0) {
     os << "this node's available memory is unknown";

@@ -21,17 +21,24 @@ double peak_rss_mb() {
 }
 
 void log_parameters_agree(Strategy& model, comm::Communicator* comm) {
-  std::vector<at::Tensor> full;
+  // One hash per full parameter, then a hash of those in the module's order: under FSDP the
+  // parameters are gathered one unit at a time (never the whole model), in unit order.
+  auto digest = [](const at::Tensor& t) {
+    at::Tensor c = t.detach().cpu().contiguous();
+    ckpt::Hasher h;
+    h.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
+    return h.digest();
+  };
+  std::vector<uint64_t> per_param;
   if (auto* f = model.fsdp()) {
-    for (auto& [name, t] : f->full_parameters()) full.push_back(t);
+    per_param.resize(f->all_parameters().size());
+    f->visit_full_parameters(
+        [&](size_t k, const std::string&, const at::Tensor& full) { per_param[k] = digest(full); });
   } else {
-    for (const auto& t : model.module().parameters()) full.push_back(t.detach());
+    for (const auto& t : model.module().parameters()) per_param.push_back(digest(t));
   }
   ckpt::Hasher hash;
-  for (const auto& t : full) {
-    at::Tensor c = t.cpu().contiguous();
-    hash.update(static_cast<const char*>(c.data_ptr()), c.nbytes());
-  }
+  hash.update(reinterpret_cast<const char*>(per_param.data()), per_param.size() * sizeof(uint64_t));
   const int64_t sum = static_cast<int64_t>(hash.digest());
   std::vector<int64_t> all{sum};
   if (comm != nullptr && comm->size() > 1) {

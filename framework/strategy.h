@@ -24,6 +24,7 @@
 #include "comm/communicator.h"
 #include "framework/config.h"
 #include "sharding/ddp.h"
+#include "sharding/deferred_init.h"
 #include "sharding/fsdp.h"
 
 namespace dtrain::framework {
@@ -105,16 +106,20 @@ class FsdpStrategy final : public Strategy {
 };
 
 // The strategy the config names for `module`. `comm` null (one process) is always plain.
+// `init` (deferred initialization, sharding/deferred_init.h): FSDP fills each unit with it as
+// the unit is sharded; the other strategies materialize the whole module first.
 template <typename M>
 std::unique_ptr<Strategy> make_strategy(M module, std::shared_ptr<comm::Communicator> comm,
-                                        const RunConfig& c, amp::NumericsMonitor* monitor) {
+                                        const RunConfig& c, amp::NumericsMonitor* monitor,
+                                        const sharding::ParamInit& init = nullptr) {
+  if (comm && c.parallel.strategy == ParallelStrategy::kFsdp) {
+    return std::make_unique<FsdpStrategy<M>>(std::move(module), std::move(comm),
+                                             fsdp_options(c, monitor).param_init(init));
+  }
+  if (init) sharding::materialize(*module, init);
   if (comm && c.parallel.strategy == ParallelStrategy::kDdp) {
     return std::make_unique<DdpStrategy<M>>(std::move(module), std::move(comm),
                                             ddp_options(c, monitor));
-  }
-  if (comm && c.parallel.strategy == ParallelStrategy::kFsdp) {
-    return std::make_unique<FsdpStrategy<M>>(std::move(module), std::move(comm),
-                                             fsdp_options(c, monitor));
   }
   return std::make_unique<PlainStrategy<M>>(std::move(module));
 }

@@ -305,8 +305,17 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                  .d_ff(c.model.d_ff)
                  .tie_weights(c.model.tie_weights)
                  .recompute_every(c.model.recompute_every);
+    // Under FSDP the model is built without memory and each rank initializes one unit at a
+    // time, keeping its shards (the same bits as an eager build under this seed).
+    const bool deferred =
+        comm && c.parallel.strategy == ParallelStrategy::kFsdp && c.model.deferred_init;
+    o.deferred_init(deferred);
     TransformerLM lm(o);
-    lm->to(device);
+    if (deferred) {
+      sharding::defer_parameters(*lm, device);  // placeholders on the run's device
+    } else {
+      lm->to(device);
+    }
     logging::info("model: TransformerLM, ", transformer_lm_parameter_count(o) / 1e6, "M parameters",
                   c.model.recompute_every == 0 ? std::string()
                   : c.model.recompute_every == 1
@@ -315,8 +324,9 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
                             " recomputed in backward");
     task.description =
         "TransformerLM " + logging::fixed(transformer_lm_parameter_count(o) / 1e6, 1) + "M";
-    task.make_strategy = [lm, &comm, &c](amp::NumericsMonitor* monitor) {
-      return make_strategy(lm, comm, c, monitor);
+    task.make_strategy = [lm, deferred, &comm, &c](amp::NumericsMonitor* monitor) {
+      return make_strategy(lm, comm, c, monitor,
+                           deferred ? lm->param_init() : sharding::ParamInit());
     };
     if (c.data.source == DataSource::kCorpus) {
       DTRAIN_CHECK_AS(ConfigError, c.model.vocab_size >= 256, c.source,
@@ -387,6 +397,8 @@ void Trainer::setup() {
   agree_to_start(comm_.get(), rank_, world_, output_problem(c_, rank_));
   comm::flight::set_dump_dir(flight_dir(c_), rank_);
   model_ = task_.make_strategy(&monitor_);
+  logging::info("model ready: process peak RSS so far ", logging::fixed(peak_rss_mb(), 0),
+                " MB (building, initializing and sharding the model)");
   opt_ = make_optimizer(c_.train, model_->parameters());
   scaler_ = make_scaler(c_, comm_);
   const auto& sc = c_.precision.scaler;
@@ -709,8 +721,10 @@ void Trainer::report() {
   log_parameters_agree(*model_, comm_.get());
   // A sample is text for byte-level data; token files would need their tokenizer.
   if (c_.model.type == ModelType::kTransformer && c_.model.vocab_size >= 256 &&
-      c_.data.source != DataSource::kTokens && first_step_ < c_.train.steps) {
-    const std::string text = sample_text(*model_, device_, c_.model.seq_len, 48);
+      c_.data.source != DataSource::kTokens && first_step_ < c_.train.steps &&
+      c_.logging.sample_tokens > 0) {
+    const std::string text =
+        sample_text(*model_, device_, c_.model.seq_len, c_.logging.sample_tokens);
     logging::info("sample: \"", text, "\"");
   }
   result_.final_scale = scaler_->get_scale();

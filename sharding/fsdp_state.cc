@@ -130,6 +130,9 @@ FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
   {
     c10::NoGradGuard no_grad;
     for (auto& [name, b] : buffers) {
+      DTRAIN_CHECK_AS(UsageError, !is_placeholder(b), "FSDP: buffer '", name,
+                      "' is a placeholder; deferred initialization covers parameters only, so "
+                      "build buffers with their values");
       if (mp.buffer_dtype && c10::isFloatingType(b.scalar_type())) {
         b.set_data(b.to(*mp.buffer_dtype));
       }
@@ -148,10 +151,12 @@ FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
   // Up to limit_all_gathers units are gathered at once: keep that many buffers of each size
   // for the next step (more raised the peak, 241 -> 260 MB on the 19M model, for no speed).
   pool_ = std::make_unique<BufferPool>(options_.limit_all_gathers());
+  // One unit at a time: with param_init, each unit exists whole only while it is built.
+  const ParamInit* init = options_.param_init() ? &options_.param_init() : nullptr;
   for (auto& spec : units) {
     units_.push_back(std::make_unique<FlatUnit>(spec.name, std::move(spec.params), groups_, mp,
                                                 options_.sync_module_states(), pool_.get(),
-                                                options_.shard_layout()));
+                                                options_.shard_layout(), init));
   }
   // Hooks after the units changed the parameters' dtype (which drops their accumulators).
   for (size_t u = 0; u < units_.size(); ++u) {
@@ -543,6 +548,22 @@ std::vector<std::pair<std::string, at::Tensor>> FSDPState::full_parameters() con
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (size_t k = 0; k < masters.size(); ++k) out.emplace_back(masters[k].first, full[k]);
   return out;
+}
+
+void FSDPState::visit_full_parameters(
+    const std::function<void(size_t k, const std::string& name, const at::Tensor& full)>& visit)
+    const {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const FlatUnit& unit = *units_[u];
+    std::vector<at::Tensor> mine;
+    for (const auto& p : unit.params()) mine.push_back(p.master);
+    const at::Tensor full = unit.gather(unit.flat_of(mine));
+    for (size_t k = 0; k < order_.size(); ++k) {
+      if (order_[k].first != static_cast<int64_t>(u)) continue;
+      const auto& p = unit.params()[order_[k].second];
+      visit(k, p.name, full.narrow(0, p.offset, p.numel).view(p.shape));
+    }
+  }
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FSDPState::all_parameters() const {

@@ -38,6 +38,7 @@
 
 #include "amp/policy.h"
 #include "comm/communicator.h"
+#include "sharding/deferred_init.h"
 #include "sharding/fsdp_unit.h"
 #include "sharding/grad_hooks.h"
 #include "sharding/no_sync.h"
@@ -78,6 +79,10 @@ struct FSDPOptions {
   TORCH_ARG(int64_t, hybrid_group_size) = 0;
   // Every rank starts from rank 0's parameters and buffers (as DDP does).
   TORCH_ARG(bool, sync_module_states) = true;
+  // Deferred initialization (sharding/deferred_init.h): when set, every parameter of the
+  // module is initialized by it, unit by unit, straight into the unit's buffer; the module's
+  // parameters may then be placeholders, and no rank ever holds the whole model.
+  TORCH_ARG(ParamInit, param_init) = nullptr;
   // When set and enabled: each unit's outputs ("fsdp.<unit>.out") and gradient shards.
   TORCH_ARG(MonitorPtr, monitor) = nullptr;
 };
@@ -131,6 +136,10 @@ class FSDPState : public GradientSync {
   // Every parameter's full fp32 value, by name, in the module's order, on every rank
   // (collective: gathers unit by unit).
   std::vector<std::pair<std::string, at::Tensor>> full_parameters() const;
+  // The same values one unit at a time, never the whole model: visit(k, name, full) for the
+  // k-th parameter in the module's order, `full` valid during the call (collective).
+  void visit_full_parameters(const std::function<void(size_t k, const std::string& name,
+                                                      const at::Tensor& full)>& visit) const;
 
   // --- state dicts --------------------------------------------------------------------------
   // A per-parameter quantity held like the masters: one tensor per parameter in

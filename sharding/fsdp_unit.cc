@@ -25,7 +25,8 @@ double since(Clock::time_point t0) {
 
 FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
                    UnitGroups groups, const amp::MixedPrecisionPolicy& policy,
-                   bool sync_module_states, BufferPool* pool, ShardLayout layout)
+                   bool sync_module_states, BufferPool* pool, ShardLayout layout,
+                   const ParamInit* init)
     : name_(std::move(name)),
       pool_(pool),
       groups_(std::move(groups)),
@@ -59,6 +60,10 @@ FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tens
     DTRAIN_CHECK_AS(UsageError, c10::isFloatingType(t.scalar_type()), "FSDP unit '", name_,
                     "': parameter '", pname, "' has dtype ", t.scalar_type(),
                     "; FSDP shards floating-point parameters only");
+    DTRAIN_CHECK_AS(UsageError, init != nullptr || !is_placeholder(t), "FSDP unit '", name_,
+                    "': parameter '", pname,
+                    "' is a placeholder of a model built for deferred initialization; give "
+                    "FSDPOptions::param_init, which fills it unit by unit");
     Param p;
     p.name = pname;
     p.module_param = t;
@@ -84,10 +89,19 @@ FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tens
 
   c10::NoGradGuard no_grad;
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
-  // Every rank starts from rank 0's values (as DDP does), then keeps its parts.
+  // Every rank starts from rank 0's values (as DDP does), then keeps its parts. Deferred
+  // initialization writes them here, so the unit is whole only in this buffer.
   at::Tensor flat = at::empty({std::max<int64_t>(1, total_)}, fp32);
   for (const auto& p : params_) {
-    flat.narrow(0, p.offset, p.numel).copy_(p.module_param.detach().reshape({-1}));
+    at::Tensor slot = flat.narrow(0, p.offset, p.numel);
+    if (init != nullptr) {
+      at::Tensor full = slot.view(p.shape);
+      (*init)(p.name, full);
+      DTRAIN_CHECK_AS(UsageError, full.data_ptr() == slot.data_ptr(), "FSDP param_init for '",
+                      p.name, "' replaced its tensor instead of filling it in place");
+    } else {
+      slot.copy_(p.module_param.detach().reshape({-1}));
+    }
   }
   if (sync_module_states && groups_.world && groups_.world->size() > 1) {
     groups_.world->broadcast(flat, 0).wait();

@@ -43,6 +43,7 @@
 
 #include "amp/policy.h"
 #include "comm/communicator.h"
+#include "sharding/deferred_init.h"
 #include "sharding/flat.h"
 #include "sharding/grad_hooks.h"
 
@@ -80,9 +81,13 @@ class FlatUnit {
   // (broadcast over groups.world when sync_module_states), keeps this rank's shard and
   // leaves the module's tensors sharded.
   // `pool` (may be null; must outlive the unit) recycles the gathered and gradient buffers.
+  // `init` (may be null): the values are not read from the module's tensors (which may be
+  // placeholders) but written by init, straight into the unit's fp32 buffer
+  // (sharding/deferred_init.h).
   FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tensor>> params,
            UnitGroups groups, const amp::MixedPrecisionPolicy& policy, bool sync_module_states,
-           BufferPool* pool = nullptr, ShardLayout layout = ShardLayout::kPerParameter);
+           BufferPool* pool = nullptr, ShardLayout layout = ShardLayout::kPerParameter,
+           const ParamInit* init = nullptr);
   FlatUnit(const FlatUnit&) = delete;
   FlatUnit& operator=(const FlatUnit&) = delete;
 

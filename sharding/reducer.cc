@@ -25,6 +25,7 @@
 #include "core/error.h"
 #include "core/logging.h"
 #include "core/trace.h"
+#include "sharding/deferred_init.h"
 #include "sharding/flat.h"
 #include "sharding/widen.h"
 
@@ -61,6 +62,7 @@ Reducer::Reducer(NamedTensors params, NamedTensors buffers,
       comm_(std::move(comm)),
       options_(options) {
   DTRAIN_CHECK_AS(UsageError, comm_ != nullptr, "DDP needs a communicator");
+  check_no_placeholders(params_, "DDP");
   DTRAIN_CHECK_AS(UsageError, options_.bucket_cap_mb() > 0, "DDP: bucket_cap_mb must be > 0, got ",
                   options_.bucket_cap_mb());
   DTRAIN_CHECK_AS(UsageError, options_.first_bucket_mb() > 0,

@@ -16,6 +16,7 @@
 #include <map>
 
 #include "amp/sharded_grad_scaler.h"
+#include "core/error.h"
 #include "framework/memory.h"
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
@@ -470,6 +471,74 @@ TEST_F(Test, GatheredParametersAreReleasedSoThePeakDoesNotGrowWithUnits) {
   // block here (a block and a half under load, before collectives let go of their tensors
   // before completing). Kept gathered until the step ends, the six more blocks would add six.
   EXPECT_LT(eight.overhead - two.overhead, 3 * block) << seen;
+}
+
+// Deferred initialization: a TransformerLM built with placeholders and initialized by FSDP
+// unit by unit holds, on every rank, the shards of the same model built eagerly under the same
+// seed, and computes the same logits; building it peaks at one unit plus the shards.
+TEST_F(Test, DeferredInitHoldsTheEagerModelsShardsAndPeaksAtOneUnit) {
+  if (dev().is_cuda()) GTEST_SKIP() << "tracks CPU tensor memory";
+  const auto o =
+      TransformerLMOptions().vocab_size(40).seq_len(10).d_model(32).n_layers(12).n_heads(4).d_ff(
+          64);
+  const int n = world().size();
+  int64_t model = 0, block = 0;
+  {
+    at::manual_seed(1);
+    TransformerLM probe(o);
+    for (const auto& p : probe->parameters()) model += p.nbytes();
+    for (const auto& p : probe->blocks[0]->parameters()) block += p.nbytes();
+  }
+  for (ShardLayout layout : {ShardLayout::kPerParameter, ShardLayout::kFlat}) {
+    SCOPED_TRACE(layout == ShardLayout::kFlat ? "flat" : "per_parameter");
+    const auto fo = FSDPOptions().shard_layout(layout);
+    at::manual_seed(21);  // the same seed on every rank: no broadcast needed for either
+    TransformerLM eager_lm(o);
+    FullyShardedDataParallel<TransformerLM> eager(eager_lm, world_ptr(),
+                                                  FSDPOptions(fo).sync_module_states(false));
+
+    const int64_t before = TrackedCpuMemory::current_bytes();
+    TrackedCpuMemory::reset_peak();
+    at::manual_seed(21);
+    TransformerLM lazy_lm(TransformerLMOptions(o).deferred_init(true));
+    int64_t held = 0;
+    for (const auto& p : lazy_lm->parameters()) {
+      EXPECT_TRUE(p.numel() <= 1 || is_placeholder(p));
+      held += p.has_storage() ? static_cast<int64_t>(p.storage().nbytes()) : 0;
+    }
+    EXPECT_LT(held, 1024) << "a deferred model holds memory";
+    // Without the initializer, FSDP and DDP refuse the placeholders rather than read them.
+    EXPECT_THROW(FullyShardedDataParallel<TransformerLM>(
+                     TransformerLM(TransformerLMOptions(o).deferred_init(true)), world_ptr(), fo),
+                 UsageError);
+    EXPECT_THROW(DistributedDataParallel<TransformerLM>(
+                     TransformerLM(TransformerLMOptions(o).deferred_init(true)), world_ptr()),
+                 UsageError);
+    FullyShardedDataParallel<TransformerLM> lazy(
+        lazy_lm, world_ptr(),
+        FSDPOptions(fo).sync_module_states(false).param_init(lazy_lm->param_init()));
+    const int64_t peak = TrackedCpuMemory::peak_bytes() - before;
+    const int64_t shards = TrackedCpuMemory::current_bytes() - before;
+
+    const auto want = eager.named_parameters(), got = lazy.named_parameters();
+    ASSERT_EQ(want.size(), got.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(want[i].first, got[i].first);
+      EXPECT_TRUE(at::equal(want[i].second, got[i].second)) << want[i].first;
+    }
+    Batch b = batch_for(Kind::kLm, 2, 77);
+    c10::NoGradGuard no_grad;
+    EXPECT_TRUE(at::equal(eager(b.input), lazy(b.input)));
+    // The shards (1/n of the model, padded) and one unit's fp32 buffer at a time; built eagerly,
+    // the whole model (`model` bytes) would be held first. The root (embeddings, final norm)
+    // is the largest unit here.
+    const std::string seen = "peak " + std::to_string(peak) + " B, held after " +
+                             std::to_string(shards) + " B; model " + std::to_string(model) +
+                             " B, one block " + std::to_string(block) + " B";
+    EXPECT_LT(shards, model / n + 2 * block) << seen;
+    EXPECT_LT(peak, model / n + 4 * block) << seen;
+    EXPECT_LT(peak, model) << seen;
+  }
 }
 
 }  // namespace

@@ -12,6 +12,13 @@ Two uses, one process per rank under dtrain-launch (or torchrun):
       dtrain-launch --nproc-per-node 2 -- .venv/bin/python bench/reference/fsdp_reference.py \\
           bench --precision bf16 --d-model 512 --layers 6 ...
 
+  capacity: configs/capacity_1_3b.yaml's recipe as PyTorch users write it, for
+          bench/capacity_demo.sh: built on the meta device, every block under
+          checkpoint_wrapper and fully_shard, to_empty then each rank initializes its shards;
+          AdamW(fused=True), clip_grad_norm_(1.0), the GPL-3 bytes; losses and peak RSS
+      dtrain-launch --nproc-per-node 2 -- .venv/bin/python bench/reference/fsdp_reference.py \
+          capacity --layers 26
+
 Every block is fully_shard'ed, then the root (FSDP2's recommended layout, what dtrain's
 FULL_SHARD does). Mixed precision: MixedPrecisionPolicy(param_dtype, reduce_dtype) of the
 preset; fp16 adds the ShardedGradScaler.
@@ -128,6 +135,61 @@ def bench(args):
                           "steady_tracked_mb": peak[2].item() if mem else None}), flush=True)
 
 
+def capacity(args):
+    """The largest-model recipe: meta-device build, recompute, fp32 AdamW, 5 steps."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234)
+    with torch.device("meta"):
+        model = TransformerLM(256, args.seq, args.d_model, args.layers, args.heads, args.d_ff)
+    n_params = sum(p.numel() for p in model.parameters())
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block)
+        fully_shard(model.blocks[i])
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    residual_std = 0.02 / (2.0 * args.layers) ** 0.5
+    with torch.no_grad():  # each rank initializes its own shards (GPT-2's rule)
+        for name, p in model.named_parameters():
+            local = p.to_local()
+            if "ln" in name:
+                local.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                local.zero_()
+            else:
+                local.normal_(0.0, residual_std if ("attn.proj.weight" in name or
+                                                    "fc_proj.weight" in name) else 0.02)
+    built_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    data = torch.frombuffer(bytearray(open(args.corpus, "rb").read()), dtype=torch.uint8).long()
+    gen = torch.Generator().manual_seed(1 + rank)
+    per_rank = args.batch // world
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        starts = torch.randint(0, data.numel() - args.seq - 1, (per_rank,), generator=gen)
+        x = torch.stack([data[s:s + args.seq] for s in starts.tolist()])
+        y = torch.stack([data[s + 1:s + args.seq + 1] for s in starts.tolist()])
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        if rank == 0:
+            print(f"pytorch step {step + 1}/{args.steps} loss {total.item() / world:.4f} "
+                  f"step {time.perf_counter() - t0:.1f} s peak_rss {rss:.0f} MB", flush=True)
+    peak = torch.tensor([built_mb, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
+                        dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(json.dumps({"impl": "pytorch", "mode": "capacity", "torch": torch.__version__,
+                          "parameters": n_params, "layers": args.layers, "world": world,
+                          "built_peak_rss_mb": peak[0].item(), "peak_rss_mb": peak[1].item()}),
+              flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -147,10 +209,15 @@ def main():
         b.add_argument("--" + name, type=int, default=default)
     b.add_argument("--fused", action="store_true", help="AdamW(fused=True)")
     b.add_argument("--tracker", default="", help="libdtrain_memory.so: count tensor bytes")
+    c = sub.add_parser("capacity")
+    for name, default in [("steps", 5), ("d-model", 2048), ("layers", 26), ("heads", 16),
+                          ("d-ff", 8192), ("seq", 64), ("batch", 2)]:
+        c.add_argument("--" + name, type=int, default=default)
+    c.add_argument("--corpus", default="/usr/share/common-licenses/GPL-3")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
-    parity(args) if args.mode == "parity" else bench(args)
+    {"parity": parity, "bench": bench, "capacity": capacity}[args.mode](args)
     dist.barrier()
     common.leave()
 

@@ -1,6 +1,7 @@
 #include "framework/models/transformer_lm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -53,12 +54,22 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
 }
 
 TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o) {
+  // The one draw from the default generator; every parameter's own generator derives from it.
+  init_seed_ = static_cast<uint64_t>(at::empty({}, at::kLong).random_().item<int64_t>());
+  // Deferred: each submodule gives its memory back as soon as it is built, so the transient
+  // peak is the largest one (a block or an embedding), never the model.
+  auto built = [&](torch::nn::Module& m) {
+    if (o.deferred_init()) sharding::defer_parameters(m, c10::kCPU);
+  };
   tok_emb = register_module("tok_emb", torch::nn::Embedding(o.vocab_size(), o.d_model()));
+  built(*tok_emb);
   pos_emb = register_module("pos_emb", torch::nn::Embedding(o.seq_len(), o.d_model()));
+  built(*pos_emb);
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layers(); ++i) {
     BlockUnit block(o.d_model(), o.n_heads(), o.d_ff());
     block->recompute = o.recompute_every() > 0 && i % o.recompute_every() == 0;
+    built(*block);
     blocks->push_back(block);
   }
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.d_model()})));
@@ -66,23 +77,63 @@ TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o
     head = register_module(
         "head",
         torch::nn::Linear(torch::nn::LinearOptions(o.d_model(), o.vocab_size()).bias(false)));
+    built(*head);
   }
-  // GPT-2 initialization.
+  if (o.deferred_init()) {
+    built(*ln_f);
+    return;
+  }
+  const sharding::ParamInit init = param_init();
   c10::NoGradGuard no_grad;
-  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(o.n_layers()));
-  for (auto& p : named_parameters()) {
-    const std::string& name = p.key();
-    at::Tensor& t = p.value();
-    if (name.find("ln") != std::string::npos) continue;  // LayerNorm: ones / zeros
-    if (name.size() >= 4 && name.substr(name.size() - 4) == "bias") {
+  for (auto& p : named_parameters()) init(p.key(), p.value());
+}
+
+namespace {
+
+// FNV-1a of a parameter's name, then splitmix64's finalizer over it and the model's seed.
+uint64_t parameter_seed(uint64_t model_seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+  uint64_t z = model_seed + 0x9e3779b97f4a7c15ull * (h | 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+bool ends_with(const std::string& s, const std::string& tail) {
+  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+}  // namespace
+
+sharding::ParamInit TransformerLMImpl::param_init() const {
+  const uint64_t seed = init_seed_;
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(options_.n_layers()));
+  return [seed, residual_std](const std::string& name, at::Tensor& t) {
+    c10::NoGradGuard no_grad;
+    const bool norm = name.find("ln") != std::string::npos;  // LayerNorm: ones / zeros
+    if (ends_with(name, "bias")) {
       t.zero_();
-    } else if (name.find("attn.proj.weight") != std::string::npos ||
-               name.find("fc_proj.weight") != std::string::npos) {
-      t.normal_(0.0, residual_std);
-    } else {
-      t.normal_(0.0, 0.02);
+      return;
     }
-  }
+    if (norm) {
+      t.fill_(1.0);
+      return;
+    }
+    const double stdev = name.find("attn.proj.weight") != std::string::npos ||
+                                 name.find("fc_proj.weight") != std::string::npos
+                             ? residual_std
+                             : 0.02;
+    // Drawn on the CPU in fp32 whatever the tensor, so every device and dtype starts alike.
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(parameter_seed(seed, name));
+    if (t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
+      t.normal_(0.0, stdev, gen);
+    } else {
+      at::Tensor draw = at::empty(t.sizes(), at::kFloat);
+      draw.normal_(0.0, stdev, gen);
+      t.copy_(draw);
+    }
+  };
 }
 
 at::Tensor TransformerLMImpl::forward(const at::Tensor& tokens) {

@@ -7,9 +7,14 @@
 // Linear -> GELU(tanh) -> Linear. With tie_weights the head reuses the token embedding
 // (logits = x @ tok_emb^T): one parameter, registered once, so DDP and optimizers see it once.
 // No dropout: runs are deterministic for a seed. Initialization follows GPT-2: N(0, 0.02),
-// residual projections scaled by 1/sqrt(2 n_layers), zero biases. Linear layers run through
-// at::linear, which fuses the bias into the matrix multiply as Python's F.linear does
-// (LibTorch's torch::nn::functional::linear adds it separately for 3-D inputs, which rounds
+// residual projections scaled by 1/sqrt(2 n_layers), zero biases, LayerNorms at ones and
+// zeros. Each parameter draws from a generator of its own, seeded by one number the
+// constructor draws from the default generator and by the parameter's name, so a parameter's
+// initial value does not depend on the order parameters are initialized in. That is what lets
+// deferred_init build the model with placeholders (sharding/deferred_init.h) and FSDP
+// initialize it unit by unit (param_init()) into the same bits as the eager constructor. Linear
+// layers run through at::linear, which fuses the bias into the matrix multiply as Python's F.linear
+// does (LibTorch's torch::nn::functional::linear adds it separately for 3-D inputs, which rounds
 // differently). Each block is an FSDP wrap point (BlockUnit), and can recompute its
 // activations in backward (recompute_every).
 #pragma once
@@ -20,6 +25,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include "sharding/deferred_init.h"
 #include "sharding/fsdp.h"
 
 namespace dtrain::framework {
@@ -35,6 +41,9 @@ struct TransformerLMOptions {
   // Activation recompute (sharding/recompute.h) of block i when i % recompute_every == 0:
   // 0 none, 1 every block ("full"), K every K-th.
   TORCH_ARG(int64_t, recompute_every) = 0;
+  // Parameters are placeholders (no memory) until param_init() fills them: under FSDP
+  // (FSDPOptions::param_init) one unit at a time, otherwise with sharding::materialize.
+  TORCH_ARG(bool, deferred_init) = false;
 };
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
@@ -73,6 +82,9 @@ class TransformerLMImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& tokens);
 
   const TransformerLMOptions& options() const { return options_; }
+  // The initializer of this model's parameters, by their names in this module (it holds no
+  // reference to the module). The eager constructor applies it to every parameter.
+  sharding::ParamInit param_init() const;
 
   torch::nn::Embedding tok_emb{nullptr}, pos_emb{nullptr};
   torch::nn::ModuleList blocks{nullptr};
@@ -81,6 +93,7 @@ class TransformerLMImpl : public torch::nn::Module {
 
  private:
   TransformerLMOptions options_;
+  uint64_t init_seed_ = 0;
 };
 TORCH_MODULE(TransformerLM);
 
