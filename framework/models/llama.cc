@@ -1,0 +1,264 @@
+#include "framework/models/llama.h"
+
+#include <ATen/ATen.h>
+#include <sys/stat.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <sstream>
+
+#include "core/error.h"
+#include "framework/checkpoint/safetensors.h"
+
+namespace dtrain::framework {
+namespace {
+
+torch::nn::Linear linear(int64_t in, int64_t out) {
+  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+}
+
+// cos and sin [T, head_dim] in fp32 (LlamaRotaryEmbedding), then the compute dtype.
+std::pair<at::Tensor, at::Tensor> rotary(int64_t T, int64_t dim, double theta,
+                                         const at::Tensor& like) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(like.device());
+  at::Tensor inv_freq =
+      1.0 / at::pow(theta, at::arange(0, dim, 2, f32.dtype(at::kLong)).to(at::kFloat) / dim);
+  at::Tensor freqs =
+      at::arange(T, f32.dtype(at::kLong)).to(at::kFloat).unsqueeze(1) * inv_freq.unsqueeze(0);
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  return {emb.cos().to(like.scalar_type()), emb.sin().to(like.scalar_type())};
+}
+
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t h = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, h, x.size(-1) - h), x.narrow(-1, 0, h)}, -1);
+}
+
+}  // namespace
+
+LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t size, double eps) : eps_(eps) {
+  weight = register_parameter("weight", at::ones({size}));
+}
+
+at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) {
+  at::Tensor h = x.to(at::kFloat);
+  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
+  h = h * at::rsqrt(variance + eps_);
+  return weight * h.to(x.scalar_type());
+}
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& o) : o_(o) {
+  const int64_t d = o.head_size();
+  DTRAIN_CHECK_AS(
+      ConfigError,
+      o.num_key_value_heads() > 0 && o.num_attention_heads() % o.num_key_value_heads() == 0,
+      "Llama: num_attention_heads ", o.num_attention_heads(),
+      " must be a multiple of num_key_value_heads ", o.num_key_value_heads());
+  DTRAIN_CHECK_AS(ConfigError, d % 2 == 0, "Llama: head_dim ", d, " must be even (RoPE)");
+  q_proj = register_module("q_proj", linear(o.hidden_size(), o.num_attention_heads() * d));
+  k_proj = register_module("k_proj", linear(o.hidden_size(), o.num_key_value_heads() * d));
+  v_proj = register_module("v_proj", linear(o.hidden_size(), o.num_key_value_heads() * d));
+  o_proj = register_module("o_proj", linear(o.num_attention_heads() * d, o.hidden_size()));
+}
+
+at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), H = o_.num_attention_heads(),
+                KV = o_.num_key_value_heads(), D = o_.head_size();
+  auto heads = [&](const at::Tensor& t, int64_t n) {
+    return t.view({B, T, n, D}).transpose(1, 2);  // [B, n, T, D]
+  };
+  at::Tensor q = heads(at::linear(x, q_proj->weight), H);
+  at::Tensor k = heads(at::linear(x, k_proj->weight), KV);
+  at::Tensor v = heads(at::linear(x, v_proj->weight), KV);
+  auto [cos, sin] = rotary(T, D, o_.rope_theta(), q);
+  q = q * cos + rotate_half(q) * sin;
+  k = k * cos + rotate_half(k) * sin;
+  if (KV != H) {  // repeat_kv: each K/V head serves H / KV consecutive query heads
+    const int64_t rep = H / KV;
+    k = k.unsqueeze(2).expand({B, KV, rep, T, D}).reshape({B, H, T, D});
+    v = v.unsqueeze(2).expand({B, KV, rep, T, D}).reshape({B, H, T, D});
+  }
+  at::Tensor att = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(D)));
+  at::Tensor mask =
+      at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
+  att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  att = at::softmax(att, -1, at::kFloat).to(q.scalar_type());
+  at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, H * D});
+  return at::linear(y, o_proj->weight);
+}
+
+LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
+  gate_proj = register_module("gate_proj", linear(o.hidden_size(), o.intermediate_size()));
+  up_proj = register_module("up_proj", linear(o.hidden_size(), o.intermediate_size()));
+  down_proj = register_module("down_proj", linear(o.intermediate_size(), o.hidden_size()));
+}
+
+at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
+  return at::linear(at::silu(at::linear(x, gate_proj->weight)) * at::linear(x, up_proj->weight),
+                    down_proj->weight);
+}
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {
+  self_attn = register_module("self_attn", LlamaAttention(o));
+  mlp = register_module("mlp", LlamaMLP(o));
+  input_layernorm =
+      register_module("input_layernorm", LlamaRMSNorm(o.hidden_size(), o.rms_norm_eps()));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", LlamaRMSNorm(o.hidden_size(), o.rms_norm_eps()));
+}
+
+at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x) {
+  at::Tensor h = x + self_attn->forward(input_layernorm->forward(x));
+  return h + mlp->forward(post_attention_layernorm->forward(h));
+}
+
+LlamaModelImpl::LlamaModelImpl(const LlamaOptions& o) {
+  embed_tokens =
+      register_module("embed_tokens", torch::nn::Embedding(o.vocab_size(), o.hidden_size()));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < o.num_hidden_layers(); ++i) layers->push_back(LlamaLayerUnit(o));
+  norm = register_module("norm", LlamaRMSNorm(o.hidden_size(), o.rms_norm_eps()));
+}
+
+at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
+  at::Tensor x = embed_tokens->forward(tokens);
+  for (const auto& layer : *layers) {
+    x = layer->as<sharding::UnitImpl<LlamaDecoderLayerImpl>>()->forward(x);
+  }
+  return norm->forward(x);
+}
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaOptions& o) : o_(o) {
+  model = register_module("model", LlamaModel(o));
+  if (!o.tie_word_embeddings()) {
+    lm_head = register_module("lm_head", linear(o.hidden_size(), o.vocab_size()));
+  }
+  // Llama's initialization (initializer_range 0.02): normal weights, RMSNorms at one.
+  c10::NoGradGuard no_grad;
+  for (auto& p : named_parameters()) {
+    if (p.key().find("norm") == std::string::npos) p.value().normal_(0.0, 0.02);
+  }
+}
+
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) {
+  DTRAIN_CHECK_AS(UsageError, tokens.dim() == 2, "Llama: tokens must be [batch, seq], got ",
+                  tokens.sizes());
+  at::Tensor h = model->forward(tokens);
+  return at::linear(h, o_.tie_word_embeddings() ? model->embed_tokens->weight : lm_head->weight);
+}
+
+LlamaOptions read_hf_llama_config(const std::string& path) {
+  YAML::Node c;
+  try {
+    c = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    DTRAIN_FAIL(ConfigError, path, ": cannot read: ", e.what());
+  }
+  DTRAIN_CHECK_AS(ConfigError, c.IsMap(), path, ": not a JSON object");
+  auto get = [&](const char* key, auto fallback) {
+    using T = decltype(fallback);
+    if (!c[key] || c[key].IsNull()) return fallback;
+    try {
+      return c[key].template as<T>();
+    } catch (const YAML::Exception& e) {
+      DTRAIN_FAIL(ConfigError, path, ": ", key, ": ", e.what());
+    }
+  };
+  const std::string type = get("model_type", std::string("llama"));
+  DTRAIN_CHECK_AS(ConfigError, type == "llama", path, ": model_type '", type, "' is not llama");
+  DTRAIN_CHECK_AS(ConfigError, get("hidden_act", std::string("silu")) == "silu", path,
+                  ": hidden_act must be silu");
+  DTRAIN_CHECK_AS(ConfigError, !get("attention_bias", false) && !get("mlp_bias", false), path,
+                  ": attention_bias and mlp_bias are not supported");
+  double theta = get("rope_theta", 10000.0);
+  std::string rope_type = "default";
+  for (const char* section : {"rope_parameters", "rope_scaling"}) {
+    const YAML::Node r = c[section];
+    if (!r || !r.IsMap()) continue;
+    if (r["rope_theta"]) theta = r["rope_theta"].as<double>();
+    if (r["rope_type"]) rope_type = r["rope_type"].as<std::string>();
+    if (r["type"]) rope_type = r["type"].as<std::string>();
+  }
+  DTRAIN_CHECK_AS(ConfigError, rope_type == "default", path, ": rope type '", rope_type,
+                  "' is not supported (only the default RoPE)");
+  LlamaOptions o;
+  o.vocab_size(get("vocab_size", int64_t{32000}))
+      .hidden_size(get("hidden_size", int64_t{4096}))
+      .intermediate_size(get("intermediate_size", int64_t{11008}))
+      .num_hidden_layers(get("num_hidden_layers", int64_t{32}))
+      .num_attention_heads(get("num_attention_heads", int64_t{32}))
+      .max_position_embeddings(get("max_position_embeddings", int64_t{2048}))
+      .rms_norm_eps(get("rms_norm_eps", 1e-6))
+      .rope_theta(theta)
+      .tie_word_embeddings(get("tie_word_embeddings", false))
+      .head_dim(get("head_dim", int64_t{0}));
+  o.num_key_value_heads(get("num_key_value_heads", o.num_attention_heads()));
+  return o;
+}
+
+LlamaForCausalLM load_hf_llama(const std::string& dir) {
+  LlamaForCausalLM m(read_hf_llama_config(dir + "/config.json"));
+  load_hf_llama_weights(*m, dir);
+  return m;
+}
+
+void load_hf_llama_weights(LlamaForCausalLMImpl& model, const std::string& dir) {
+  ckpt::SafeTensors st = ckpt::read_safetensors_dir(dir);
+  std::map<std::string, at::Tensor> found;
+  for (auto& [name, t] : st.tensors) found.emplace(name, t);
+  c10::NoGradGuard no_grad;
+  for (auto& p : model.named_parameters()) {
+    auto it = found.find(p.key());
+    DTRAIN_CHECK_AS(ConfigError, it != found.end(), dir, ": no tensor '", p.key(),
+                    "' in the checkpoint");
+    DTRAIN_CHECK_AS(ConfigError, it->second.sizes() == p.value().sizes(), dir, ": tensor '",
+                    p.key(), "' has shape ", it->second.sizes(), ", the model's is ",
+                    p.value().sizes(), " (config.json does not match the weights)");
+    p.value().copy_(it->second);
+    found.erase(it);
+  }
+  // A tied head may be saved as well (transformers writes it when asked to).
+  if (model.options().tie_word_embeddings()) found.erase("lm_head.weight");
+  DTRAIN_CHECK_AS(ConfigError, found.empty(), dir, ": tensor '",
+                  found.empty() ? "" : found.begin()->first,
+                  "' matches no parameter of the model (", found.size(), " left over)");
+}
+
+void save_hf_llama(const LlamaForCausalLMImpl& model, const std::string& dir) {
+  ::mkdir(dir.c_str(), 0755);
+  const LlamaOptions& o = model.options();
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  at::ScalarType dtype = at::kFloat;
+  for (const auto& p : model.named_parameters()) {
+    tensors.emplace_back(p.key(), p.value());
+    dtype = p.value().scalar_type();
+  }
+  ckpt::write_safetensors(dir + "/model.safetensors", tensors, {{"format", "pt"}});
+  const char* dtype_name = dtype == at::kBFloat16 ? "bfloat16"
+                           : dtype == at::kHalf   ? "float16"
+                                                  : "float32";
+  std::ostringstream c;
+  c.precision(17);
+  c << "{\n  \"architectures\": [\"LlamaForCausalLM\"],\n  \"model_type\": \"llama\",\n"
+    << "  \"hidden_act\": \"silu\",\n  \"attention_bias\": false,\n  \"mlp_bias\": false,\n"
+    << "  \"vocab_size\": " << o.vocab_size() << ",\n  \"hidden_size\": " << o.hidden_size()
+    << ",\n  \"intermediate_size\": " << o.intermediate_size()
+    << ",\n  \"num_hidden_layers\": " << o.num_hidden_layers()
+    << ",\n  \"num_attention_heads\": " << o.num_attention_heads()
+    << ",\n  \"num_key_value_heads\": " << o.num_key_value_heads()
+    << ",\n  \"head_dim\": " << o.head_size()
+    << ",\n  \"max_position_embeddings\": " << o.max_position_embeddings()
+    << ",\n  \"rms_norm_eps\": " << o.rms_norm_eps() << ",\n  \"rope_theta\": " << o.rope_theta()
+    << ",\n  \"rope_parameters\": {\"rope_type\": \"default\", \"rope_theta\": " << o.rope_theta()
+    << "},\n  \"tie_word_embeddings\": " << (o.tie_word_embeddings() ? "true" : "false")
+    << ",\n  \"torch_dtype\": \"" << dtype_name << "\",\n  \"dtype\": \"" << dtype_name
+    << "\"\n}\n";
+  std::ofstream f(dir + "/config.json");
+  f << c.str();
+  DTRAIN_CHECK_AS(CheckpointError, static_cast<bool>(f), dir, "/config.json: cannot write");
+}
+
+}  // namespace dtrain::framework

@@ -1,0 +1,124 @@
+// Llama: the decoder of Meta's Llama 2 and 3 as Hugging Face's LlamaForCausalLM writes it, op
+// for op, so its checkpoints load and save (config.json + model.safetensors, sharded index
+// included) and its logits match transformers' within rounding.
+//
+// tokens -> embed_tokens -> num_hidden_layers x [x + attn(rms1(x)); x + mlp(rms2(x))] -> norm
+// -> lm_head. RMSNorm normalizes in fp32 and scales in the input dtype (LlamaRMSNorm).
+// Attention is causal with rotary position embeddings (RoPE's half-split rotation,
+// inv_freq = theta^(-2i/head_dim), cos and sin computed in fp32 then cast) and grouped-query
+// attention: num_key_value_heads heads of K and V, each shared by num_attention_heads /
+// num_key_value_heads query heads; the softmax runs in fp32. The MLP is SwiGLU:
+// down(silu(gate(x)) * up(x)). No biases. With tie_word_embeddings the head is the embedding.
+// Module and parameter names are transformers' ("model.layers.0.self_attn.q_proj.weight"), so
+// a state dict maps one to one. Each decoder layer is an FSDP wrap point (LlamaLayerUnit).
+// Only the default RoPE is implemented; a config.json asking for scaled RoPE (Llama 3.1's
+// "llama3", "linear", "dynamic", "yarn") is refused by name.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <string>
+
+#include "sharding/fsdp.h"
+
+namespace dtrain::framework {
+
+struct LlamaOptions {
+  TORCH_ARG(int64_t, vocab_size) = 32000;
+  TORCH_ARG(int64_t, hidden_size) = 4096;
+  TORCH_ARG(int64_t, intermediate_size) = 11008;
+  TORCH_ARG(int64_t, num_hidden_layers) = 32;
+  TORCH_ARG(int64_t, num_attention_heads) = 32;
+  TORCH_ARG(int64_t, num_key_value_heads) = 32;
+  TORCH_ARG(int64_t, head_dim) = 0;  // 0: hidden_size / num_attention_heads
+  TORCH_ARG(int64_t, max_position_embeddings) = 2048;
+  TORCH_ARG(double, rms_norm_eps) = 1e-6;
+  TORCH_ARG(double, rope_theta) = 10000.0;
+  TORCH_ARG(bool, tie_word_embeddings) = false;
+
+ public:
+  int64_t head_size() const {
+    return head_dim_ > 0 ? head_dim_ : hidden_size_ / num_attention_heads_;
+  }
+};
+
+class LlamaRMSNormImpl : public torch::nn::Module {
+ public:
+  LlamaRMSNormImpl(int64_t size, double eps);
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight;
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(LlamaRMSNorm);
+
+class LlamaAttentionImpl : public torch::nn::Module {
+ public:
+  explicit LlamaAttentionImpl(const LlamaOptions& o);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+
+ private:
+  LlamaOptions o_;
+};
+TORCH_MODULE(LlamaAttention);
+
+class LlamaMLPImpl : public torch::nn::Module {
+ public:
+  explicit LlamaMLPImpl(const LlamaOptions& o);
+  at::Tensor forward(const at::Tensor& x);
+  torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(LlamaMLP);
+
+class LlamaDecoderLayerImpl : public torch::nn::Module {
+ public:
+  explicit LlamaDecoderLayerImpl(const LlamaOptions& o);
+  at::Tensor forward(const at::Tensor& x);
+  LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  LlamaAttention self_attn{nullptr};
+  LlamaMLP mlp{nullptr};
+};
+// The FSDP wrap point.
+using LlamaLayerUnit = sharding::Unit<LlamaDecoderLayerImpl>;
+
+class LlamaModelImpl : public torch::nn::Module {
+ public:
+  explicit LlamaModelImpl(const LlamaOptions& o);
+  at::Tensor forward(const at::Tensor& tokens);  // hidden states after the final norm
+  torch::nn::Embedding embed_tokens{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  LlamaRMSNorm norm{nullptr};
+};
+TORCH_MODULE(LlamaModel);
+
+class LlamaForCausalLMImpl : public torch::nn::Module {
+ public:
+  explicit LlamaForCausalLMImpl(const LlamaOptions& o);
+  // tokens [B, T] (int64) -> logits [B, T, vocab_size]
+  at::Tensor forward(const at::Tensor& tokens);
+  const LlamaOptions& options() const { return o_; }
+  LlamaModel model{nullptr};
+  torch::nn::Linear lm_head{nullptr};  // only when !tie_word_embeddings
+
+ private:
+  LlamaOptions o_;
+};
+TORCH_MODULE(LlamaForCausalLM);
+
+// Hugging Face checkpoints. `dir` holds config.json and model.safetensors, or shards and
+// model.safetensors.index.json. Loading is strict: every parameter found, with its shape,
+// and no tensor left over (ConfigError naming the file and tensor otherwise); tensors are
+// converted to the parameters' dtype.
+LlamaOptions read_hf_llama_config(const std::string& config_json);
+LlamaForCausalLM load_hf_llama(const std::string& dir);
+void load_hf_llama_weights(LlamaForCausalLMImpl& model, const std::string& dir);
+// Writes config.json and model.safetensors (the parameters in their dtype) into `dir`, which
+// transformers' LlamaForCausalLM.from_pretrained(dir) loads.
+void save_hf_llama(const LlamaForCausalLMImpl& model, const std::string& dir);
+
+}  // namespace dtrain::framework

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""dtrain's Llama (framework/models/llama.h) against transformers' LlamaForCausalLM on small
+randomly initialized models saved by save_pretrained (nothing is downloaded): grouped-query
+and multi-head attention, tied and untied heads, an explicit head_dim, one file and a sharded
+checkpoint. dtrain loads each and computes the logits of the same tokens (fp32: within 1e-5
+of transformers'; bf16: within bf16 rounding), then saves the model, and transformers loads
+dtrain's checkpoint and computes the original's logits bit for bit."""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import torch
+from safetensors.torch import load_file, save_file
+
+warnings.filterwarnings("ignore")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.set_verbosity_error()
+ap = argparse.ArgumentParser()
+ap.add_argument("--tool", required=True)
+args = ap.parse_args()
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+
+
+def tool(*argv):
+    r = subprocess.run([args.tool, *argv], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        print(r.stderr, flush=True)
+    return r
+
+
+CASES = {
+    "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "mha_tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+    "head_dim_mqa": dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                         tie_word_embeddings=False, rope_theta=500000.0),
+}
+
+torch.manual_seed(0)
+tokens = torch.randint(0, 100, (2, 12))
+with tempfile.TemporaryDirectory() as tmp:
+    tok_file = os.path.join(tmp, "tokens.safetensors")
+    save_file({"tokens": tokens}, tok_file)
+    for name, extra in CASES.items():
+        theta = extra.pop("rope_theta", 10000.0)
+        cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96,
+                          num_hidden_layers=2, max_position_embeddings=32,
+                          rope_parameters={"rope_type": "default", "rope_theta": theta},
+                          attn_implementation="eager", **extra)
+        hf = LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():  # make the norms matter
+            for n, p in hf.named_parameters():
+                if "norm" in n:
+                    p.uniform_(0.5, 1.5)
+            want = hf(tokens).logits.float()
+        for layout in ["single", "sharded"]:
+            src = os.path.join(tmp, f"{name}_{layout}")
+            hf.save_pretrained(src, max_shard_size="20KB" if layout == "sharded" else "5GB")
+            if layout == "sharded":
+                check(os.path.exists(os.path.join(src, "model.safetensors.index.json")),
+                      f"{name}: save_pretrained wrote a sharded checkpoint")
+            out = os.path.join(tmp, f"{name}_{layout}_logits.safetensors")
+            r = tool("logits", src, tok_file, out)
+            if r.returncode != 0:
+                check(False, f"{name} {layout}: dtrain loads and runs the checkpoint")
+                continue
+            got = load_file(out)["logits"]
+            err = (got - want).abs().max().item()
+            check(got.shape == want.shape and err <= 1e-5 * max(1.0, want.abs().max().item()),
+                  f"{name} {layout}: fp32 logits within 1e-5 of transformers' (max |diff| {err:.2e})")
+        # bf16: both sides in bf16; rounding of bf16 matmuls and norms.
+        hf16 = LlamaForCausalLM.from_pretrained(os.path.join(tmp, f"{name}_single"),
+                                                dtype=torch.bfloat16,
+                                                attn_implementation="eager").eval()
+        with torch.no_grad():
+            want16 = hf16(tokens).logits.float()
+        out = os.path.join(tmp, f"{name}_bf16.safetensors")
+        if tool("logits", os.path.join(tmp, f"{name}_single"), tok_file, out, "bf16").returncode == 0:
+            got16 = load_file(out)["logits"]
+            err = (got16 - want16).abs().max().item()
+            scale = want16.abs().max().item()
+            check(err <= 0.02 * scale, f"{name}: bf16 logits within bf16 rounding of "
+                  f"transformers' (max |diff| {err:.3f} of max {scale:.3f})")
+        else:
+            check(False, f"{name}: dtrain runs the checkpoint in bf16")
+        # dtrain's save, loaded by transformers: the original's logits, bit for bit.
+        saved = os.path.join(tmp, f"{name}_dtrain")
+        if tool("resave", os.path.join(tmp, f"{name}_sharded"), saved).returncode == 0:
+            back = LlamaForCausalLM.from_pretrained(saved, attn_implementation="eager").eval()
+            with torch.no_grad():
+                again = back(tokens).logits.float()
+            check(torch.equal(again, want), f"{name}: transformers loads dtrain's save, the same "
+                  "logits bit for bit")
+        else:
+            check(False, f"{name}: dtrain saves the model")
+
+    # A checkpoint that does not match its config is refused naming the tensor.
+    bad = os.path.join(tmp, "gqa_untied_single")
+    w = load_file(os.path.join(bad, "model.safetensors"))
+    w["model.norm.weight"] = torch.ones(65)
+    save_file(w, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+    r = tool("logits", bad, tok_file, os.path.join(tmp, "x.safetensors"))
+    check(r.returncode == 2 and "model.norm.weight" in r.stderr and "shape" in r.stderr,
+          "a tensor of the wrong shape is refused, naming it")
+
+print("llama_hf_test:", "FAILED" if failures else "passed", f"({len(failures)} failures)")
+sys.exit(1 if failures else 0)
