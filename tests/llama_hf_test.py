@@ -22,6 +22,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 hf_logging.set_verbosity_error()
 ap = argparse.ArgumentParser()
 ap.add_argument("--tool", required=True)
+ap.add_argument("--launcher", required=True)
 args = ap.parse_args()
 failures = []
 
@@ -103,6 +104,37 @@ with tempfile.TemporaryDirectory() as tmp:
                   "logits bit for bit")
         else:
             check(False, f"{name}: dtrain saves the model")
+
+    # A fine-tune at 2 ranks under DDP and FSDP, saved by dtrain: transformers loads it and
+    # computes dtrain's logits of the fine-tuned model bit for bit.
+    src = os.path.join(tmp, "gqa_untied_sharded")
+    rows = torch.randint(0, 100, (4, 12), generator=torch.Generator().manual_seed(3))
+    rows_file = os.path.join(tmp, "rows.safetensors")
+    save_file({"tokens": rows}, rows_file)
+    with torch.no_grad():
+        before = LlamaForCausalLM.from_pretrained(src, attn_implementation="eager")(rows).logits
+    tuned = {}
+    for strategy in ["ddp", "fsdp"]:
+        out = os.path.join(tmp, f"tuned_{strategy}")
+        r = subprocess.run([args.launcher, "--nproc-per-node", "2", "--master-port", "0", "--",
+                            args.tool, "finetune", src, rows_file, out, strategy, "3"],
+                           capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            print(r.stdout[-3000:], r.stderr[-3000:], flush=True)
+            check(False, f"{strategy}: a 2-rank fine-tune runs")
+            continue
+        theirs = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        with torch.no_grad():
+            got = theirs(rows).logits.float()
+        ours = load_file(os.path.join(out, "dtrain_logits.safetensors"))["logits"]
+        check(torch.equal(got, ours), f"{strategy}: transformers loads the fine-tuned save, "
+              "dtrain's logits bit for bit")
+        check((got - before).abs().max().item() > 1e-3, f"{strategy}: the fine-tune moved the model")
+        tuned[strategy] = got
+    if len(tuned) == 2:
+        err = (tuned["ddp"] - tuned["fsdp"]).abs().max().item()
+        check(err <= 1e-4 * tuned["ddp"].abs().max().item(),
+              f"DDP and FSDP fine-tunes agree (max |diff| {err:.2e})")
 
     # A checkpoint that does not match its config is refused naming the tensor.
     bad = os.path.join(tmp, "gqa_untied_single")

@@ -24,6 +24,7 @@ uint64_t merge(uint64_t acc, uint64_t v) { return (acc ^ round64(0, v)) * kP1 + 
 Hasher::Hasher() : v_{kP1 + kP2, kP2, 0, 0 - kP1} {}
 
 void Hasher::update(const char* data, size_t n) {
+  if (n == 0) return;  // an empty tensor's data pointer may be null, which memcpy must not see
   const auto* p = reinterpret_cast<const unsigned char*>(data);
   total_ += n;
   if (buffered_ + n < 32) {

@@ -267,7 +267,9 @@ void write_safetensors(const std::string& path,
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(header.size() >> (8 * i));
   f.append(reinterpret_cast<const char*>(len), 8);
   f.append(header.data(), header.size());
-  for (const at::Tensor& c : data) f.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  for (const at::Tensor& c : data) {
+    if (c.nbytes() > 0) f.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+  }
   f.commit();
 }
 

@@ -4,6 +4,12 @@
 //                                            through it (in bf16 when asked) and writes
 //                                            "logits" (fp32) to OUT
 //   llama_tool resave DIR OUT_DIR             loads DIR and saves it as dtrain does into OUT_DIR
+//   llama_tool finetune DIR TOKENS OUT_DIR ddp|fsdp STEPS
+//                                             under dtrain-launch: every rank loads DIR, the
+//                                             strategy trains STEPS AdamW steps on its rows of
+//                                             "tokens" (next-token loss), and rank 0 saves the
+//                                             result into OUT_DIR with its logits of all tokens
+//                                             (OUT_DIR/dtrain_logits.safetensors)
 // An error prints its message and exits 2.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -11,29 +17,99 @@
 #include <iostream>
 #include <string>
 
+#include <torch/optim/adamw.h>
+
+#include <map>
+
+#include "comm/factory.h"
 #include "core/error.h"
 #include "framework/checkpoint/safetensors.h"
 #include "framework/models/llama.h"
+#include "sharding/ddp.h"
+#include "sharding/fsdp.h"
+
+namespace {
+
+using namespace dtrain::framework;
+
+at::Tensor read_tokens(const std::string& path) {
+  for (const auto& [name, t] : ckpt::read_safetensors(path).tensors) {
+    if (name == "tokens") return t.to(at::kLong);
+  }
+  DTRAIN_FAIL(dtrain::UsageError, path, ": no tensor 'tokens'");
+}
+
+int finetune(const std::string& dir, const std::string& tokens_path, const std::string& out,
+             const std::string& strategy, int steps) {
+  auto comm = dtrain::comm::create_world();
+  const int rank = comm->rank(), world = comm->size();
+  const at::Tensor tokens = read_tokens(tokens_path);
+  // This rank's rows: rank, rank + world, ...
+  const at::Tensor mine = tokens.index_select(
+      0, at::arange(rank, tokens.size(0), world, at::TensorOptions().dtype(at::kLong)));
+  auto loss_of = [&](const at::Tensor& logits) {
+    const int64_t V = logits.size(-1), T = mine.size(1);
+    return at::cross_entropy_loss(logits.narrow(1, 0, T - 1).reshape({-1, V}),
+                                  mine.narrow(1, 1, T - 1).reshape(-1));
+  };
+  LlamaForCausalLM model = load_hf_llama(dir);
+  std::vector<std::pair<std::string, at::Tensor>> final_params;
+  if (strategy == "ddp") {
+    dtrain::sharding::DistributedDataParallel<LlamaForCausalLM> ddp(model, comm);
+    torch::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-3));
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      loss_of(ddp(mine)).backward();
+      opt.step();
+    }
+    for (const auto& p : model->named_parameters()) final_params.emplace_back(p.key(), p.value());
+  } else {
+    DTRAIN_CHECK_AS(dtrain::UsageError, strategy == "fsdp", "strategy must be ddp or fsdp");
+    dtrain::sharding::FullyShardedDataParallel<LlamaForCausalLM> fsdp(
+        model, comm,
+        dtrain::sharding::FSDPOptions().auto_wrap(
+            dtrain::sharding::AutoWrapPolicy().module_types({"LlamaDecoderLayer"})));
+    torch::optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-3));
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      loss_of(fsdp(mine)).backward();
+      opt.step();
+    }
+    final_params = fsdp.state().full_parameters();  // collective
+  }
+  if (rank == 0) {
+    LlamaForCausalLM result = load_hf_llama(dir);
+    std::map<std::string, at::Tensor> by_name(final_params.begin(), final_params.end());
+    c10::NoGradGuard no_grad;
+    for (auto& p : result->named_parameters()) p.value().copy_(by_name.at(p.key()));
+    save_hf_llama(*result, out);
+    ckpt::write_safetensors(out + "/dtrain_logits.safetensors",
+                            {{"logits", result->forward(tokens)}});
+  }
+  comm->barrier().wait();
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace dtrain::framework;
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (!((mode == "logits" && (argc == 5 || argc == 6)) || (mode == "resave" && argc == 4))) {
-    std::cerr << "usage: llama_tool logits DIR TOKENS OUT [bf16] | resave DIR OUT_DIR\n";
+  if (!((mode == "logits" && (argc == 5 || argc == 6)) || (mode == "resave" && argc == 4) ||
+        (mode == "finetune" && argc == 7))) {
+    std::cerr << "usage: llama_tool logits DIR TOKENS OUT [bf16] | resave DIR OUT_DIR | finetune "
+                 "DIR TOKENS OUT_DIR ddp|fsdp STEPS\n";
     return 2;
   }
   try {
+    if (mode == "finetune") return finetune(argv[2], argv[3], argv[4], argv[5], std::atoi(argv[6]));
     LlamaForCausalLM m = load_hf_llama(argv[2]);
     if (mode == "resave") {
       save_hf_llama(*m, argv[3]);
       return 0;
     }
     if (argc == 6 && std::string(argv[5]) == "bf16") m->to(at::kBFloat16);
-    at::Tensor tokens;
-    for (const auto& [name, t] : ckpt::read_safetensors(argv[3]).tensors) {
-      if (name == "tokens") tokens = t.to(at::kLong);
-    }
-    DTRAIN_CHECK_AS(dtrain::UsageError, tokens.defined(), argv[3], ": no tensor 'tokens'");
+    const at::Tensor tokens = read_tokens(argv[3]);
     c10::NoGradGuard no_grad;
     at::Tensor logits = m->forward(tokens).to(at::kFloat);
     ckpt::write_safetensors(argv[4], {{"logits", logits}});
