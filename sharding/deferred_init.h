@@ -43,6 +43,17 @@ void defer_parameters(torch::nn::Module& module, c10::Device device);
 // Gives every placeholder parameter of `module` real memory (fp32 on its device is filled by
 // `init`, then cast to the placeholder's dtype), in the module's parameter order.
 void materialize(torch::nn::Module& module, const ParamInit& init);
+// Initializers whose values do not depend on the order they run in:
+//   draw_init_seed()             one draw from the default CPU generator, made when the model
+//                                is built (so at::manual_seed decides it);
+//   parameter_generator(s, name) a CPU generator of the parameter's own, seeded by splitmix64
+//                                of `s` and the FNV-1a hash of its name;
+//   normal_from(t, std, gen)     t := N(0, std) drawn in fp32 on the CPU, whatever t's device
+//                                and dtype, so every device and dtype starts alike.
+uint64_t draw_init_seed();
+at::Generator parameter_generator(uint64_t seed, const std::string& name);
+void normal_from(at::Tensor& t, double std, at::Generator gen);
+
 // Throws UsageError naming the first placeholder parameter of `params`, for `who` ("DDP").
 void check_no_placeholders(const std::vector<std::pair<std::string, at::Tensor>>& params,
                            const std::string& who);

@@ -90,6 +90,9 @@ std::unique_ptr<FSDPState> build_fsdp(torch::nn::Module& module,
     owner.push_back(owner_of(item.key()));
     order.push_back(item.key());
   }
+  // Before any collective, so every rank refuses alike (a rank failing inside a collective
+  // constructor would leave the others in it).
+  if (!options.param_init()) check_no_placeholders(unique, "FSDP");
   std::vector<FSDPState::UnitSpec> specs(chosen.size());
   FSDPState::UnitSpec root;
   for (size_t u = 0; u < chosen.size(); ++u) specs[u].name = chosen[u].name;

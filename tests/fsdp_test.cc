@@ -18,6 +18,7 @@
 #include "amp/sharded_grad_scaler.h"
 #include "core/error.h"
 #include "framework/memory.h"
+#include "framework/models/llama.h"
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
 #include "sharding/clip_grad.h"
@@ -538,6 +539,61 @@ TEST_F(Test, DeferredInitHoldsTheEagerModelsShardsAndPeaksAtOneUnit) {
     EXPECT_LT(shards, model / n + 2 * block) << seen;
     EXPECT_LT(peak, model / n + 4 * block) << seen;
     EXPECT_LT(peak, model) << seen;
+  }
+}
+
+// The Llama decoder (grouped-query attention, no biases, RMSNorm) under FSDP with its layers
+// as units: built deferred, its shards are the eager build's bit for bit, and its logits and
+// gradients are those of the plain model in one process.
+TEST_F(Test, LlamaUnderFsdpFromADeferredBuildMatchesThePlainModel) {
+  const auto o = dtrain::framework::LlamaOptions()
+                     .vocab_size(50)
+                     .hidden_size(24)
+                     .intermediate_size(40)
+                     .num_hidden_layers(3)
+                     .num_attention_heads(4)
+                     .num_key_value_heads(2)
+                     .max_position_embeddings(16);
+  using dtrain::framework::LlamaForCausalLM;
+  at::manual_seed(31);
+  LlamaForCausalLM plain(o);
+  at::manual_seed(31);
+  LlamaForCausalLM eager_lm(o);
+  at::manual_seed(31);
+  LlamaForCausalLM lazy_lm(dtrain::framework::LlamaOptions(o).deferred_init(true));
+  const auto fo = FSDPOptions().sync_module_states(false).auto_wrap(
+      AutoWrapPolicy().module_types({"LlamaDecoderLayer"}));
+  FullyShardedDataParallel<LlamaForCausalLM> eager(eager_lm, world_ptr(), fo);
+  FullyShardedDataParallel<LlamaForCausalLM> lazy(
+      lazy_lm, world_ptr(), FSDPOptions(fo).param_init(lazy_lm->param_init()));
+  EXPECT_EQ(lazy.state().units().size(), 4u);  // three layers and the root
+  const auto want = eager.named_parameters(), got = lazy.named_parameters();
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_TRUE(at::equal(want[i].second, got[i].second)) << want[i].first;
+  }
+  // Every rank computes the whole batch, so FSDP's averaged gradients are the plain model's.
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  at::Tensor tokens = at::randint(0, 50, {2, 9}, gen).to(dev());
+  plain->to(dev());
+  auto loss_of = [&](const at::Tensor& logits) {
+    return at::cross_entropy_loss(logits.narrow(1, 0, 8).reshape({-1, 50}),
+                                  tokens.narrow(1, 1, 8).reshape(-1));
+  };
+  at::Tensor ref = plain->forward(tokens);
+  loss_of(ref).backward();
+  at::Tensor out = lazy(tokens);
+  expect_close(out, ref, 1e-6, "logits");
+  loss_of(out).backward();
+  std::map<std::string, at::Tensor> grads;
+  for (const auto& p : plain->named_parameters()) grads[p.key()] = p.value().grad();
+  // The gradient shards gathered back into full gradients (all parameters train here).
+  std::vector<at::Tensor> parts;
+  const auto all = lazy.state().all_parameters();
+  for (const auto& [name, master] : all) parts.push_back(master.grad());
+  const std::vector<at::Tensor> full = lazy.state().gather_full(parts);
+  for (size_t k = 0; k < all.size(); ++k) {
+    expect_close(full[k], grads.at(all[k].first), 1e-5, all[k].first + " grad");
   }
 }
 

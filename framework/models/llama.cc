@@ -116,11 +116,21 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x) {
 }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaOptions& o) {
+  // Deferred: each submodule gives its memory back as soon as it is built.
+  auto built = [&](torch::nn::Module& m) {
+    if (o.deferred_init()) sharding::defer_parameters(m, c10::kCPU);
+  };
   embed_tokens =
       register_module("embed_tokens", torch::nn::Embedding(o.vocab_size(), o.hidden_size()));
+  built(*embed_tokens);
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < o.num_hidden_layers(); ++i) layers->push_back(LlamaLayerUnit(o));
+  for (int64_t i = 0; i < o.num_hidden_layers(); ++i) {
+    LlamaLayerUnit layer(o);
+    built(*layer);
+    layers->push_back(layer);
+  }
   norm = register_module("norm", LlamaRMSNorm(o.hidden_size(), o.rms_norm_eps()));
+  built(*norm);
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
@@ -132,15 +142,29 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
 }
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaOptions& o) : o_(o) {
+  init_seed_ = sharding::draw_init_seed();
   model = register_module("model", LlamaModel(o));
   if (!o.tie_word_embeddings()) {
     lm_head = register_module("lm_head", linear(o.hidden_size(), o.vocab_size()));
+    if (o.deferred_init()) sharding::defer_parameters(*lm_head, c10::kCPU);
   }
-  // Llama's initialization (initializer_range 0.02): normal weights, RMSNorms at one.
+  if (o.deferred_init()) return;
+  const sharding::ParamInit init = param_init();
   c10::NoGradGuard no_grad;
-  for (auto& p : named_parameters()) {
-    if (p.key().find("norm") == std::string::npos) p.value().normal_(0.0, 0.02);
-  }
+  for (auto& p : named_parameters()) init(p.key(), p.value());
+}
+
+sharding::ParamInit LlamaForCausalLMImpl::param_init() const {
+  const uint64_t seed = init_seed_;
+  const double range = o_.initializer_range();
+  return [seed, range](const std::string& name, at::Tensor& t) {
+    c10::NoGradGuard no_grad;
+    if (name.find("norm") != std::string::npos) {  // RMSNorm weights
+      t.fill_(1.0);
+      return;
+    }
+    sharding::normal_from(t, range, sharding::parameter_generator(seed, name));
+  };
 }
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) {
@@ -225,6 +249,21 @@ void load_hf_llama_weights(LlamaForCausalLMImpl& model, const std::string& dir) 
   DTRAIN_CHECK_AS(ConfigError, found.empty(), dir, ": tensor '",
                   found.empty() ? "" : found.begin()->first,
                   "' matches no parameter of the model (", found.size(), " left over)");
+}
+
+sharding::ParamInit hf_llama_param_init(const std::string& dir) {
+  auto tensors = std::make_shared<std::map<std::string, at::Tensor>>();
+  for (auto& [name, t] : ckpt::read_safetensors_dir(dir).tensors) tensors->emplace(name, t);
+  return [tensors, dir](const std::string& name, at::Tensor& t) {
+    auto it = tensors->find(name);
+    DTRAIN_CHECK_AS(ConfigError, it != tensors->end(), dir, ": no tensor '", name,
+                    "' in the checkpoint");
+    DTRAIN_CHECK_AS(ConfigError, it->second.sizes() == t.sizes(), dir, ": tensor '", name,
+                    "' has shape ", it->second.sizes(), ", the model's is ", t.sizes(),
+                    " (config.json does not match the weights)");
+    c10::NoGradGuard no_grad;
+    t.copy_(it->second);
+  };
 }
 
 void save_hf_llama(const LlamaForCausalLMImpl& model, const std::string& dir) {

@@ -10,7 +10,8 @@
 // num_key_value_heads query heads; the softmax runs in fp32. The MLP is SwiGLU:
 // down(silu(gate(x)) * up(x)). No biases. With tie_word_embeddings the head is the embedding.
 // Module and parameter names are transformers' ("model.layers.0.self_attn.q_proj.weight"), so
-// a state dict maps one to one. Each decoder layer is an FSDP wrap point (LlamaLayerUnit).
+// a state dict maps one to one. Each decoder layer is an FSDP wrap point (LlamaLayerUnit), and
+// deferred_init builds the model without parameter memory for FSDP to initialize unit by unit.
 // Only the default RoPE is implemented; a config.json asking for scaled RoPE (Llama 3.1's
 // "llama3", "linear", "dynamic", "yarn") is refused by name.
 #pragma once
@@ -22,6 +23,7 @@
 
 #include <string>
 
+#include "sharding/deferred_init.h"
 #include "sharding/fsdp.h"
 
 namespace dtrain::framework {
@@ -38,6 +40,11 @@ struct LlamaOptions {
   TORCH_ARG(double, rms_norm_eps) = 1e-6;
   TORCH_ARG(double, rope_theta) = 10000.0;
   TORCH_ARG(bool, tie_word_embeddings) = false;
+  // Llama's initializer_range: weights N(0, 0.02), RMSNorms at one.
+  TORCH_ARG(double, initializer_range) = 0.02;
+  // Placeholder parameters until param_init() fills them (sharding/deferred_init.h): under
+  // FSDP one unit at a time (FSDPOptions::param_init), otherwise sharding::materialize.
+  TORCH_ARG(bool, deferred_init) = false;
 
  public:
   int64_t head_size() const {
@@ -102,11 +109,16 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // tokens [B, T] (int64) -> logits [B, T, vocab_size]
   at::Tensor forward(const at::Tensor& tokens);
   const LlamaOptions& options() const { return o_; }
+  // Each parameter from a generator of its own (seeded by one draw at construction and its
+  // name), as TransformerLM: the eager constructor applies it, and a deferred build given to
+  // FSDP gets the same bits unit by unit.
+  sharding::ParamInit param_init() const;
   LlamaModel model{nullptr};
   torch::nn::Linear lm_head{nullptr};  // only when !tie_word_embeddings
 
  private:
   LlamaOptions o_;
+  uint64_t init_seed_ = 0;
 };
 TORCH_MODULE(LlamaForCausalLM);
 
@@ -117,6 +129,9 @@ TORCH_MODULE(LlamaForCausalLM);
 LlamaOptions read_hf_llama_config(const std::string& config_json);
 LlamaForCausalLM load_hf_llama(const std::string& dir);
 void load_hf_llama_weights(LlamaForCausalLMImpl& model, const std::string& dir);
+// The checkpoint in `dir` as an initializer: a deferred model given to FSDP with it loads the
+// checkpoint one unit at a time, never holding it whole (the files are memory-mapped).
+sharding::ParamInit hf_llama_param_init(const std::string& dir);
 // Writes config.json and model.safetensors (the parameters in their dtype) into `dir`, which
 // transformers' LlamaForCausalLM.from_pretrained(dir) loads.
 void save_hf_llama(const LlamaForCausalLMImpl& model, const std::string& dir);

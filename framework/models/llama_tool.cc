@@ -52,9 +52,9 @@ int finetune(const std::string& dir, const std::string& tokens_path, const std::
     return at::cross_entropy_loss(logits.narrow(1, 0, T - 1).reshape({-1, V}),
                                   mine.narrow(1, 1, T - 1).reshape(-1));
   };
-  LlamaForCausalLM model = load_hf_llama(dir);
   std::vector<std::pair<std::string, at::Tensor>> final_params;
   if (strategy == "ddp") {
+    LlamaForCausalLM model = load_hf_llama(dir);
     dtrain::sharding::DistributedDataParallel<LlamaForCausalLM> ddp(model, comm);
     torch::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-3));
     for (int s = 0; s < steps; ++s) {
@@ -65,10 +65,16 @@ int finetune(const std::string& dir, const std::string& tokens_path, const std::
     for (const auto& p : model->named_parameters()) final_params.emplace_back(p.key(), p.value());
   } else {
     DTRAIN_CHECK_AS(dtrain::UsageError, strategy == "fsdp", "strategy must be ddp or fsdp");
+    // Built without parameter memory; FSDP loads the checkpoint into it one layer at a time.
+    LlamaOptions o = read_hf_llama_config(dir + "/config.json");
+    o.deferred_init(true);
+    LlamaForCausalLM lazy(o);
     dtrain::sharding::FullyShardedDataParallel<LlamaForCausalLM> fsdp(
-        model, comm,
-        dtrain::sharding::FSDPOptions().auto_wrap(
-            dtrain::sharding::AutoWrapPolicy().module_types({"LlamaDecoderLayer"})));
+        lazy, comm,
+        dtrain::sharding::FSDPOptions()
+            .auto_wrap(dtrain::sharding::AutoWrapPolicy().module_types({"LlamaDecoderLayer"}))
+            .param_init(hf_llama_param_init(dir)));
+    DTRAIN_CHECK(fsdp.state().units().size() > 1, "FSDP chose no decoder layer as a unit");
     torch::optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-3));
     for (int s = 0; s < steps; ++s) {
       opt.zero_grad();

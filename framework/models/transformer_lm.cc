@@ -1,7 +1,6 @@
 #include "framework/models/transformer_lm.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -55,7 +54,7 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
 
 TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o) {
   // The one draw from the default generator; every parameter's own generator derives from it.
-  init_seed_ = static_cast<uint64_t>(at::empty({}, at::kLong).random_().item<int64_t>());
+  init_seed_ = sharding::draw_init_seed();
   // Deferred: each submodule gives its memory back as soon as it is built, so the transient
   // peak is the largest one (a block or an embedding), never the model.
   auto built = [&](torch::nn::Module& m) {
@@ -90,16 +89,6 @@ TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o
 
 namespace {
 
-// FNV-1a of a parameter's name, then splitmix64's finalizer over it and the model's seed.
-uint64_t parameter_seed(uint64_t model_seed, const std::string& name) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
-  uint64_t z = model_seed + 0x9e3779b97f4a7c15ull * (h | 1);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 bool ends_with(const std::string& s, const std::string& tail) {
   return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
 }
@@ -124,15 +113,7 @@ sharding::ParamInit TransformerLMImpl::param_init() const {
                                  name.find("fc_proj.weight") != std::string::npos
                              ? residual_std
                              : 0.02;
-    // Drawn on the CPU in fp32 whatever the tensor, so every device and dtype starts alike.
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(parameter_seed(seed, name));
-    if (t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous()) {
-      t.normal_(0.0, stdev, gen);
-    } else {
-      at::Tensor draw = at::empty(t.sizes(), at::kFloat);
-      draw.normal_(0.0, stdev, gen);
-      t.copy_(draw);
-    }
+    sharding::normal_from(t, stdev, sharding::parameter_generator(seed, name));
   };
 }
 
