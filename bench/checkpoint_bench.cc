@@ -28,6 +28,7 @@
 #include "core/cli.h"
 #include "framework/checkpoint/checkpointer.h"
 #include "framework/config.h"
+#include "framework/models/configs.h"
 #include "framework/models/transformer_lm.h"
 #include "sharding/fsdp.h"
 
@@ -55,6 +56,7 @@ int64_t bytes_under(const std::string& dir) {
 int main(int argc, char** argv) {
   CLI::App app{"checkpoint_bench: FSDP checkpoint write/read time and bytes"};
   dtrain::cli::setup(app, "checkpoint_bench");
+  dtrain::framework::register_builtin_model_configs();  // parse_config's model.type
   std::string dir = "/tmp/dtrain_checkpoint_bench";
   int reps = 3;
   app.add_option("--dir", dir, "a scratch folder (emptied)");

@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/glob.h"
 #include "framework/hardware.h"
+#include "framework/model_registry.h"
 
 namespace dtrain::framework {
 namespace {
@@ -51,123 +52,22 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   return prev[b.size()];
 }
 
+}  // namespace
+
 // A mapping being read: records which keys were consumed so the rest can be refused.
-class Section {
- public:
-  Section(YAML::Node node, std::string path, const Origin& origin, YAML::Mark mark)
-      : node_(std::move(node)), path_(std::move(path)), origin_(origin), mark_(mark) {
-    if (node_ && !node_.IsNull()) {
-      if (!node_.IsMap()) fail_at(path_, node_.Mark(), "expected a mapping of keys");
+struct ConfigSection::Impl {
+  Impl(YAML::Node node, std::string path, const Origin& origin, YAML::Mark mark)
+      : node(std::move(node)), path(std::move(path)), origin(origin), mark(mark) {
+    if (this->node && !this->node.IsNull() && !this->node.IsMap()) {
+      fail_at(this->path, this->node.Mark(), "expected a mapping of keys");
     }
   }
 
-  [[noreturn]] void fail_at(const std::string& path, const YAML::Mark& mark,
+  [[noreturn]] void fail_at(const std::string& at, const YAML::Mark& m,
                             const std::string& msg) const {
-    DTRAIN_FAIL(ConfigError, origin_.where(path, mark), ": ", path, ": ", msg);
+    DTRAIN_FAIL(ConfigError, origin.where(at, m), ": ", at, ": ", msg);
   }
 
-  std::string key_path(const std::string& key) const {
-    return path_.empty() ? key : path_ + "." + key;
-  }
-
-  bool has(const std::string& key) const {
-    return node_ && node_.IsMap() && node_[key] && !node_[key].IsNull();
-  }
-
-  bool has_map(const std::string& key) const { return has(key) && node_[key].IsMap(); }
-
-  Section section(const std::string& key) {
-    known_.push_back(key);
-    YAML::Node child = node_ && node_.IsMap() ? node_[key] : YAML::Node();
-    return Section(child, key_path(key), origin_, child ? child.Mark() : mark_);
-  }
-
-  template <typename T>
-  void read(const std::string& key, T& out, bool required = false) {
-    known_.push_back(key);
-    if (!has(key)) {
-      if (required) fail_at(key_path(key), mark_, "required key is missing");
-      return;
-    }
-    YAML::Node v = node_[key];
-    if (!v.IsScalar()) fail_at(key_path(key), v.Mark(), "expected " + type_name<T>());
-    try {
-      out = v.as<T>();
-    } catch (const YAML::Exception&) {
-      fail_at(key_path(key), v.Mark(), "expected " + type_name<T>() + ", got '" + v.Scalar() + "'");
-    }
-    if constexpr (std::is_floating_point_v<T>) {
-      if (!std::isfinite(out)) {
-        fail_at(key_path(key), v.Mark(), "must be a finite number, got '" + v.Scalar() + "'");
-      }
-    }
-  }
-
-  // A list of strings: a YAML sequence of scalars, or one scalar.
-  void read_list(const std::string& key, std::vector<std::string>& out) {
-    known_.push_back(key);
-    if (!has(key)) return;
-    YAML::Node v = node_[key];
-    out.clear();
-    if (v.IsScalar()) {
-      out.push_back(v.Scalar());
-      return;
-    }
-    if (!v.IsSequence()) fail_at(key_path(key), v.Mark(), "expected a list of strings");
-    for (const auto& item : v) {
-      if (!item.IsScalar()) fail_at(key_path(key), item.Mark(), "expected a list of strings");
-      out.push_back(item.Scalar());
-    }
-  }
-
-  // An enum with named choices (core/choices.h): its names are the only ones accepted.
-  template <typename E>
-  void read_choice(const std::string& key, E& out, bool required = false) {
-    std::string name = name_of(out);
-    read(key, name, required);
-    const std::optional<E> v = choice_from_name<E>(name);
-    if (!v) fail(key, "expected one of " + choice_list<E>() + ", got '" + name + "'");
-    out = *v;
-  }
-
-  [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
-    YAML::Mark m = has(key) ? node_[key].Mark() : mark_;
-    fail_at(key_path(key), m, msg);
-  }
-
-  void check(bool ok, const std::string& key, const std::string& msg) const {
-    if (!ok) fail(key, msg);
-  }
-
-  // Refuses keys nobody read, suggesting the nearest known one.
-  void finish() const {
-    if (!node_ || !node_.IsMap()) return;
-    for (const auto& kv : node_) {
-      // A --set value can bring a list or mapping as a key (the file's are refused earlier).
-      if (!kv.first.IsScalar()) {
-        fail_at(path_, kv.first.Mark(), "a key must be a name, not a list or mapping");
-      }
-      std::string key = kv.first.Scalar();
-      if (std::find(known_.begin(), known_.end(), key) != known_.end()) continue;
-      std::string best;
-      size_t best_d = 3;  // suggest only near misses
-      std::string list;
-      for (const auto& k : known_) {
-        list += (list.empty() ? "" : ", ") + k;
-        size_t d = edit_distance(key, k);
-        if (d < best_d) {
-          best_d = d;
-          best = k;
-        }
-      }
-      std::string hint = best.empty() ? "" : "did you mean '" + best + "'? ";
-      fail_at(key_path(key), kv.first.Mark(),
-              "unknown key; " + hint + "(keys under " + (path_.empty() ? "the top level" : path_) +
-                  ": " + list + ")");
-    }
-  }
-
- private:
   template <typename T>
   static std::string type_name() {
     if constexpr (std::is_same_v<T, bool>) return "true or false";
@@ -176,12 +76,130 @@ class Section {
     return "a string";
   }
 
-  YAML::Node node_;
-  std::string path_;
-  const Origin& origin_;
-  YAML::Mark mark_;
-  std::vector<std::string> known_;
+  YAML::Node node;
+  std::string path;
+  const Origin& origin;
+  YAML::Mark mark;
+  std::vector<std::string> known;
 };
+
+ConfigSection::ConfigSection(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ConfigSection::ConfigSection(ConfigSection&&) noexcept = default;
+ConfigSection& ConfigSection::operator=(ConfigSection&&) noexcept = default;
+ConfigSection::~ConfigSection() = default;
+
+std::string ConfigSection::key_path(const std::string& key) const {
+  return impl_->path.empty() ? key : impl_->path + "." + key;
+}
+
+bool ConfigSection::has(const std::string& key) const {
+  const YAML::Node& n = impl_->node;
+  return n && n.IsMap() && n[key] && !n[key].IsNull();
+}
+
+bool ConfigSection::has_map(const std::string& key) const {
+  return has(key) && impl_->node[key].IsMap();
+}
+
+ConfigSection ConfigSection::section(const std::string& key) {
+  impl_->known.push_back(key);
+  const YAML::Node& n = impl_->node;
+  YAML::Node child = n && n.IsMap() ? n[key] : YAML::Node();
+  return ConfigSection(std::make_unique<Impl>(child, key_path(key), impl_->origin,
+                                              child ? child.Mark() : impl_->mark));
+}
+
+template <typename T>
+void ConfigSection::read(const std::string& key, T& out, bool required) {
+  impl_->known.push_back(key);
+  if (!has(key)) {
+    if (required) impl_->fail_at(key_path(key), impl_->mark, "required key is missing");
+    return;
+  }
+  YAML::Node v = impl_->node[key];
+  if (!v.IsScalar()) impl_->fail_at(key_path(key), v.Mark(), "expected " + Impl::type_name<T>());
+  try {
+    out = v.as<T>();
+  } catch (const YAML::Exception&) {
+    impl_->fail_at(key_path(key), v.Mark(),
+                   "expected " + Impl::type_name<T>() + ", got '" + v.Scalar() + "'");
+  }
+  if constexpr (std::is_floating_point_v<T>) {
+    if (!std::isfinite(out)) {
+      impl_->fail_at(key_path(key), v.Mark(), "must be a finite number, got '" + v.Scalar() + "'");
+    }
+  }
+}
+
+template void ConfigSection::read<bool>(const std::string&, bool&, bool);
+template void ConfigSection::read<int64_t>(const std::string&, int64_t&, bool);
+template void ConfigSection::read<double>(const std::string&, double&, bool);
+template void ConfigSection::read<std::string>(const std::string&, std::string&, bool);
+
+void ConfigSection::read_list(const std::string& key, std::vector<std::string>& out) {
+  impl_->known.push_back(key);
+  if (!has(key)) return;
+  YAML::Node v = impl_->node[key];
+  out.clear();
+  if (v.IsScalar()) {
+    out.push_back(v.Scalar());
+    return;
+  }
+  if (!v.IsSequence()) impl_->fail_at(key_path(key), v.Mark(), "expected a list of strings");
+  for (const auto& item : v) {
+    if (!item.IsScalar()) impl_->fail_at(key_path(key), item.Mark(), "expected a list of strings");
+    out.push_back(item.Scalar());
+  }
+}
+
+void ConfigSection::fail(const std::string& key, const std::string& msg) const {
+  YAML::Mark m = has(key) ? impl_->node[key].Mark() : impl_->mark;
+  impl_->fail_at(key_path(key), m, msg);
+}
+
+void ConfigSection::allow(const std::string& key) { impl_->known.push_back(key); }
+
+void ConfigSection::finish() const {
+  const YAML::Node& n = impl_->node;
+  if (!n || !n.IsMap()) return;
+  for (const auto& kv : n) {
+    // A --set value can bring a list or mapping as a key (the file's are refused earlier).
+    if (!kv.first.IsScalar()) {
+      impl_->fail_at(impl_->path, kv.first.Mark(), "a key must be a name, not a list or mapping");
+    }
+    std::string key = kv.first.Scalar();
+    const auto& known = impl_->known;
+    if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+    std::string list;
+    for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+    const std::string best = nearest_name(key, known);
+    std::string hint = best.empty() ? "" : "did you mean '" + best + "'? ";
+    impl_->fail_at(key_path(key), kv.first.Mark(),
+                   "unknown key; " + hint + "(keys under " +
+                       (impl_->path.empty() ? "the top level" : impl_->path) + ": " + list + ")");
+  }
+}
+
+std::string nearest_name(const std::string& name, const std::vector<std::string>& known) {
+  std::string best;
+  size_t best_d = 3;  // suggest only near misses
+  for (const auto& k : known) {
+    const size_t d = edit_distance(name, k);
+    if (d < best_d) {
+      best_d = d;
+      best = k;
+    }
+  }
+  return best;
+}
+
+namespace {
+
+using Section = ConfigSection;
+
+Section make_section(YAML::Node node, std::string path, const Origin& origin, YAML::Mark mark) {
+  return Section(std::make_unique<Section::Impl>(std::move(node), std::move(path), origin, mark));
+}
 
 void apply_override(YAML::Node& root, const std::string& text, Origin& origin) {
   auto eq = text.find('=');
@@ -219,59 +237,66 @@ void apply_override(YAML::Node& root, const std::string& text, Origin& origin) {
 }
 
 void read_model(Section s, ModelConfig& m) {
-  s.read_choice("type", m.type, /*required=*/true);
-  s.read("vocab_size", m.vocab_size);
-  s.read("seq_len", m.seq_len);
-  s.read("d_model", m.d_model);
-  s.read("n_layers", m.n_layers);
-  s.read("n_heads", m.n_heads);
-  s.read("d_ff", m.d_ff);
-  s.read("tie_weights", m.tie_weights);
-  // recompute: none | full | {every_n: K}
-  if (s.has_map("recompute")) {
-    Section r = s.section("recompute");
-    r.read("every_n", m.recompute_every);
-    r.finish();  // a misspelt every_n is named first
-    r.check(r.has("every_n"), "every_n", "required key is missing ({every_n: K})");
-    r.check(m.recompute_every >= 1, "every_n",
-            "must be >= 1 (1 recomputes every block), got " + std::to_string(m.recompute_every));
-  } else {
-    std::string recompute = "none";
-    s.read("recompute", recompute);
-    s.check(recompute == "none" || recompute == "full", "recompute",
-            "expected none, full or {every_n: K}, got '" + recompute + "'");
-    m.recompute_every = recompute == "full" ? 1 : 0;
+  s.read("type", m.type, /*required=*/true);
+  if (m.type == kCustomModel) {
+    s.finish();  // a module given in code brings its own shape
+    return;
   }
-  s.check(m.recompute_every == 0 || m.type == ModelType::kTransformer, "recompute",
-          "recomputes the transformer's blocks; model.type " + std::string(name_of(m.type)) +
-              " has none (remove it)");
-  if (s.has("deferred_init")) {
-    s.read("deferred_init", m.deferred_init);
-    s.check(m.type == ModelType::kTransformer, "deferred_init",
-            "applies to the transformer (built unit by unit under FSDP); model.type " +
-                std::string(name_of(m.type)) + " is always built whole (remove it)");
+  const ModelSpec* spec = find_model(m.type);
+  if (spec == nullptr) {
+    std::vector<std::string> names = registered_models();
+    std::string list;
+    for (const auto& n : names) list += n + ", ";
+    names.push_back(kCustomModel);
+    const std::string best = nearest_name(m.type, names);
+    s.fail("type", "unknown model '" + m.type + "'; " +
+                       (best.empty() ? "" : "did you mean '" + best + "'? ") + "expected " + list +
+                       "or " + kCustomModel + " (a module given in code)" +
+                       (list.empty() ? "; no model is registered: call "
+                                       "dtrain::framework::register_builtin_models() (or "
+                                       "register_model) before load_config"
+                                     : ""));
   }
-  s.read("in_features", m.in_features);
-  s.read("hidden", m.hidden);
-  s.read("depth", m.depth);
-  s.read("out_features", m.out_features);
-  for (auto [key, v] : {std::pair<const char*, int64_t>{"vocab_size", m.vocab_size},
-                        {"seq_len", m.seq_len},
-                        {"d_model", m.d_model},
-                        {"n_layers", m.n_layers},
-                        {"n_heads", m.n_heads},
-                        {"d_ff", m.d_ff},
-                        {"in_features", m.in_features},
-                        {"hidden", m.hidden},
-                        {"depth", m.depth},
-                        {"out_features", m.out_features}}) {
-    s.check(v >= 1, key, "must be >= 1, got " + std::to_string(v));
-  }
-  s.check(m.vocab_size >= 2, "vocab_size", "must be >= 2");
-  s.check(m.d_model % m.n_heads == 0, "n_heads",
-          "d_model " + std::to_string(m.d_model) + " must be divisible by n_heads " +
-              std::to_string(m.n_heads));
+  m.settings = spec->read(s);
+  DTRAIN_CHECK(m.settings != nullptr, "model ", m.type, ": its read() returned no settings");
   s.finish();
+}
+
+// dtrain-prepare's meta.json in the folder of the first file `pattern` matches, when there is
+// one: the token dtype and the tokenizer's vocabulary.
+void read_token_meta(Section& s, const std::string& key, const std::string& pattern,
+                     DataConfig& d) {
+  const auto files = glob_files(pattern);
+  if (files.empty()) return;
+  const std::filesystem::path meta =
+      std::filesystem::path(files.front()).parent_path() / "meta.json";
+  if (!std::filesystem::exists(meta)) return;
+  YAML::Node m;
+  try {
+    m = YAML::LoadFile(meta.string());
+  } catch (const YAML::Exception& e) {
+    s.fail(key, meta.string() + " (beside the token files) is not valid JSON: " + e.what());
+  }
+  if (!m.IsMap() || !m["written_by"] || m["written_by"].as<std::string>("") != "dtrain-prepare") {
+    return;  // someone else's meta.json
+  }
+  std::string dtype;
+  int64_t vocab = 0;
+  try {
+    dtype = m["dtype"].as<std::string>();
+    vocab = m["vocab_size"].as<int64_t>();
+  } catch (const YAML::Exception& e) {
+    s.fail(key, meta.string() + ": dtype or vocab_size missing or malformed (" + e.what() +
+                    "); prepare the data again with dtrain-prepare");
+  }
+  if (s.has("dtype")) {
+    s.check(d.dtype == dtype, "dtype",
+            d.dtype + ", but " + meta.string() + " (dtrain-prepare) says the tokens are " + dtype +
+                ": remove data.dtype");
+  }
+  d.dtype = dtype;
+  d.token_meta = meta.string();
+  d.tokenizer_vocab_size = vocab;
 }
 
 void read_data(Section s, DataConfig& d) {
@@ -326,6 +351,7 @@ void read_data(Section s, DataConfig& d) {
                     "data.source: corpus)");
       }
     }
+    read_token_meta(s, "path", d.path, d);
   }
   if (d.source == DataSource::kCorpus) {
     s.check(!std::filesystem::is_directory(d.path), "path",
@@ -538,10 +564,61 @@ void read_logging(Section s, LoggingConfig& l) {
   s.finish();
 }
 
+// What the model's registration says about the rest of the config: the data it trains on and
+// the wrap points FSDP may choose.
+void check_model_against(const ModelSpec& spec, const RunConfig& cfg, Section& top) {
+  const std::string type = cfg.model.type;
+  if (spec.data == ModelData::kOwn && cfg.data.source != DataSource::kSynthetic) {
+    top.section("data").fail(
+        "source",
+        "a corpus (data.source: corpus or tokens, or a data.path) feeds a language "
+        "model's tokens, but model.type: " +
+            type +
+            " trains on data of its own: remove data.path and data.source, or use a "
+            "language model (model.type: transformer or llama)");
+  }
+  if (spec.data == ModelData::kTokens && cfg.data.source == DataSource::kTokens &&
+      cfg.data.tokenizer_vocab_size > 0) {
+    const TokenShape t = spec.tokens(*cfg.model.settings);
+    const int64_t want = cfg.data.tokenizer_vocab_size;
+    top.section("model").check(
+        t.vocab_size >= want, "vocab_size",
+        std::to_string(t.vocab_size) + " is smaller than the tokenizer's vocabulary of " +
+            std::to_string(want) + " (" + cfg.data.token_meta +
+            ", written by dtrain-prepare): set model.vocab_size: " + std::to_string(want));
+  }
+  if (spec.data == ModelData::kTokens && cfg.data.source == DataSource::kCorpus) {
+    const TokenShape t = spec.tokens(*cfg.model.settings);
+    top.section("model").check(t.vocab_size >= 256, "vocab_size",
+                               "must be >= 256 for the byte corpus (data.source: corpus reads "
+                               "bytes), got " +
+                                   std::to_string(t.vocab_size));
+  }
+  for (const auto& w : cfg.parallel.wrap_modules) {
+    auto short_name = [](std::string n) {
+      if (auto colon = n.rfind("::"); colon != std::string::npos) n = n.substr(colon + 2);
+      if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n.resize(n.size() - 4);
+      return n;
+    };
+    bool known = false;
+    std::string list;
+    for (const auto& p : spec.wrap_points) {
+      known = known || short_name(p) == short_name(w);
+      list += (list.empty() ? "" : ", ") + p;
+    }
+    top.section("parallel")
+        .check(known, "wrap_modules",
+               "'" + w + "' is not a wrap point of model.type " + type + " (" +
+                   (list.empty() ? std::string("it has none: the whole model is one unit")
+                                 : "it has " + list) +
+                   ")");
+  }
+}
+
 RunConfig parse_node(YAML::Node root, Origin& origin) {
   RunConfig cfg;
   cfg.source = origin.file;
-  Section top(root, "", origin, YAML::Mark());
+  Section top = make_section(root, "", origin, YAML::Mark());
   if (!root || root.IsNull()) DTRAIN_FAIL(ConfigError, origin.file, ": the config is empty");
   top.read_choice("device", cfg.device);
   read_model(top.section("model"), cfg.model);
@@ -575,13 +652,7 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
               "or use it through the library with an optimizer that takes low-precision "
               "gradients");
   }
-  if (cfg.model.type == ModelType::kMlp && cfg.data.source != DataSource::kSynthetic) {
-    top.section("data").fail("source",
-                             "a corpus (data.source: corpus, or a data.path) feeds a "
-                             "transformer's tokens, but model.type: mlp trains on synthetic "
-                             "classification data: remove data.path and data.source, or use "
-                             "model.type: transformer");
-  }
+  if (const ModelSpec* spec = find_model(cfg.model.type)) check_model_against(*spec, cfg, top);
   if (cfg.parallel.backend == comm::Backend::kNccl && cfg.device != ComputeDevice::kCuda) {
     Section p = top.section("parallel");
     p.fail("backend",

@@ -6,7 +6,9 @@
 //   --set train.steps=ten: train.steps: expected an integer, got 'ten'
 // Overrides (`--set key.path=value`, parsed as YAML scalars) pass through the same checks.
 // Required keys: model.type, train.steps, train.batch_size, train.lr. Everything else has the
-// default shown in configs/README.md.
+// default shown in configs/README.md. The model section belongs to the model model.type names:
+// its registration (framework/model_registry.h) reads and checks it, so those keys are the
+// only ones accepted there.
 //
 // A key with named choices is an enum, parsed once: its names are listed once, in the table
 // beside it (core/choices.h), which the parser, its "expected one of" messages and the logs
@@ -17,26 +19,20 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
 #include "amp/policy.h"
 #include "comm/backend.h"
 #include "core/choices.h"
+#include "core/error.h"
 #include "core/logging.h"
 #include "sharding/sharding_strategy.h"
 
 namespace dtrain::framework {
-
-// model.type. custom: a model given in code (framework/trainer.h).
-enum class ModelType { kTransformer, kMlp, kCustom };
-inline constexpr std::array<std::pair<ModelType, const char*>, 3> kModelTypes{{
-    {ModelType::kTransformer, "transformer"},
-    {ModelType::kMlp, "mlp"},
-    {ModelType::kCustom, "custom"},
-}};
-constexpr const auto& choices(ModelType) { return kModelTypes; }
 
 // data.source
 enum class DataSource { kSynthetic, kCorpus, kTokens };
@@ -84,27 +80,52 @@ inline constexpr std::array<std::pair<CheckpointFormat, const char*>, 3> kCheckp
 }};
 constexpr const auto& choices(CheckpointFormat) { return kCheckpointFormats; }
 
+// A model's own keys (model: besides type), as its registered reader made them
+// (framework/model_registry.h). Derive from ModelSettingsOf<YourSettings>.
+struct ModelSettings {
+  virtual ~ModelSettings() = default;
+  virtual std::unique_ptr<ModelSettings> clone() const = 0;
+};
+template <typename Derived>
+struct ModelSettingsOf : ModelSettings {
+  std::unique_ptr<ModelSettings> clone() const override {
+    return std::make_unique<Derived>(static_cast<const Derived&>(*this));
+  }
+};
+
+// model.type "custom": a model given in code, through framework::train(module, data, loss,
+// config, comm); its model section has no other keys.
+inline constexpr const char* kCustomModel = "custom";
+
 struct ModelConfig {
-  ModelType type = ModelType::kTransformer;  // required: no default is read
-  // transformer
-  int64_t vocab_size = 256;
-  int64_t seq_len = 128;
-  int64_t d_model = 256;
-  int64_t n_layers = 4;
-  int64_t n_heads = 4;
-  int64_t d_ff = 1024;
-  bool tie_weights = true;
-  // model.recompute (sharding/recompute.h): 0 none, 1 full (every block), K {every_n: K}
-  int64_t recompute_every = 0;
-  // model.deferred_init: under FSDP the transformer is built with placeholder parameters and
-  // each unit is initialized as it is sharded (sharding/deferred_init.h), so no rank holds
-  // the whole model; false builds it whole first. The same initial values either way.
-  bool deferred_init = true;
-  // mlp
-  int64_t in_features = 64;
-  int64_t hidden = 256;
-  int64_t depth = 3;
-  int64_t out_features = 10;
+  std::string type;  // a registered model's name (framework/model_registry.h), or "custom"
+  std::unique_ptr<ModelSettings> settings;  // null for custom
+
+  ModelConfig() = default;
+  ModelConfig(const ModelConfig& o)
+      : type(o.type), settings(o.settings ? o.settings->clone() : nullptr) {}
+  ModelConfig& operator=(const ModelConfig& o) {
+    if (this != &o) {
+      type = o.type;
+      settings = o.settings ? o.settings->clone() : nullptr;
+    }
+    return *this;
+  }
+  ModelConfig(ModelConfig&&) noexcept = default;
+  ModelConfig& operator=(ModelConfig&&) noexcept = default;
+
+  bool custom() const { return type == kCustomModel; }
+  // The settings as the registered model's type (UsageError when they are another model's).
+  template <typename T>
+  const T& as() const {
+    const T* t = dynamic_cast<const T*>(settings.get());
+    DTRAIN_CHECK(t != nullptr, "model.type ", type, ": its settings are not ", typeid(T).name());
+    return *t;
+  }
+  template <typename T>
+  T& as() {
+    return const_cast<T&>(static_cast<const ModelConfig*>(this)->as<T>());
+  }
 };
 
 struct DataConfig {
@@ -114,10 +135,14 @@ struct DataConfig {
   // dtype is the .bin files' (an .npy says its own); val_path the validation files (none:
   // the training files' last windows are held out, val_fraction of them and at least
   // train.eval_samples).
-  std::string dtype = "uint16";
+  std::string dtype = "uint16";  // taken from dtrain-prepare's meta.json beside the files
   std::string val_path;
   double val_fraction = 0;
   int64_t seed = 1;
+  // From dtrain-prepare's meta.json beside the token files, when there is one: its path and the
+  // tokenizer's vocabulary, which the model's must hold (0: no meta.json).
+  std::string token_meta;
+  int64_t tokenizer_vocab_size = 0;
 };
 
 struct TrainConfig {

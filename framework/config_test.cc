@@ -5,14 +5,21 @@
 #include <dirent.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <memory>
 #include <tuple>
 
 #include "core/error.h"
 #include "framework/hardware.h"
+#include "framework/models/configs.h"
 
 namespace dtrain::framework {
 namespace {
+
+// model.type's readers: the built-in models' configuration halves.
+const bool kRegistered = (register_builtin_model_configs(), true);
 
 const char* kGood = R"(device: cpu
 model:
@@ -53,10 +60,15 @@ std::string replace(std::string s, const std::string& from, const std::string& t
   return s.replace(at, from.size(), to);
 }
 
+// kGood with model.type: mlp (whose section has none of the transformer's keys).
+std::string mlp_good() {
+  return replace(kGood, "  type: transformer\n  d_model: 64\n  n_heads: 4\n", "  type: mlp\n");
+}
+
 TEST(Config, ParsesAValidConfigWithDefaults) {
   RunConfig c = parse_config(kGood, "run.yaml");
-  EXPECT_EQ(c.model.type, ModelType::kTransformer);
-  EXPECT_EQ(c.model.d_model, 64);
+  EXPECT_EQ(c.model.type, "transformer");
+  EXPECT_EQ(c.model.as<TransformerLMSettings>().d_model, 64);
   EXPECT_EQ(c.train.steps, 10);
   EXPECT_EQ(c.train.micro_batches, 1);
   EXPECT_DOUBLE_EQ(c.train.lr, 1e-3);
@@ -84,10 +96,18 @@ TEST(Config, OverridesApplyAndCreateKeys) {
 }
 
 TEST(Config, RecomputeIsNoneFullOrEveryNthBlock) {
-  EXPECT_EQ(parse_config(kGood, "run.yaml").model.recompute_every, 0);
-  EXPECT_EQ(parse_config(kGood, "run.yaml", {"model.recompute=full"}).model.recompute_every, 1);
-  EXPECT_EQ(parse_config(kGood, "run.yaml", {"model.recompute=none"}).model.recompute_every, 0);
-  EXPECT_EQ(parse_config(kGood, "run.yaml", {"model.recompute={every_n: 3}"}).model.recompute_every,
+  EXPECT_EQ(parse_config(kGood, "run.yaml").model.as<TransformerLMSettings>().recompute_every, 0);
+  EXPECT_EQ(parse_config(kGood, "run.yaml", {"model.recompute=full"})
+                .model.as<TransformerLMSettings>()
+                .recompute_every,
+            1);
+  EXPECT_EQ(parse_config(kGood, "run.yaml", {"model.recompute=none"})
+                .model.as<TransformerLMSettings>()
+                .recompute_every,
+            0);
+  EXPECT_EQ(parse_config(kGood, "run.yaml", {"model.recompute={every_n: 3}"})
+                .model.as<TransformerLMSettings>()
+                .recompute_every,
             3);
   expect_yaml_error(kGood, {"model.recompute", "expected none, full or {every_n: K}, got 'yes'"},
                     {"model.recompute=yes"});
@@ -95,15 +115,116 @@ TEST(Config, RecomputeIsNoneFullOrEveryNthBlock) {
                     {"model.recompute={every_n: 0}"});
   expect_yaml_error(kGood, {"model.recompute.evry_n", "did you mean 'every_n'?"},
                     {"model.recompute={evry_n: 2}"});
-  expect_yaml_error(kGood, {"model.recompute", "model.type mlp has none"},
-                    {"model.type=mlp", "model.recompute=full"});
+  expect_yaml_error(mlp_good(),
+                    {"model.recompute", "unknown key", "keys under model: type, in_features"},
+                    {"model.recompute=full"});
 }
 
 TEST(Config, DeferredInitIsTheTransformersDefaultAndOnlyTheTransformers) {
-  EXPECT_TRUE(parse_config(kGood, "run.yaml").model.deferred_init);
-  EXPECT_FALSE(parse_config(kGood, "run.yaml", {"model.deferred_init=false"}).model.deferred_init);
-  expect_yaml_error(kGood, {"model.deferred_init", "model.type mlp is always built whole"},
-                    {"model.type=mlp", "model.deferred_init=true"});
+  EXPECT_TRUE(parse_config(kGood, "run.yaml").model.as<TransformerLMSettings>().deferred_init);
+  EXPECT_FALSE(parse_config(kGood, "run.yaml", {"model.deferred_init=false"})
+                   .model.as<TransformerLMSettings>()
+                   .deferred_init);
+  expect_yaml_error(mlp_good(), {"model.deferred_init", "unknown key"},
+                    {"model.deferred_init=true"});
+}
+
+// The model section belongs to the registered model model.type names.
+TEST(ModelRegistry, UnknownTypesAreNamedWithTheRegisteredOnes) {
+  expect_yaml_error(replace(kGood, "type: transformer", "type: transfomer"),
+                    {"run.yaml:3:", "model.type", "unknown model 'transfomer'",
+                     "did you mean 'transformer'?", "llama", "mlp", "custom"});
+  // A key of another model: the known ones are listed.
+  expect_yaml_error(kGood, {"model.hidden_size", "unknown key", "d_model"},
+                    {"model.hidden_size=64"});
+}
+
+struct ToySettings : ModelSettingsOf<ToySettings> {
+  int64_t width = 0;
+};
+
+TEST(ModelRegistry, ARegisteredModelReadsItsOwnKeysStrictly) {
+  ModelSpec toy;
+  toy.name = "toy_for_config_test";
+  toy.data = ModelData::kOwn;
+  toy.read = [](ConfigSection& s) {
+    auto m = std::make_unique<ToySettings>();
+    s.read("width", m->width, /*required=*/true);
+    s.check(m->width >= 1, "width", "must be >= 1");
+    return m;
+  };
+  toy.memory = [](const RunConfig& c) {
+    ModelMemory m;
+    m.parameters = c.model.as<ToySettings>().width;
+    return m;
+  };
+  toy.wrap_points = {"ToyLayer"};
+  register_model(toy);
+  const std::string yaml = replace(kGood, "  type: transformer\n  d_model: 64\n  n_heads: 4\n",
+                                   "  type: toy_for_config_test\n  width: 3\n");
+  RunConfig c = parse_config(yaml, "run.yaml");
+  EXPECT_EQ(c.model.as<ToySettings>().width, 3);
+  // A copied config owns its settings.
+  RunConfig copy = c;
+  copy.model.as<ToySettings>().width = 9;
+  EXPECT_EQ(c.model.as<ToySettings>().width, 3);
+  EXPECT_THROW(c.model.as<TransformerLMSettings>(), Error);
+  expect_yaml_error(replace(yaml, "width: 3", "width: 3\n  widht: 4"),
+                    {"run.yaml:5:", "model.widht", "unknown key", "did you mean 'width'?"});
+  expect_yaml_error(yaml, {"model.width", "must be >= 1"}, {"model.width=0"});
+  expect_yaml_error(replace(yaml, "  width: 3\n", ""), {"model.width", "required key is missing"});
+  // Its wrap points are the ones parallel.wrap_modules may name.
+  EXPECT_NO_THROW(parse_config(yaml, "run.yaml",
+                               {"parallel.strategy=fsdp", "parallel.wrap_modules=[ToyLayer]"}));
+  expect_yaml_error(yaml, {"parallel.wrap_modules", "'Block' is not a wrap point", "ToyLayer"},
+                    {"parallel.strategy=fsdp", "parallel.wrap_modules=[Block]"});
+  ModelSpec nameless = toy;
+  nameless.name = "custom";
+  EXPECT_THROW(register_model(nameless), UsageError);
+}
+
+TEST(ModelRegistry, LlamaReadsLlamaConfigsNamesOrAPretrainedCheckpoint) {
+  const std::string llama = replace(kGood, "  type: transformer\n  d_model: 64\n  n_heads: 4\n",
+                                    "  type: llama\n  vocab_size: 512\n  hidden_size: 64\n"
+                                    "  intermediate_size: 160\n  num_hidden_layers: 2\n"
+                                    "  num_attention_heads: 4\n  num_key_value_heads: 2\n"
+                                    "  seq_len: 32\n");
+  RunConfig c = parse_config(llama, "run.yaml");
+  const auto& l = c.model.as<LlamaSettings>();
+  EXPECT_EQ(l.options.hidden_size(), 64);
+  EXPECT_EQ(l.options.num_key_value_heads(), 2);
+  EXPECT_EQ(l.seq_len, 32);
+  EXPECT_TRUE(l.options.deferred_init());
+  // Without num_key_value_heads: one per head, as LlamaConfig.
+  EXPECT_EQ(parse_config(replace(llama, "  num_key_value_heads: 2\n", ""), "run.yaml")
+                .model.as<LlamaSettings>()
+                .options.num_key_value_heads(),
+            4);
+  expect_yaml_error(llama, {"--set model.num_key_value_heads=3", "must divide"},
+                    {"model.num_key_value_heads=3"});
+  expect_yaml_error(llama, {"model.seq_len", "max_position_embeddings 16"},
+                    {"model.max_position_embeddings=16"});
+  expect_yaml_error(llama, {"model.num_layers", "unknown key"}, {"model.num_layers=2"});
+  expect_yaml_error(llama, {"model.recompute", "not supported"}, {"model.recompute=full"});
+  // A pretrained checkpoint gives the shape: shape keys beside it are refused.
+  const std::string dir = ::testing::TempDir() + "/llama_config_test";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/config.json")
+      << R"({"model_type": "llama", "vocab_size": 300, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 1, "max_position_embeddings": 64})";
+  const std::string pretrained =
+      replace(kGood, "  type: transformer\n  d_model: 64\n  n_heads: 4\n",
+              "  type: llama\n  pretrained: " + dir + "\n  seq_len: 16\n");
+  const auto& p = parse_config(pretrained, "run.yaml").model;
+  EXPECT_EQ(p.as<LlamaSettings>().options.num_hidden_layers(), 3);
+  EXPECT_EQ(p.as<LlamaSettings>().options.vocab_size(), 300);
+  expect_yaml_error(pretrained, {"model.hidden_size", "comes from the pretrained checkpoint"},
+                    {"model.hidden_size=64"});
+  expect_yaml_error(pretrained, {"model.pretrained", "no readable config.json"},
+                    {"model.pretrained=" + dir + "/missing"});
+  expect_yaml_error(pretrained, {"model.seq_len", "max_position_embeddings 64"},
+                    {"model.seq_len=65"});
 }
 
 TEST(Config, SampleTokensCountsTheEndOfRunSample) {
@@ -144,8 +265,8 @@ TEST(Config, TokenFilesAreADataSourceWithTheirOwnChecks) {
                     {"data.source=corpus", "data.path=" + dir + "/a.bin"});
   expect_yaml_error(kGood, {"data.path", "is required with data.source: tokens"},
                     {"data.source=tokens"});
-  expect_yaml_error(kGood, {"data.source", "model.type: mlp"},
-                    {"model.type=mlp", "data.path=" + dir + "/a.bin"});
+  expect_yaml_error(mlp_good(), {"data.source", "model.type: mlp"},
+                    {"data.path=" + dir + "/a.bin"});
 }
 
 TEST(ConfigError, UnknownKeyNamesPathLineAndSuggestion) {
@@ -298,9 +419,8 @@ TEST(Config, ADataPathSelectsTheCorpus) {
   expect_yaml_error(
       std::string(kGood) + "data:\n  source: synthetic\n  path: /usr/share/common-licenses/GPL-3\n",
       {"run.yaml:16:", "data.path", "data.source is synthetic", "data.source: corpus"});
-  expect_yaml_error(replace(kGood, "  type: transformer", "  type: mlp") +
-                        "data:\n  path: /usr/share/common-licenses/GPL-3\n",
-                    {"data.source", "model.type: mlp", "synthetic"});
+  expect_yaml_error(mlp_good() + "data:\n  path: /usr/share/common-licenses/GPL-3\n",
+                    {"data.source", "model.type: mlp", "data of its own"});
 }
 
 // The warning about an emulated 16-bit dtype quotes what it costs on this CPU.
@@ -358,7 +478,23 @@ TEST(Configs, EveryShippedConfigLoadsAndValidates) {
       std::string name = e->d_name;
       if (name.size() < 5 || name.substr(name.size() - 5) != ".yaml") continue;
       SCOPED_TRACE(dir + "/" + name);
-      EXPECT_NO_THROW(load_config(dir + "/" + name));
+      const std::string path = dir + "/" + name;
+      if (name == "llama_finetune.yaml") {
+        // Its checkpoint is the user's (tests/llama_hf_test.py trains it on one): a
+        // config.json stands in for it, and synthetic tokens for the user's.
+        const std::string ckpt = ::testing::TempDir() + "/shipped_llama_finetune";
+        std::filesystem::create_directories(ckpt);
+        std::ofstream(ckpt + "/config.json")
+            << R"({"model_type": "llama", "vocab_size": 300, "hidden_size": 32,
+                  "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4})";
+        EXPECT_NO_THROW(
+            load_config(path, {"model.pretrained=" + ckpt, "data={source: synthetic}"}));
+      } else if (name == "llama_tokens.yaml") {
+        // Its tokens are prepared first (tests/prepare_test.py trains on them).
+        EXPECT_NO_THROW(load_config(path, {"data={source: synthetic}"}));
+      } else {
+        EXPECT_NO_THROW(load_config(path));
+      }
       ++loaded;
     }
     ::closedir(d);

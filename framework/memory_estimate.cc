@@ -7,7 +7,7 @@
 #include <string>
 
 #include "core/error.h"
-#include "framework/models/transformer_lm.h"
+#include "framework/model_registry.h"
 
 namespace dtrain::framework {
 namespace {
@@ -43,56 +43,12 @@ std::string MemoryEstimate::describe() const {
 
 MemoryEstimate estimate_memory(const RunConfig& c, int world) {
   MemoryEstimate e;
-  const auto& m = c.model;
   const auto& mp = c.precision.mixed;
   const double cb = bytes_of(mp.param_dtype);  // compute dtype
-  const double tokens = static_cast<double>(c.train.batch_size / c.train.micro_batches);
-  double largest_unit = 0, root = 0;
-  if (m.type == ModelType::kTransformer) {
-    auto o = TransformerLMOptions()
-                 .vocab_size(m.vocab_size)
-                 .seq_len(m.seq_len)
-                 .d_model(m.d_model)
-                 .n_layers(m.n_layers)
-                 .n_heads(m.n_heads)
-                 .d_ff(m.d_ff)
-                 .tie_weights(m.tie_weights);
-    e.parameter_count = transformer_lm_parameter_count(o);
-    const double d = static_cast<double>(m.d_model), t = static_cast<double>(m.seq_len);
-    largest_unit = 4 * d + 4 * d * d + 4 * d + 2 * d * static_cast<double>(m.d_ff) +
-                   static_cast<double>(m.d_ff) + d;
-    root = static_cast<double>(e.parameter_count) - largest_unit * static_cast<double>(m.n_layers);
-    // Saved for backward per token: ~18 d_model-wide values per block in the compute dtype,
-    // the softmax's attention probabilities in fp32 (and their cast when computing in 16
-    // bits), and the logits with their fp32 loss copies.
-    const double scores = static_cast<double>(m.n_heads) * t * (4 + (cb != 4 ? cb : 0));
-    const double block = 18 * d * cb + scores;
-    // A recomputed block (i % K == 0) keeps its input only (the residual stream: the compute
-    // dtype under FSDP, fp32 under autocast). The peak holds the kept blocks' activations at
-    // the start of backward, or, while the last recomputed block (K (r - 1)) runs again, its
-    // own and those of the (K - 1)(r - 1) kept blocks below it.
-    double live_blocks = static_cast<double>(m.n_layers), kept_inputs = 0;
-    if (m.recompute_every > 0) {
-      const int64_t r = (m.n_layers - 1) / m.recompute_every + 1;
-      live_blocks =
-          static_cast<double>(std::max(m.n_layers - r, (m.recompute_every - 1) * (r - 1) + 1));
-      kept_inputs = static_cast<double>(r);
-    }
-    const double input = c.parallel.strategy == ParallelStrategy::kFsdp ? cb : 4;
-    const double per_token = live_blocks * block + kept_inputs * d * input +
-                             static_cast<double>(m.vocab_size) * (cb + 8);
-    e.activations = tokens * t * per_token;
-  } else {
-    int64_t n = 0, width = m.in_features;
-    for (int64_t i = 0; i < m.depth; ++i) {
-      n += width * m.hidden + m.hidden;
-      largest_unit = std::max(largest_unit, static_cast<double>(width * m.hidden + m.hidden));
-      width = m.hidden;
-    }
-    root = static_cast<double>(width * m.out_features + m.out_features);
-    e.parameter_count = n + static_cast<int64_t>(root);
-    e.activations = tokens * static_cast<double>(2 * m.hidden * m.depth + m.out_features) * 4;
-  }
+  const ModelMemory mm = model_spec(c).memory(c);
+  e.parameter_count = mm.parameters;
+  e.activations = mm.activations;
+  const double largest_unit = mm.largest_unit, root = mm.root;
   const double p = static_cast<double>(e.parameter_count);
   const double opt_per_param =
       c.train.optimizer == OptimizerType::kAdamW ? 8 : (c.train.momentum > 0 ? 4 : 0);
@@ -113,10 +69,10 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
             ? (n > 1 || cb != 4 ? p * cb : 0)
             : (static_cast<double>(c.parallel.limit_all_gathers) * largest_unit + root) * cb;
     e.compute = gathered + largest_unit * bytes_of(mp.effective_reduce_dtype());
-    // Building the model: the TransformerLM is built deferred (placeholders) and each unit is
-    // initialized whole in its fp32 buffer, then sharded; the MLP is built whole first.
-    const bool lm = m.type == ModelType::kTransformer && m.deferred_init;
-    e.construction = (lm ? 4 * p / n : 4 * p) + 4 * std::max(largest_unit, root);
+    // Building the model: a model built deferred (placeholders) has each unit initialized
+    // whole in its fp32 buffer, then sharded; the others are built whole first.
+    e.construction =
+        (mm.deferred_under_fsdp ? 4 * p / n : 4 * p) + 4 * std::max(largest_unit, root);
   } else {
     e.parameters = 4 * p;
     e.gradients = 4 * p;
@@ -147,16 +103,15 @@ bool fits(const RunConfig& c, int world, int ranks_here, int64_t available) {
   return estimate_memory(c, world).peak() * ranks_here <= 0.9 * static_cast<double>(available);
 }
 
-int64_t& depth_of(RunConfig& c) {
-  return c.model.type == ModelType::kTransformer ? c.model.n_layers : c.model.depth;
-}
+void set_depth(RunConfig& c, int64_t depth) { model_spec(c).set_depth(*c.model.settings, depth); }
 
 }  // namespace
 
 int64_t deepest_that_fits(const RunConfig& c, int world, int ranks_here, int64_t available) {
+  if (!model_spec(c).set_depth) return 0;
   RunConfig probe = c;
   auto fits_at = [&](int64_t depth) {
-    depth_of(probe) = depth;
+    set_depth(probe, depth);
     return fits(probe, world, ranks_here, available);
   };
   if (!fits_at(1)) return 0;
@@ -174,14 +129,15 @@ int64_t deepest_that_fits(const RunConfig& c, int world, int ranks_here, int64_t
 
 std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64_t available) {
   const MemoryEstimate e = estimate_memory(c, world);
-  const bool lm = c.model.type == ModelType::kTransformer;
+  const ModelSpec& spec = model_spec(c);
+  const ModelMemory mm = spec.memory(c);
   std::ostringstream os;
   auto row = [&](const std::string& what, double bytes, const std::string& note = "") {
     char name[48];
     std::snprintf(name, sizeof(name), "  %-38s", what.c_str());
     os << name << format_bytes(bytes) << (note.empty() ? "" : "  (" + note + ")") << "\n";
   };
-  os << "memory estimate for " << c.source << ": " << (lm ? "TransformerLM" : "MLP") << ", "
+  os << "memory estimate for " << c.source << ": model.type " << spec.name << ", "
      << static_cast<double>(e.parameter_count) / 1e6 << "M parameters, strategy "
      << name_of(c.parallel.strategy);
   if (c.parallel.strategy == ParallelStrategy::kFsdp) {
@@ -198,20 +154,18 @@ std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64
           ? "limit_all_gathers " + std::to_string(c.parallel.limit_all_gathers) +
                 " units and the root in param_dtype, taken from and returned to the pool"
           : "");
-  if (lm) {
-    RunConfig other = c;
-    other.model.recompute_every = c.model.recompute_every == 0 ? 1 : 0;
-    const double alt = estimate_memory(other, world).activations;
+  if (mm.activations_other_recompute) {
+    const double alt = *mm.activations_other_recompute;
     row("activations", e.activations,
-        c.model.recompute_every == 0 ? "with model.recompute: full " + format_bytes(alt)
-                                     : "without recompute " + format_bytes(alt));
+        alt < e.activations ? "with model.recompute: full " + format_bytes(alt)
+                            : "without recompute " + format_bytes(alt));
   } else {
     row("activations", e.activations);
   }
   row("buffers", 0, "the built-in models have none");
   row("construction peak", e.construction,
       c.parallel.strategy != ParallelStrategy::kFsdp ? "the full fp32 model"
-      : lm && c.model.deferred_init
+      : mm.deferred_under_fsdp
           ? "this rank's shards and one unit in fp32 (built deferred, initialized unit by unit)"
           : "the full fp32 model, before FSDP shards it, and one unit's copy");
   row("peak", e.peak());
@@ -224,12 +178,14 @@ std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64
        << " available: " << (fits(c, world, ranks_here, available) ? "fits" : "does NOT fit")
        << " (the limit is 90%)\n";
     const int64_t deepest = deepest_that_fits(c, world, ranks_here, available);
-    const char* key = lm ? "model.n_layers" : "model.depth";
-    if (deepest == 0) {
+    const std::string key = "model." + spec.depth_key;
+    if (!spec.set_depth) {
+      os << "model.type " << spec.name << " has no depth to vary";
+    } else if (deepest == 0) {
       os << "no depth of this width fits: not even " << key << " 1";
     } else {
       RunConfig d = c;
-      depth_of(d) = deepest;
+      set_depth(d, deepest);
       os << "deepest of this width that fits: " << key << " " << deepest << " ("
          << static_cast<double>(estimate_memory(d, world).parameter_count) / 1e6 << "M parameters)";
     }

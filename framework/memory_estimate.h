@@ -15,13 +15,15 @@
 //   compute      low-precision copies: autocast's weight cache (DDP), gathered units in
 //                param_dtype (FSDP: limit_all_gathers blocks plus the root under FULL_SHARD,
 //                every unit under SHARD_GRAD_OP) and the gradient buffer of one unit
-//   activations  per token: layers x (18 d_model-wide values in the compute dtype + heads x
-//                seq_len attention probabilities in fp32, and in the compute dtype when it
-//                is 16-bit) + the logits; within 1% of the tracked bytes of a measured fp32
-//                step at d_model 128 and 512 (memory_estimate_test, step_bench). A
-//                recomputed block (model.recompute) keeps d_model values, its input, plus
-//                one block's activations while it is recomputed
-//   construction every rank builds the full fp32 model before FSDP shards it
+//   activations  the model's own formula (its registration, framework/model_registry.h):
+//                the TransformerLM's per token is layers x (18 d_model-wide values in the
+//                compute dtype + heads x seq_len attention probabilities in fp32, and in the
+//                compute dtype when it is 16-bit) + the logits, within 1% of the tracked bytes
+//                of a measured fp32 step at d_model 128 and 512 (memory_estimate_test,
+//                step_bench); a recomputed block (model.recompute) keeps its input plus one
+//                block's activations while it is recomputed
+//   construction the full fp32 model, before FSDP shards it; a model FSDP builds deferred
+//                (the transformer, llama) holds its shards and one unit's fp32 buffer instead
 // It is an estimate: the allocator's slack, libraries and threads come on top.
 #pragma once
 

@@ -5,12 +5,18 @@
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
+#include <cstdio>
+
 #include "core/error.h"
 #include "framework/memory.h"
+#include "framework/models/configs.h"
+#include "framework/models/llama.h"
 #include "framework/models/transformer_lm.h"
 
 namespace dtrain::framework {
 namespace {
+
+const bool kRegistered = (register_builtin_model_configs(), true);
 
 RunConfig lm_config(const std::string& strategy, int64_t d_model, int64_t layers) {
   std::string yaml = "model:\n  type: transformer\n  d_model: " + std::to_string(d_model) +
@@ -47,7 +53,7 @@ TEST(MemoryEstimate, ActivationsAreWithinATenthOfAMeasuredStep) {
       SCOPED_TRACE("layers " + std::to_string(layers) + " recompute_every " +
                    std::to_string(every));
       RunConfig c = lm_config("none", 128, layers);
-      c.model.recompute_every = every;
+      c.model.as<TransformerLMSettings>().recompute_every = every;
       const double measured = measured_activations(layers, every);
       const double estimated = estimate_memory(c, 1).activations;
       EXPECT_NEAR(estimated / measured, 1.0, 0.1)
@@ -60,15 +66,10 @@ TEST(MemoryEstimate, ActivationsAreWithinATenthOfAMeasuredStep) {
   EXPECT_LT(full6, 0.5 * plain6);
 }
 
-double measured_activations(int64_t layers, int64_t recompute_every) {
-  at::manual_seed(0);
-  TransformerLM m(TransformerLMOptions()
-                      .d_model(128)
-                      .n_layers(layers)
-                      .n_heads(8)
-                      .d_ff(512)
-                      .seq_len(64)
-                      .recompute_every(recompute_every));
+// Tracked tensor bytes above the steady state during one fp32 step of `m` (tokens [4, 64] of
+// a 256-token vocabulary; gradients kept allocated), measured on the second step.
+template <typename M>
+double measured_step(M& m) {
   torch::optim::AdamW opt(m->parameters(), torch::optim::AdamWOptions(1e-3));
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
   double measured = 0;
@@ -84,6 +85,48 @@ double measured_activations(int64_t layers, int64_t recompute_every) {
   return measured;
 }
 
+double measured_activations(int64_t layers, int64_t recompute_every) {
+  at::manual_seed(0);
+  TransformerLM m(TransformerLMOptions()
+                      .d_model(128)
+                      .n_layers(layers)
+                      .n_heads(8)
+                      .d_ff(512)
+                      .seq_len(64)
+                      .recompute_every(recompute_every));
+  return measured_step(m);
+}
+
+// The Llama's activation formula (its registration) against a measured fp32 step, and its
+// parameter count against the built model's.
+TEST(MemoryEstimate, LlamaActivationsAreWithinATenthOfAMeasuredStep) {
+  TrackedCpuMemory::install();
+  for (int64_t kv : {4, 2}) {
+    SCOPED_TRACE("num_key_value_heads " + std::to_string(kv));
+    const RunConfig c = parse_config(
+        "model:\n  type: llama\n  vocab_size: 256\n  hidden_size: 128\n"
+        "  intermediate_size: 352\n  num_hidden_layers: 3\n  num_attention_heads: 8\n"
+        "  num_key_value_heads: " +
+            std::to_string(kv) +
+            "\n  seq_len: 64\ntrain:\n  steps: 1\n  batch_size: 4\n  lr: 1.0e-3\n"
+            "parallel:\n  strategy: none\nprecision:\n  policy: fp32\n",
+        "run.yaml");
+    at::manual_seed(0);
+    LlamaOptions o = c.model.as<LlamaSettings>().options;
+    o.deferred_init(false);
+    LlamaForCausalLM m(o);
+    int64_t n = 0;
+    for (const auto& p : m->parameters()) n += p.numel();
+    EXPECT_EQ(estimate_memory(c, 1).parameter_count, n);
+    const double measured = measured_step(m);
+    const double estimated = estimate_memory(c, 1).activations;
+    std::printf("llama, %lld K/V heads: activations estimated %.0f B, measured %.0f B (%.3f)\n",
+                static_cast<long long>(kv), estimated, measured, estimated / measured);
+    EXPECT_NEAR(estimated / measured, 1.0, 0.1)
+        << "estimated " << estimated << " B, measured " << measured << " B";
+  }
+}
+
 // --estimate's report: every term, recompute's effect, and the deepest model that fits, which
 // does fit while one layer more does not.
 TEST(MemoryEstimate, TheReportNamesEveryTermAndTheDeepestModelThatFits) {
@@ -91,7 +134,7 @@ TEST(MemoryEstimate, TheReportNamesEveryTermAndTheDeepestModelThatFits) {
   const int64_t available = int64_t{4} << 30;
   const std::string report = estimate_report(c, 2, 2, available);
   for (const char* needle :
-       {"memory estimate for run.yaml: TransformerLM", "strategy fsdp full_shard",
+       {"memory estimate for run.yaml: model.type transformer", "strategy fsdp full_shard",
         "2 rank(s), 2 on this node", "parameters (fp32 masters)", "gradients", "optimizer state",
         "gathered units, low-precision copies", "activations", "with model.recompute: full",
         "buffers", "construction peak", "peak", "of 4.00 GiB available: fits",
@@ -102,13 +145,13 @@ TEST(MemoryEstimate, TheReportNamesEveryTermAndTheDeepestModelThatFits) {
   ASSERT_GT(deepest, 6);
   EXPECT_NE(report.find("model.n_layers " + std::to_string(deepest) + " ("), std::string::npos);
   RunConfig at = c, over = c;
-  at.model.n_layers = deepest;
-  over.model.n_layers = deepest + 1;
+  at.model.as<TransformerLMSettings>().n_layers = deepest;
+  over.model.as<TransformerLMSettings>().n_layers = deepest + 1;
   EXPECT_LE(estimate_memory(at, 2).peak() * 2, 0.9 * static_cast<double>(available));
   EXPECT_GT(estimate_memory(over, 2).peak() * 2, 0.9 * static_cast<double>(available));
   // Recompute lets a deeper model fit in the same memory.
   RunConfig r = c;
-  r.model.recompute_every = 1;
+  r.model.as<TransformerLMSettings>().recompute_every = 1;
   EXPECT_GT(deepest_that_fits(r, 2, 2, available), deepest);
   EXPECT_NE(estimate_report(r, 2, 2, available).find("without recompute"), std::string::npos);
   EXPECT_NE(estimate_report(c, 2, 2, 1 << 20).find("does NOT fit"), std::string::npos);

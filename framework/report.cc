@@ -61,9 +61,9 @@ void log_parameters_agree(Strategy& model, comm::Communicator* comm) {
                  "): the ranks fell out of sync");
 }
 
-std::string sample_text(Strategy& model, c10::DeviceType device, int64_t seq_len, int64_t count) {
+std::vector<int64_t> sample_tokens(Strategy& model, c10::DeviceType device, int64_t seq_len,
+                                   std::vector<int64_t> tokens, int64_t count) {
   c10::NoGradGuard no_grad;
-  std::vector<int64_t> tokens = {'T', 'h', 'e', ' '};
   for (int64_t i = 0; i < count; ++i) {
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - seq_len);
     at::Tensor in =
@@ -73,6 +73,10 @@ std::string sample_text(Strategy& model, c10::DeviceType device, int64_t seq_len
     at::Tensor logits = model.forward(in);
     tokens.push_back(logits[0][-1].argmax().item<int64_t>());
   }
+  return tokens;
+}
+
+std::string printable_bytes(const std::vector<int64_t>& tokens) {
   std::string text;
   for (int64_t t : tokens)
     text += (t >= 32 && t < 127) ? static_cast<char>(t) : (t == '\n' ? ' ' : '?');
@@ -98,9 +102,8 @@ void log_peak_memory(const RunConfig& c, comm::Communicator* comm) {
     if (tensors >= 0) os << " (tensors " << format_bytes(tensors) << ")";
   }
   logging::info("peak memory per rank: ", os.str(),
-                c.model.type == ModelType::kCustom
-                    ? std::string()
-                    : "; estimated " + format_bytes(estimate_memory(c, world).peak()));
+                c.model.custom() ? std::string()
+                                 : "; estimated " + format_bytes(estimate_memory(c, world).peak()));
 }
 
 }  // namespace dtrain::framework

@@ -1,5 +1,6 @@
 #include "framework/strategy.h"
 
+#include "framework/task.h"
 #include "sharding/clip_grad.h"
 
 namespace dtrain::framework {
@@ -35,6 +36,12 @@ sharding::FSDPOptions fsdp_options(const RunConfig& c, amp::NumericsMonitor* mon
       .hybrid_group_size(p.hybrid_group_size)
       .monitor(monitor);
   return o;
+}
+
+at::Tensor cross_entropy(const at::Tensor& output, const Batch& batch) {
+  at::Tensor logits = output.to(at::kFloat);  // fp32 whatever the output's dtype, as autocast
+  if (logits.dim() > 2) logits = logits.reshape({-1, logits.size(-1)});
+  return at::cross_entropy_loss(logits, batch.targets.reshape(-1));
 }
 
 }  // namespace dtrain::framework

@@ -22,6 +22,7 @@
 #include "framework/config.h"
 #include "framework/memory.h"
 #include "framework/memory_estimate.h"
+#include "framework/models/builtin.h"
 #include "framework/trainer.h"
 
 namespace {
@@ -90,6 +91,7 @@ int main(int argc, char** argv) {
                  "or --ranks)")
       ->check(CLI::Range(1, 1 << 24));
   dtrain::cli::parse(app, argc, argv);
+  dtrain::framework::register_builtin_models();  // model.type: transformer, mlp, llama
   if (estimate) {
     try {
       auto config = dtrain::framework::load_config(config_path, overrides);

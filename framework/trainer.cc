@@ -1,6 +1,7 @@
 #include "framework/trainer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/optim/optimizer.h>
 #include <unistd.h>
@@ -32,8 +33,8 @@
 #include "framework/hardware.h"
 #include "framework/memory.h"
 #include "framework/memory_estimate.h"
-#include "framework/models/mlp.h"
-#include "framework/models/transformer_lm.h"
+#include "framework/model_registry.h"
+#include "framework/models/builtin.h"
 #include "framework/report.h"
 #include "optim/fused.h"
 
@@ -249,13 +250,34 @@ std::string straggler_report(comm::Communicator* comm, double compute_s, JsonObj
          " ms (slowest rank " + std::to_string(t.back().second) + ")";
 }
 
-}  // namespace
-
-at::Tensor cross_entropy(const at::Tensor& output, const Batch& batch) {
-  at::Tensor logits = output.to(at::kFloat);  // fp32 whatever the output's dtype, as autocast
-  if (logits.dim() > 2) logits = logits.reshape({-1, logits.size(-1)});
-  return at::cross_entropy_loss(logits, batch.targets.reshape(-1));
+// "transformer, mlp, llama".
+std::string registered_model_list() {
+  std::string list;
+  for (const auto& n : registered_models()) list += (list.empty() ? "" : ", ") + n;
+  return list;
 }
+
+// A token model's batches, as data.source says: synthetic tokens, a text corpus's bytes, or
+// token files.
+std::unique_ptr<BatchSource> make_token_source(const RunConfig& c, TokenShape shape,
+                                               int64_t micro_batch, int world, int rank) {
+  const uint64_t seed = static_cast<uint64_t>(c.data.seed);
+  switch (c.data.source) {
+    case DataSource::kCorpus:
+      return std::make_unique<ByteCorpusSource>(c.data.path, shape.seq_len, micro_batch,
+                                                c.train.micro_batches, world, rank, seed);
+    case DataSource::kTokens:
+      return std::make_unique<TokenFileSource>(
+          c.data.path, c.data.dtype, c.data.val_path, shape.vocab_size, shape.seq_len, micro_batch,
+          c.train.micro_batches, world, rank, seed, c.train.eval_samples, c.data.val_fraction);
+    case DataSource::kSynthetic:
+      break;
+  }
+  return std::make_unique<SyntheticLMSource>(shape.vocab_size, shape.seq_len, micro_batch, rank,
+                                             seed);
+}
+
+}  // namespace
 
 std::shared_ptr<comm::Communicator> connect(const RunConfig& config) {
   check_device(config);
@@ -274,10 +296,16 @@ std::shared_ptr<comm::Communicator> connect(const RunConfig& config) {
 }
 
 TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) {
-  DTRAIN_CHECK_AS(ConfigError, c.model.type != ModelType::kCustom, c.source,
+  register_builtin_models();
+  DTRAIN_CHECK_AS(ConfigError, !c.model.custom(), c.source,
                   ": model.type: custom is a model given in code, through "
                   "framework::train(module, data, loss, config, comm) (examples/); dtrain-train "
-                  "trains transformer or mlp");
+                  "trains a registered model (",
+                  registered_model_list(), ")");
+  const ModelSpec& spec = model_spec(c);
+  DTRAIN_CHECK_AS(UsageError, spec.build != nullptr, "model.type ", spec.name,
+                  " is registered without a builder in this program: it can be read and "
+                  "estimated, not trained");
   const int rank = comm ? comm->rank() : 0;
   const int world = comm ? comm->size() : 1;
   const c10::DeviceType device = torch_device(c.device);
@@ -289,76 +317,19 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
     logging::info("memory: about ", estimate_memory(c, world).describe(), " per rank");
   }
   at::manual_seed(static_cast<uint64_t>(c.train.seed));  // identical init; DDP broadcasts anyway
-  std::unique_ptr<BatchSource> data;
   const int64_t micro_batch = c.train.batch_size / c.train.micro_batches;
   const uint64_t data_seed = static_cast<uint64_t>(c.data.seed);
-  Task task;
-  task.loss = cross_entropy;
-  task.per_token_validation = true;
-  if (c.model.type == ModelType::kTransformer) {
-    auto o = TransformerLMOptions()
-                 .vocab_size(c.model.vocab_size)
-                 .seq_len(c.model.seq_len)
-                 .d_model(c.model.d_model)
-                 .n_layers(c.model.n_layers)
-                 .n_heads(c.model.n_heads)
-                 .d_ff(c.model.d_ff)
-                 .tie_weights(c.model.tie_weights)
-                 .recompute_every(c.model.recompute_every);
-    // Under FSDP the model is built without memory and each rank initializes one unit at a
-    // time, keeping its shards (the same bits as an eager build under this seed).
-    const bool deferred =
-        comm && c.parallel.strategy == ParallelStrategy::kFsdp && c.model.deferred_init;
-    o.deferred_init(deferred);
-    TransformerLM lm(o);
-    if (deferred) {
-      sharding::defer_parameters(*lm, device);  // placeholders on the run's device
-    } else {
-      lm->to(device);
-    }
-    logging::info("model: TransformerLM, ", transformer_lm_parameter_count(o) / 1e6, "M parameters",
-                  c.model.recompute_every == 0 ? std::string()
-                  : c.model.recompute_every == 1
-                      ? std::string(", every block recomputed in backward")
-                      : ", one block in every " + std::to_string(c.model.recompute_every) +
-                            " recomputed in backward");
-    task.description =
-        "TransformerLM " + logging::fixed(transformer_lm_parameter_count(o) / 1e6, 1) + "M";
-    task.make_strategy = [lm, deferred, &comm, &c](amp::NumericsMonitor* monitor) {
-      return make_strategy(lm, comm, c, monitor,
-                           deferred ? lm->param_init() : sharding::ParamInit());
-    };
-    if (c.data.source == DataSource::kCorpus) {
-      DTRAIN_CHECK_AS(ConfigError, c.model.vocab_size >= 256, c.source,
-                      ": model.vocab_size must be >= 256 for the byte corpus");
-      data = std::make_unique<ByteCorpusSource>(c.data.path, c.model.seq_len, micro_batch,
-                                                c.train.micro_batches, world, rank, data_seed);
-    } else if (c.data.source == DataSource::kTokens) {
-      data = std::make_unique<TokenFileSource>(c.data.path, c.data.dtype, c.data.val_path,
-                                               c.model.vocab_size, c.model.seq_len, micro_batch,
-                                               c.train.micro_batches, world, rank, data_seed,
-                                               c.train.eval_samples, c.data.val_fraction);
-    } else {
-      data = std::make_unique<SyntheticLMSource>(c.model.vocab_size, c.model.seq_len, micro_batch,
-                                                 rank, data_seed);
-    }
-  } else {
-    MLP mlp(MLPOptions()
-                .in_features(c.model.in_features)
-                .hidden(c.model.hidden)
-                .depth(c.model.depth)
-                .out_features(c.model.out_features));
-    mlp->to(device);
-    int64_t n = 0;
-    for (const auto& p : mlp->parameters()) n += p.numel();
-    task.description = "MLP " + logging::fixed(n / 1e6, 2) + "M";
-    task.make_strategy = [mlp, &comm, &c](amp::NumericsMonitor* monitor) {
-      return make_strategy(mlp, comm, c, monitor);
-    };
-    data = std::make_unique<SyntheticClassificationSource>(
-        c.model.in_features, c.model.out_features, micro_batch, rank, data_seed);
+  BuiltModel built;
+  spec.build(BuildContext{c, comm, rank, world, device, micro_batch, data_seed}, built);
+  DTRAIN_CHECK(built.task.make_strategy && built.task.loss, "model ", c.model.type,
+               ": its build gave no strategy or no loss");
+  if (spec.data == ModelData::kTokens) {
+    DTRAIN_CHECK(built.data == nullptr, "model ", c.model.type,
+                 ": a token model's data comes from the config (data.source), not its build");
+    built.data = make_token_source(c, spec.tokens(*c.model.settings), micro_batch, world, rank);
   }
-  return Trainer(c, comm, std::move(task), std::move(data)).train();
+  DTRAIN_CHECK(built.data != nullptr, "model ", c.model.type, ": its build made no data source");
+  return Trainer(c, comm, std::move(built.task), std::move(built.data)).train();
 }
 
 Trainer::Trainer(const RunConfig& config, std::shared_ptr<comm::Communicator> comm, Task task,
@@ -583,7 +554,9 @@ StepStats Trainer::train_step() {
 // Validation perplexity, exp(the mean cross-entropy per token), for the config's language
 // model; a classifier's or a user's loss has no tokens to speak of.
 bool Trainer::language_model() const {
-  return task_.per_token_validation && c_.model.type == ModelType::kTransformer;
+  if (!task_.per_token_validation || c_.model.custom()) return false;
+  const ModelSpec* spec = find_model(c_.model.type);
+  return spec != nullptr && spec->data == ModelData::kTokens;
 }
 
 std::string Trainer::perplexity_text(double val_loss) const {
@@ -719,13 +692,29 @@ TrainResult Trainer::train() {
 void Trainer::report() {
   result_.steps = c_.train.steps;
   log_parameters_agree(*model_, comm_.get());
-  // A sample is text for byte-level data; token files would need their tokenizer.
-  if (c_.model.type == ModelType::kTransformer && c_.model.vocab_size >= 256 &&
-      c_.data.source != DataSource::kTokens && first_step_ < c_.train.steps &&
-      c_.logging.sample_tokens > 0) {
-    const std::string text =
-        sample_text(*model_, device_, c_.model.seq_len, c_.logging.sample_tokens);
-    logging::info("sample: \"", text, "\"");
+  if (task_.on_finish) task_.on_finish(*model_);
+  // A language model's greedy continuation: text for byte data (the prompt "The "), token
+  // ids after the first validation tokens otherwise (token files carry no tokenizer).
+  if (language_model() && first_step_ < c_.train.steps && c_.logging.sample_tokens > 0) {
+    const TokenShape shape = model_spec(c_).tokens(*c_.model.settings);
+    const bool bytes = c_.data.source == DataSource::kCorpus;
+    std::vector<int64_t> prompt = {'T', 'h', 'e', ' '};
+    if (!bytes) {
+      const at::Tensor first = data_->validation(0, 1).inputs[0].to(at::kLong).cpu().contiguous();
+      prompt.assign(first.data_ptr<int64_t>(),
+                    first.data_ptr<int64_t>() + std::min<int64_t>(4, first.numel()));
+    }
+    const auto tokens =
+        sample_tokens(*model_, device_, shape.seq_len, prompt, c_.logging.sample_tokens);
+    if (bytes) {
+      logging::info("sample: \"", printable_bytes(tokens), "\"");
+    } else {
+      std::string ids;
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        ids += (i == 0 ? "" : i == prompt.size() ? " | " : " ") + std::to_string(tokens[i]);
+      }
+      logging::info("sample (token ids; prompt | greedy continuation): ", ids);
+    }
   }
   result_.final_scale = scaler_->get_scale();
   // Each rank's peak beside the estimate it started with (rank 0 prints the table).

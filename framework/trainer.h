@@ -56,6 +56,7 @@
 #include "framework/guards.h"
 #include "framework/metrics.h"
 #include "framework/strategy.h"
+#include "framework/task.h"
 
 namespace dtrain::framework {
 
@@ -67,10 +68,6 @@ struct TrainResult {
   double final_scale = 1;
 };
 
-// The loss of one micro-batch from the module's output: a scalar tensor, the mean over the
-// batch (the trainer divides by micro_batches itself).
-using LossFn = std::function<at::Tensor(const at::Tensor& output, const Batch& batch)>;
-
 // The process's communicator as the config says (parallel.backend, parallel.timeout_s, or
 // DTRAIN_COMM_TIMEOUT_S; the rank from dtrain-launch, mpirun or srun), with logging set up for
 // this rank (logging.level, logging.all_ranks). Null for strategy none on one process.
@@ -78,22 +75,6 @@ std::shared_ptr<comm::Communicator> connect(const RunConfig& config);
 
 // Trains the model the config names. `comm` may be null for strategy none on one process.
 TrainResult train(const RunConfig& config, std::shared_ptr<comm::Communicator> comm);
-
-// Cross-entropy in fp32 over the last dimension (classes or vocabulary): the config models'
-// loss, and a ready LossFn for users.
-at::Tensor cross_entropy(const at::Tensor& output, const Batch& batch);
-
-// What a trainer trains: the model behind its strategy, and its loss.
-struct Task {
-  // Builds the model's strategy once the trainer's numerics monitor exists.
-  std::function<std::unique_ptr<Strategy>(amp::NumericsMonitor* monitor)> make_strategy;
-  LossFn loss;
-  // Validation per token (cross-entropy summed over every target of the set; the config
-  // models) rather than per item (the loss times the batch's items; a user's loss).
-  bool per_token_validation = false;
-  // Names the model in the log and the metrics file.
-  std::string description;
-};
 
 // One optimizer step's figures, as train_step returns them.
 struct StepStats {
@@ -176,8 +157,8 @@ class Trainer {
 template <typename M>
 TrainResult train(M module, std::unique_ptr<BatchSource> data, LossFn loss, const RunConfig& config,
                   std::shared_ptr<comm::Communicator> comm, std::string description = "") {
-  DTRAIN_CHECK_AS(ConfigError, config.model.type == ModelType::kCustom, config.source,
-                  ": model.type is '", name_of(config.model.type),
+  DTRAIN_CHECK_AS(ConfigError, config.model.custom(), config.source, ": model.type is '",
+                  config.model.type,
                   "', but this run passes its own model to framework::train: set model.type: "
                   "custom");
   DTRAIN_CHECK_AS(ConfigError, data != nullptr && loss != nullptr,

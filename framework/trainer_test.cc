@@ -21,35 +21,38 @@
 #include "core/error.h"
 #include "framework/data.h"
 #include "framework/metrics.h"
+#include "framework/models/builtin.h"
 #include "framework/models/mlp.h"
 #include "framework/strategy.h"
 
 namespace dtrain::framework {
 namespace {
 
+const bool kRegistered = (register_builtin_models(), true);
+
+// The MLP both entries train: model.type mlp's section, and the custom run's module.
+const MLPOptions kMlp = MLPOptions().in_features(16).hidden(32).depth(2).out_features(4);
+
 RunConfig config_with(const std::string& type, const std::vector<std::string>& overrides) {
-  std::vector<std::string> all = {"model.type=" + type};
-  all.insert(all.end(), overrides.begin(), overrides.end());
-  return parse_config(
-      "model:\n  type: mlp\n  in_features: 16\n  hidden: 32\n  depth: 2\n  out_features: 4\n"
-      "train:\n  steps: 6\n  batch_size: 8\n  lr: 0.01\n  clip_grad_norm: 0.5\n"
-      "  eval_every: 3\n  eval_samples: 8\n"
-      "parallel:\n  strategy: none\n"
-      "logging:\n  every_steps: 1\n  progress_bar: false\n",
-      "trainer_test.yaml", all);
+  const std::string model =
+      type == "mlp" ? "model:\n  type: mlp\n  in_features: 16\n  hidden: 32\n  depth: 2\n"
+                      "  out_features: 4\n"
+                    : "model:\n  type: " + type + "\n";
+  return parse_config(model +
+                          "train:\n  steps: 6\n  batch_size: 8\n  lr: 0.01\n  clip_grad_norm: 0.5\n"
+                          "  eval_every: 3\n  eval_samples: 8\n"
+                          "parallel:\n  strategy: none\n"
+                          "logging:\n  every_steps: 1\n  progress_bar: false\n",
+                      "trainer_test.yaml", overrides);
 }
 
 MLP seeded_mlp(const RunConfig& c) {
   at::manual_seed(static_cast<uint64_t>(c.train.seed));  // what train(config) does
-  return MLP(MLPOptions()
-                 .in_features(c.model.in_features)
-                 .hidden(c.model.hidden)
-                 .depth(c.model.depth)
-                 .out_features(c.model.out_features));
+  return MLP(kMlp);
 }
 
 std::unique_ptr<BatchSource> data_for(const RunConfig& c) {
-  return std::make_unique<SyntheticClassificationSource>(c.model.in_features, c.model.out_features,
+  return std::make_unique<SyntheticClassificationSource>(kMlp.in_features(), kMlp.out_features(),
                                                          c.train.batch_size / c.train.micro_batches,
                                                          0, static_cast<uint64_t>(c.data.seed));
 }

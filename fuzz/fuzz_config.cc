@@ -10,9 +10,12 @@
 
 #include "core/error.h"
 #include "framework/config.h"
+#include "framework/models/configs.h"
 #include "fuzz/fuzz_common.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  // model.type's readers: the built-in models' configurations (no module code).
+  dtrain::framework::register_builtin_model_configs();
   const auto [yaml, rest] = dtrain::fuzz::split_nul(dtrain::fuzz::text(data, size));
   const std::vector<std::string> overrides = dtrain::fuzz::lines(rest, /*keep_empty=*/false);
   try {

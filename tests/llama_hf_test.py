@@ -23,6 +23,7 @@ hf_logging.set_verbosity_error()
 ap = argparse.ArgumentParser()
 ap.add_argument("--tool", required=True)
 ap.add_argument("--launcher", required=True)
+ap.add_argument("--trainer", required=True)
 args = ap.parse_args()
 failures = []
 
@@ -135,6 +136,42 @@ with tempfile.TemporaryDirectory() as tmp:
         err = (tuned["ddp"] - tuned["fsdp"]).abs().max().item()
         check(err <= 1e-4 * tuned["ddp"].abs().max().item(),
               f"DDP and FSDP fine-tunes agree (max |diff| {err:.2e})")
+
+    # The same through dtrain-train and configs/llama_finetune.yaml (model.type: llama): a
+    # 2-rank fine-tune of the checkpoint (model.pretrained) under DDP and FSDP, written back by
+    # the trainer (model.save_pretrained) and loaded by transformers; DDP and FSDP agree.
+    trained = {}
+    for strategy in ["ddp", "fsdp"]:
+        out = os.path.join(tmp, f"trainer_{strategy}")
+        # configs/llama_finetune.yaml, pointed at this checkpoint, synthetic tokens and tmp.
+        sets = [f"model.pretrained={src}", f"model.save_pretrained={out}", "model.seq_len=12",
+                "data={source: synthetic}", "train.steps=3", "train.batch_size=2",
+                "train.micro_batches=1", "train.lr=1.0e-3", "train.warmup_steps=0",
+                "train.eval_every=0", f"parallel.strategy={strategy}", "precision.policy=fp32",
+                f"checkpoint.dir={tmp}/ckpt_{strategy}", f"logging.metrics_file={tmp}/m.jsonl",
+                "logging.every_steps=1", "logging.progress_bar=false", "logging.sample_tokens=4"]
+        argv = [args.launcher, "--nproc-per-node", "2", "--master-port", "0", "--",
+                args.trainer, "--config", "configs/llama_finetune.yaml"]
+        for x in sets:
+            argv += ["--set", x]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        log = r.stdout + r.stderr
+        if r.returncode != 0 or not os.path.exists(os.path.join(out, "config.json")):
+            print(log[-4000:], flush=True)
+            check(False, f"dtrain-train {strategy}: fine-tunes the checkpoint and saves it")
+            continue
+        check("model: Llama" in log and f"from {src}" in log,
+              f"dtrain-train {strategy}: builds the Llama from model.pretrained")
+        theirs = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        with torch.no_grad():
+            got = theirs(rows).logits.float()
+        check((got - before).abs().max().item() > 1e-4,
+              f"dtrain-train {strategy}: transformers loads the trained save, and it moved")
+        trained[strategy] = got
+    if len(trained) == 2:
+        err = (trained["ddp"] - trained["fsdp"]).abs().max().item()
+        check(err <= 1e-4 * trained["ddp"].abs().max().item(),
+              f"dtrain-train: DDP and FSDP fine-tunes agree (max |diff| {err:.2e})")
 
     # A checkpoint that does not match its config is refused naming the tensor.
     bad = os.path.join(tmp, "gqa_untied_single")

@@ -1,18 +1,24 @@
-// Example (d): a user's own dataset and model, trained by dtrain's trainer through its public
-// API: framework::train(module, data, loss, config, comm). The loop, the strategy (ddp or
-// fsdp), the precision (fp32, bf16, fp16 with its scaler), gradient accumulation, clipping,
-// the LR schedule, logging, the metrics file and checkpoints all come from the YAML config
-// (model.type: custom), as for dtrain-train.
+// Example (d): a user's own dataset and model, registered with dtrain's model registry and
+// trained by dtrain's trainer: one registration (register_model) makes `model.type:
+// spiral_classifier` a model the YAML config names, with its own keys (model.hidden,
+// model.label_smoothing) read and checked like dtrain's, a memory estimate, and its data. The
+// loop, the strategy (ddp or fsdp), the precision (fp32, bf16, fp16 with its scaler), gradient
+// accumulation, clipping, the LR schedule, logging, the metrics file and checkpoints all come
+// from the config, as for dtrain-train.
 //
 // Run at 2 ranks:  dtrain-launch --nproc-per-node 2 -- ./own_data_trainer config.yaml
-// [key=value...] e.g. ... own_data_trainer config.yaml parallel.strategy=fsdp precision.policy=fp32
+// [key=value...] e.g. ... own_data_trainer config.yaml parallel.strategy=fsdp model.hidden=64
 // The data: two interleaved spirals (2-D points, 2 classes), generated once in memory and
 // split over the ranks by DistributedSampler. Exits 1 if the loss did not fall.
 #include <ATen/ATen.h>
 #include <dtrain/comm/communicator.h>
 #include <dtrain/core/error.h>
 #include <dtrain/framework/config.h>
+#include <dtrain/framework/config_section.h>
 #include <dtrain/framework/data.h>
+#include <dtrain/framework/model_registry.h>
+#include <dtrain/framework/strategy.h>
+#include <dtrain/framework/task.h>
 #include <dtrain/framework/trainer.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
@@ -20,13 +26,15 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
 
 namespace {
 
-using dtrain::framework::Batch;
+namespace fw = dtrain::framework;
+using fw::Batch;
 
 // n points per class on two spirals, with noise; labels 0 and 1.
 std::pair<at::Tensor, at::Tensor> spirals(int64_t n, uint64_t seed) {
@@ -85,10 +93,10 @@ class SpiralData : public dtrain::framework::BatchSource {
 // The user's model: any module whose forward takes the batch's inputs.
 class ClassifierImpl : public torch::nn::Module {
  public:
-  ClassifierImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(2, 128));
-    fc2 = register_module("fc2", torch::nn::Linear(128, 128));
-    fc3 = register_module("fc3", torch::nn::Linear(128, 2));
+  explicit ClassifierImpl(int64_t hidden) {
+    fc1 = register_module("fc1", torch::nn::Linear(2, hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, hidden));
+    fc3 = register_module("fc3", torch::nn::Linear(hidden, 2));
   }
   at::Tensor forward(const at::Tensor& x) {
     return fc3->forward(at::tanh(fc2->forward(at::tanh(fc1->forward(x)))));
@@ -97,24 +105,68 @@ class ClassifierImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Classifier);
 
+// The model's keys under `model:` (besides type).
+struct SpiralSettings : fw::ModelSettingsOf<SpiralSettings> {
+  int64_t hidden = 128;
+  double label_smoothing = 0.05;
+};
+
+// The registration: how its config is read, what it needs in memory, and how it is built.
+fw::ModelSpec spiral_classifier() {
+  fw::ModelSpec spec;
+  spec.name = "spiral_classifier";
+  spec.summary = "a 3-layer tanh MLP on two interleaved spirals";
+  spec.data = fw::ModelData::kOwn;  // its batches are its own (data.source stays synthetic)
+  spec.read = [](fw::ConfigSection& s) {
+    auto m = std::make_unique<SpiralSettings>();
+    s.read("hidden", m->hidden);
+    s.read("label_smoothing", m->label_smoothing);
+    s.check(m->hidden >= 1, "hidden", "must be >= 1, got " + std::to_string(m->hidden));
+    s.check(m->label_smoothing >= 0 && m->label_smoothing < 1, "label_smoothing",
+            "must be in [0, 1)");
+    return m;
+  };
+  // No wrap points: under FSDP the whole model is one unit.
+  spec.memory = [](const fw::RunConfig& c) {
+    const double h = static_cast<double>(c.model.as<SpiralSettings>().hidden);
+    fw::ModelMemory m;
+    m.parameters = static_cast<int64_t>(3 * h + h * h + h + 2 * h + 2);
+    m.root = static_cast<double>(m.parameters);
+    // Saved for backward per sample: two layers' pre- and post-tanh values, in fp32.
+    m.activations = fw::micro_batch_samples(c) * 4 * h * 4;
+    return m;
+  };
+  spec.build = [](const fw::BuildContext& ctx, fw::BuiltModel& out) {
+    const auto& m = ctx.config.model.as<SpiralSettings>();
+    Classifier model(m.hidden);
+    model->to(ctx.device);
+    out.task.description = "spiral classifier, hidden " + std::to_string(m.hidden);
+    out.task.make_strategy = [model, comm = ctx.comm,
+                              c = &ctx.config](dtrain::amp::NumericsMonitor* monitor) {
+      return fw::make_strategy(model, comm, *c, monitor);
+    };
+    // Cross-entropy with label smoothing, in fp32 whatever autocast gave.
+    out.task.loss = [smoothing = m.label_smoothing](const at::Tensor& output, const Batch& batch) {
+      return at::cross_entropy_loss(output.to(at::kFloat), batch.targets, {}, at::Reduction::Mean,
+                                    -100, smoothing);
+    };
+    out.data = std::make_unique<SpiralData>(ctx.micro_batch, ctx.config.train.micro_batches,
+                                            ctx.world, ctx.rank);
+  };
+  return spec;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const std::string path = argc > 1 ? argv[1] : "config.yaml";
     std::vector<std::string> overrides(argv + std::min(argc, 2), argv + argc);
-    auto config = dtrain::framework::load_config(path, overrides);
-    auto comm = dtrain::framework::connect(config);  // null for one process, strategy none
+    fw::register_model(spiral_classifier());  // before load_config reads model.type
+    auto config = fw::load_config(path, overrides);
+    auto comm = fw::connect(config);  // null for one process, strategy none
     const int world = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
-    auto data = std::make_unique<SpiralData>(config.train.batch_size / config.train.micro_batches,
-                                             config.train.micro_batches, world, rank);
-    // The user's loss: cross-entropy with label smoothing, in fp32 whatever autocast gave.
-    auto loss = [](const at::Tensor& output, const Batch& batch) {
-      return at::cross_entropy_loss(output.to(at::kFloat), batch.targets, {}, at::Reduction::Mean,
-                                    -100, /*label_smoothing=*/0.05);
-    };
-    auto result = dtrain::framework::train(Classifier(), std::move(data), loss, config, comm,
-                                           "spiral classifier");
+    auto result = fw::train(config, comm);
     if (comm) comm->barrier().wait();
     if (rank == 0) {
       std::printf("own_data_trainer: %d ranks, %lld steps, loss %.4f -> %.4f\n", world,

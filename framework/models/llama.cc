@@ -8,10 +8,15 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <memory>
 #include <sstream>
+#include <string>
+#include <utility>
 
 #include "core/error.h"
+#include "core/logging.h"
 #include "framework/checkpoint/safetensors.h"
+#include "framework/task.h"
 
 namespace dtrain::framework {
 namespace {
@@ -174,55 +179,6 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) {
   return at::linear(h, o_.tie_word_embeddings() ? model->embed_tokens->weight : lm_head->weight);
 }
 
-LlamaOptions read_hf_llama_config(const std::string& path) {
-  YAML::Node c;
-  try {
-    c = YAML::LoadFile(path);
-  } catch (const YAML::Exception& e) {
-    DTRAIN_FAIL(ConfigError, path, ": cannot read: ", e.what());
-  }
-  DTRAIN_CHECK_AS(ConfigError, c.IsMap(), path, ": not a JSON object");
-  auto get = [&](const char* key, auto fallback) {
-    using T = decltype(fallback);
-    if (!c[key] || c[key].IsNull()) return fallback;
-    try {
-      return c[key].template as<T>();
-    } catch (const YAML::Exception& e) {
-      DTRAIN_FAIL(ConfigError, path, ": ", key, ": ", e.what());
-    }
-  };
-  const std::string type = get("model_type", std::string("llama"));
-  DTRAIN_CHECK_AS(ConfigError, type == "llama", path, ": model_type '", type, "' is not llama");
-  DTRAIN_CHECK_AS(ConfigError, get("hidden_act", std::string("silu")) == "silu", path,
-                  ": hidden_act must be silu");
-  DTRAIN_CHECK_AS(ConfigError, !get("attention_bias", false) && !get("mlp_bias", false), path,
-                  ": attention_bias and mlp_bias are not supported");
-  double theta = get("rope_theta", 10000.0);
-  std::string rope_type = "default";
-  for (const char* section : {"rope_parameters", "rope_scaling"}) {
-    const YAML::Node r = c[section];
-    if (!r || !r.IsMap()) continue;
-    if (r["rope_theta"]) theta = r["rope_theta"].as<double>();
-    if (r["rope_type"]) rope_type = r["rope_type"].as<std::string>();
-    if (r["type"]) rope_type = r["type"].as<std::string>();
-  }
-  DTRAIN_CHECK_AS(ConfigError, rope_type == "default", path, ": rope type '", rope_type,
-                  "' is not supported (only the default RoPE)");
-  LlamaOptions o;
-  o.vocab_size(get("vocab_size", int64_t{32000}))
-      .hidden_size(get("hidden_size", int64_t{4096}))
-      .intermediate_size(get("intermediate_size", int64_t{11008}))
-      .num_hidden_layers(get("num_hidden_layers", int64_t{32}))
-      .num_attention_heads(get("num_attention_heads", int64_t{32}))
-      .max_position_embeddings(get("max_position_embeddings", int64_t{2048}))
-      .rms_norm_eps(get("rms_norm_eps", 1e-6))
-      .rope_theta(theta)
-      .tie_word_embeddings(get("tie_word_embeddings", false))
-      .head_dim(get("head_dim", int64_t{0}));
-  o.num_key_value_heads(get("num_key_value_heads", o.num_attention_heads()));
-  return o;
-}
-
 LlamaForCausalLM load_hf_llama(const std::string& dir) {
   LlamaForCausalLM m(read_hf_llama_config(dir + "/config.json"));
   load_hf_llama_weights(*m, dir);
@@ -267,14 +223,16 @@ sharding::ParamInit hf_llama_param_init(const std::string& dir) {
 }
 
 void save_hf_llama(const LlamaForCausalLMImpl& model, const std::string& dir) {
-  ::mkdir(dir.c_str(), 0755);
-  const LlamaOptions& o = model.options();
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  at::ScalarType dtype = at::kFloat;
-  for (const auto& p : model.named_parameters()) {
-    tensors.emplace_back(p.key(), p.value());
-    dtype = p.value().scalar_type();
-  }
+  for (const auto& p : model.named_parameters()) tensors.emplace_back(p.key(), p.value());
+  save_hf_llama(model.options(), tensors, dir);
+}
+
+void save_hf_llama(const LlamaOptions& o,
+                   const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                   const std::string& dir) {
+  ::mkdir(dir.c_str(), 0755);
+  const at::ScalarType dtype = tensors.empty() ? at::kFloat : tensors.back().second.scalar_type();
   ckpt::write_safetensors(dir + "/model.safetensors", tensors, {{"format", "pt"}});
   const char* dtype_name = dtype == at::kBFloat16 ? "bfloat16"
                            : dtype == at::kHalf   ? "float16"
@@ -299,5 +257,57 @@ void save_hf_llama(const LlamaForCausalLMImpl& model, const std::string& dir) {
   f << c.str();
   DTRAIN_CHECK_AS(CheckpointError, static_cast<bool>(f), dir, "/config.json: cannot write");
 }
+
+namespace {
+
+void build_llama_impl(const BuildContext& ctx, BuiltModel& out) {
+  const RunConfig& c = ctx.config;
+  const auto& m = c.model.as<LlamaSettings>();
+  LlamaOptions o = m.options;
+  // Under FSDP: placeholders, and each unit initialized (or loaded from the checkpoint) as it
+  // is sharded; otherwise the whole model, loaded on every rank (DDP broadcasts rank 0's).
+  const bool deferred =
+      ctx.comm && c.parallel.strategy == ParallelStrategy::kFsdp && o.deferred_init();
+  o.deferred_init(deferred);
+  LlamaForCausalLM lm(o);
+  sharding::ParamInit init;
+  if (deferred) {
+    sharding::defer_parameters(*lm, ctx.device);
+    init = m.pretrained.empty() ? lm->param_init() : hf_llama_param_init(m.pretrained);
+  } else {
+    if (!m.pretrained.empty()) load_hf_llama_weights(*lm, m.pretrained);
+    lm->to(ctx.device);
+  }
+  const double n = static_cast<double>(llama_parameter_count(o));
+  logging::info("model: Llama, ", n / 1e6, "M parameters",
+                m.pretrained.empty() ? std::string() : ", from " + m.pretrained);
+  out.task.description = "Llama " + logging::fixed(n / 1e6, 1) + "M";
+  out.task.loss = cross_entropy;
+  out.task.per_token_validation = true;
+  out.task.make_strategy = [lm, init, comm = ctx.comm, c = &c](amp::NumericsMonitor* mon) {
+    return make_strategy(lm, comm, *c, mon, init);
+  };
+  if (!m.save_pretrained.empty()) {
+    // The trained parameters as a Hugging Face checkpoint, written by rank 0 (under FSDP every
+    // rank gathers them: a collective).
+    out.task.on_finish = [o, dir = m.save_pretrained, rank = ctx.rank](Strategy& s) {
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      if (s.fsdp() != nullptr) {
+        tensors = s.fsdp()->full_parameters();
+      } else {
+        for (const auto& p : s.module().named_parameters()) {
+          tensors.emplace_back(p.key(), p.value().detach().cpu());
+        }
+      }
+      if (rank != 0) return;
+      save_hf_llama(o, tensors, dir);
+      logging::info("model: saved as a Hugging Face checkpoint in ", dir);
+    };
+  }
+}
+
+}  // namespace
+
+void build_llama(const BuildContext& ctx, BuiltModel& out) { build_llama_impl(ctx, out); }
 
 }  // namespace dtrain::framework

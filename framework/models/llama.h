@@ -22,35 +22,15 @@
 #include <torch/nn/modules/linear.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "framework/models/configs.h"
+#include "framework/task.h"
 #include "sharding/deferred_init.h"
 #include "sharding/fsdp.h"
 
 namespace dtrain::framework {
-
-struct LlamaOptions {
-  TORCH_ARG(int64_t, vocab_size) = 32000;
-  TORCH_ARG(int64_t, hidden_size) = 4096;
-  TORCH_ARG(int64_t, intermediate_size) = 11008;
-  TORCH_ARG(int64_t, num_hidden_layers) = 32;
-  TORCH_ARG(int64_t, num_attention_heads) = 32;
-  TORCH_ARG(int64_t, num_key_value_heads) = 32;
-  TORCH_ARG(int64_t, head_dim) = 0;  // 0: hidden_size / num_attention_heads
-  TORCH_ARG(int64_t, max_position_embeddings) = 2048;
-  TORCH_ARG(double, rms_norm_eps) = 1e-6;
-  TORCH_ARG(double, rope_theta) = 10000.0;
-  TORCH_ARG(bool, tie_word_embeddings) = false;
-  // Llama's initializer_range: weights N(0, 0.02), RMSNorms at one.
-  TORCH_ARG(double, initializer_range) = 0.02;
-  // Placeholder parameters until param_init() fills them (sharding/deferred_init.h): under
-  // FSDP one unit at a time (FSDPOptions::param_init), otherwise sharding::materialize.
-  TORCH_ARG(bool, deferred_init) = false;
-
- public:
-  int64_t head_size() const {
-    return head_dim_ > 0 ? head_dim_ : hidden_size_ / num_attention_heads_;
-  }
-};
 
 class LlamaRMSNormImpl : public torch::nn::Module {
  public:
@@ -126,7 +106,7 @@ TORCH_MODULE(LlamaForCausalLM);
 // model.safetensors.index.json. Loading is strict: every parameter found, with its shape,
 // and no tensor left over (ConfigError naming the file and tensor otherwise); tensors are
 // converted to the parameters' dtype.
-LlamaOptions read_hf_llama_config(const std::string& config_json);
+
 LlamaForCausalLM load_hf_llama(const std::string& dir);
 void load_hf_llama_weights(LlamaForCausalLMImpl& model, const std::string& dir);
 // The checkpoint in `dir` as an initializer: a deferred model given to FSDP with it loads the
@@ -135,5 +115,12 @@ sharding::ParamInit hf_llama_param_init(const std::string& dir);
 // Writes config.json and model.safetensors (the parameters in their dtype) into `dir`, which
 // transformers' LlamaForCausalLM.from_pretrained(dir) loads.
 void save_hf_llama(const LlamaForCausalLMImpl& model, const std::string& dir);
+// The same from named tensors (FSDP's gathered parameters), for a model of options `o`.
+void save_hf_llama(const LlamaOptions& o,
+                   const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                   const std::string& dir);
+
+// model.type: llama's builder (framework/models/builtin.h registers it).
+void build_llama(const BuildContext& ctx, BuiltModel& out);
 
 }  // namespace dtrain::framework

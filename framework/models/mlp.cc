@@ -2,6 +2,14 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "core/logging.h"
+#include "framework/task.h"
+
 namespace dtrain::framework {
 
 MLPImpl::MLPImpl(const MLPOptions& o) {
@@ -21,5 +29,27 @@ at::Tensor MLPImpl::forward(const at::Tensor& x) {
   }
   return out->forward(h);
 }
+
+namespace {
+
+void build_mlp_impl(const BuildContext& ctx, BuiltModel& out) {
+  const auto& m = ctx.config.model.as<MLPSettings>();
+  MLP mlp(m.options());
+  mlp->to(ctx.device);
+  int64_t n = 0;
+  for (const auto& p : mlp->parameters()) n += p.numel();
+  out.task.description = "MLP " + logging::fixed(static_cast<double>(n) / 1e6, 2) + "M";
+  out.task.loss = cross_entropy;
+  out.task.per_token_validation = true;
+  out.task.make_strategy = [mlp, comm = ctx.comm, c = &ctx.config](amp::NumericsMonitor* mon) {
+    return make_strategy(mlp, comm, *c, mon);
+  };
+  out.data = std::make_unique<SyntheticClassificationSource>(
+      m.in_features, m.out_features, ctx.micro_batch, ctx.rank, ctx.data_seed);
+}
+
+}  // namespace
+
+void build_mlp(const BuildContext& ctx, BuiltModel& out) { build_mlp_impl(ctx, out); }
 
 }  // namespace dtrain::framework

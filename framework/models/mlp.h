@@ -7,16 +7,11 @@
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
 
+#include "framework/models/configs.h"
+#include "framework/task.h"
 #include "sharding/fsdp.h"
 
 namespace dtrain::framework {
-
-struct MLPOptions {
-  TORCH_ARG(int64_t, in_features) = 64;
-  TORCH_ARG(int64_t, hidden) = 256;
-  TORCH_ARG(int64_t, depth) = 3;
-  TORCH_ARG(int64_t, out_features) = 10;
-};
 
 using LinearUnit = sharding::Unit<torch::nn::LinearImpl>;
 
@@ -30,5 +25,8 @@ class MLPImpl : public torch::nn::Module {
   torch::nn::Linear out{nullptr};
 };
 TORCH_MODULE(MLP);
+
+// model.type: mlp's builder (framework/models/builtin.h registers it).
+void build_mlp(const BuildContext& ctx, BuiltModel& out);
 
 }  // namespace dtrain::framework

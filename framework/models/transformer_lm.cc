@@ -3,9 +3,15 @@
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
+#include <memory>
+#include <string>
+#include <utility>
 
 #include "core/error.h"
+#include "core/logging.h"
+#include "framework/task.h"
 #include "sharding/recompute.h"
 
 namespace dtrain::framework {
@@ -128,12 +134,42 @@ at::Tensor TransformerLMImpl::forward(const at::Tensor& tokens) {
   return at::linear(x, options_.tie_weights() ? tok_emb->weight : head->weight);
 }
 
-int64_t transformer_lm_parameter_count(const TransformerLMOptions& o) {
-  const int64_t d = o.d_model(), f = o.d_ff();
-  int64_t block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d);
-  int64_t total = o.vocab_size() * d + o.seq_len() * d + o.n_layers() * block + 2 * d;
-  if (!o.tie_weights()) total += d * o.vocab_size();
-  return total;
+namespace {
+
+void build_transformer_lm_impl(const BuildContext& ctx, BuiltModel& out) {
+  const RunConfig& c = ctx.config;
+  const auto& m = c.model.as<TransformerLMSettings>();
+  TransformerLMOptions o = m.options();
+  // Under FSDP the model is built without memory and each rank initializes one unit at a
+  // time, keeping its shards (the same bits as an eager build under this seed).
+  const bool deferred =
+      ctx.comm && c.parallel.strategy == ParallelStrategy::kFsdp && m.deferred_init;
+  o.deferred_init(deferred);
+  TransformerLM lm(o);
+  if (deferred) {
+    sharding::defer_parameters(*lm, ctx.device);  // placeholders on the run's device
+  } else {
+    lm->to(ctx.device);
+  }
+  const double n = static_cast<double>(transformer_lm_parameter_count(o));
+  logging::info("model: TransformerLM, ", n / 1e6, "M parameters",
+                m.recompute_every == 0 ? std::string()
+                : m.recompute_every == 1
+                    ? std::string(", every block recomputed in backward")
+                    : ", one block in every " + std::to_string(m.recompute_every) +
+                          " recomputed in backward");
+  out.task.description = "TransformerLM " + logging::fixed(n / 1e6, 1) + "M";
+  out.task.loss = cross_entropy;
+  out.task.per_token_validation = true;
+  out.task.make_strategy = [lm, deferred, comm = ctx.comm, c = &c](amp::NumericsMonitor* mon) {
+    return make_strategy(lm, comm, *c, mon, deferred ? lm->param_init() : sharding::ParamInit());
+  };
+}
+
+}  // namespace
+
+void build_transformer_lm(const BuildContext& ctx, BuiltModel& out) {
+  build_transformer_lm_impl(ctx, out);
 }
 
 }  // namespace dtrain::framework

@@ -25,26 +25,12 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include "framework/models/configs.h"
+#include "framework/task.h"
 #include "sharding/deferred_init.h"
 #include "sharding/fsdp.h"
 
 namespace dtrain::framework {
-
-struct TransformerLMOptions {
-  TORCH_ARG(int64_t, vocab_size) = 256;
-  TORCH_ARG(int64_t, seq_len) = 128;
-  TORCH_ARG(int64_t, d_model) = 256;
-  TORCH_ARG(int64_t, n_layers) = 4;
-  TORCH_ARG(int64_t, n_heads) = 4;
-  TORCH_ARG(int64_t, d_ff) = 1024;
-  TORCH_ARG(bool, tie_weights) = true;
-  // Activation recompute (sharding/recompute.h) of block i when i % recompute_every == 0:
-  // 0 none, 1 every block ("full"), K every K-th.
-  TORCH_ARG(int64_t, recompute_every) = 0;
-  // Parameters are placeholders (no memory) until param_init() fills them: under FSDP
-  // (FSDPOptions::param_init) one unit at a time, otherwise with sharding::materialize.
-  TORCH_ARG(bool, deferred_init) = false;
-};
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
@@ -97,7 +83,7 @@ class TransformerLMImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TransformerLM);
 
-// Parameters of a TransformerLM with these options (for sizing configs and benchmarks).
-int64_t transformer_lm_parameter_count(const TransformerLMOptions& o);
+// model.type: transformer's builder (framework/models/builtin.h registers it).
+void build_transformer_lm(const BuildContext& ctx, BuiltModel& out);
 
 }  // namespace dtrain::framework
