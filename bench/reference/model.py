@@ -18,12 +18,8 @@ class CausalSelfAttention(nn.Module):
         H, D = self.n_heads, C // self.n_heads
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
-        att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(D))
-        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-        att = att.masked_fill(mask, float("-inf"))
-        att = torch.softmax(att.float(), -1).to(v.dtype)
-        y = torch.matmul(att, v).transpose(1, 2).contiguous().view(B, T, C)
-        return self.proj(y)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
 class Block(nn.Module):

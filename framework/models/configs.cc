@@ -125,19 +125,19 @@ std::unique_ptr<ModelSettings> read_transformer(ConfigSection& s) {
   return m;
 }
 
-// Bytes saved for backward per micro-batch: ~18 d_model-wide values per block in the compute
-// dtype, the softmax's attention probabilities in fp32 (and their cast when computing in 16
-// bits), and the logits with their fp32 loss copies. A recomputed block (i % K == 0) keeps its
-// input only (the residual stream: the compute dtype under FSDP, fp32 under autocast). The
-// peak holds the kept blocks' activations at the start of backward, or, while the last
-// recomputed block (K (r - 1)) runs again, its own and those of the (K - 1)(r - 1) kept
-// blocks below it. Within 1% of a measured fp32 step (memory_estimate_test).
+// Bytes saved for backward per micro-batch: ~16 d_model-wide values per block in the compute
+// dtype, the fused attention's log-sum-exp (one fp32 value per head; no T x T
+// probabilities), and the logits with their fp32 loss copies and gradients (16 bytes per
+// vocabulary entry besides the logits themselves). A recomputed block (i % K == 0) keeps
+// its input only (the residual stream: the compute dtype under FSDP, fp32 under autocast). The peak
+// holds the kept blocks' activations at the start of backward, or, while the last recomputed block
+// (K (r - 1)) runs again, its own and those of the (K - 1)(r - 1) kept blocks below it. Within 1%
+// of a measured fp32 step (memory_estimate_test).
 double transformer_activations(const RunConfig& c, const TransformerLMSettings& m,
                                int64_t recompute_every) {
   const double cb = compute_bytes(c);
   const double d = static_cast<double>(m.d_model), t = static_cast<double>(m.seq_len);
-  const double scores = static_cast<double>(m.n_heads) * t * (4 + (cb != 4 ? cb : 0));
-  const double block = 18 * d * cb + scores;
+  const double block = 16 * d * cb + static_cast<double>(m.n_heads) * 4;
   double live_blocks = static_cast<double>(m.n_layers), kept_inputs = 0;
   if (recompute_every > 0) {
     const int64_t r = (m.n_layers - 1) / recompute_every + 1;
@@ -147,7 +147,7 @@ double transformer_activations(const RunConfig& c, const TransformerLMSettings& 
   }
   const double input = c.parallel.strategy == ParallelStrategy::kFsdp ? cb : 4;
   const double per_token =
-      live_blocks * block + kept_inputs * d * input + static_cast<double>(m.vocab_size) * (cb + 8);
+      live_blocks * block + kept_inputs * d * input + static_cast<double>(m.vocab_size) * (cb + 16);
   return micro_batch_samples(c) * t * per_token;
 }
 
@@ -314,7 +314,7 @@ ModelMemory llama_memory(const RunConfig& c) {
   const double scores = static_cast<double>(o.num_attention_heads()) * t * (4 + (cb != 4 ? cb : 0));
   const double layer = (4 * h + 5 * q + 3 * kv + 4 * inter) * cb + scores;
   const double per_token = static_cast<double>(o.num_hidden_layers()) * layer +
-                           static_cast<double>(o.vocab_size()) * (cb + 8);
+                           static_cast<double>(o.vocab_size()) * (cb + 16);
   e.activations = micro_batch_samples(c) * t * per_token;
   e.deferred_under_fsdp = o.deferred_init();
   return e;

@@ -22,6 +22,35 @@ TEST(TransformerLM, ShapesParameterCountAndTiedHead) {
   EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{3, 10, 50}));
 }
 
+// The fused attention (ATen's scaled_dot_product_attention) against the explicit one of earlier
+// releases: outputs and input gradients within fp32 rounding, and within bf16 rounding in bf16.
+TEST(TransformerLM, FusedAttentionMatchesTheExplicitOne) {
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    at::manual_seed(1);
+    std::vector<at::Tensor> a, b;
+    for (int i = 0; i < 3; ++i) {
+      a.push_back(at::randn({2, 4, 256, 48}).to(dtype).requires_grad_());
+      b.push_back(a.back().detach().clone().requires_grad_());
+    }
+    at::Tensor fused = causal_attention(a[0], a[1], a[2], /*fused=*/true);
+    at::Tensor plain = causal_attention(b[0], b[1], b[2], /*fused=*/false);
+    const at::Tensor g = at::randn(fused.sizes()).to(dtype);
+    fused.backward(g);
+    plain.backward(g);
+    const double tol = dtype == at::kFloat ? 1e-5 : 2e-2;  // bf16: 8 bits of mantissa
+    auto rel = [](const at::Tensor& x, const at::Tensor& y) {
+      return ((x.to(at::kFloat) - y.to(at::kFloat)).abs().max() /
+              y.to(at::kFloat).abs().max().clamp_min(1e-12))
+          .item<double>();
+    };
+    EXPECT_LT(rel(fused, plain), tol);
+    for (int i = 0; i < 3; ++i) EXPECT_LT(rel(a[i].grad(), b[i].grad()), tol) << "input " << i;
+    // The first position attends to itself only: its output is its value.
+    EXPECT_LT(rel(fused.select(2, 0), a[2].select(2, 0)), tol);
+  }
+}
+
 TEST(TransformerLM, IsCausal) {
   at::manual_seed(0);
   TransformerLM lm(

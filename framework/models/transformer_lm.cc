@@ -24,18 +24,27 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head
   proj = register_module("proj", torch::nn::Linear(d_model, d_model));
 }
 
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            bool fused) {
+  if (fused) {
+    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                            /*is_causal=*/true);
+  }
+  const int64_t T = q.size(-2), D = q.size(-1);
+  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
+  at::Tensor mask =
+      at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(q.device())).triu(1);
+  att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  att = at::softmax(att.to(at::kFloat), -1).to(v.scalar_type());
+  return at::matmul(att, v);
+}
+
 at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_heads_, D = C / H;
   auto parts = at::linear(x, qkv->weight, qkv->bias).split(C, /*dim=*/2);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
-  at::Tensor q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
-  at::Tensor att = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(D)));
-  at::Tensor mask =
-      at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1);
-  att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
-  att = at::softmax(att.to(at::kFloat), -1).to(v.scalar_type());
-  at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
-  return at::linear(y, proj->weight, proj->bias);
+  at::Tensor y = causal_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]));
+  return at::linear(y.transpose(1, 2).contiguous().view({B, T, C}), proj->weight, proj->bias);
 }
 
 BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff) {

@@ -1,9 +1,10 @@
 // TransformerLM: a GPT-style decoder-only language model over byte tokens.
 //
 // token + learned position embedding -> n_layers x [x + attn(ln1(x)); x + mlp(ln2(x))]
-// -> final LayerNorm -> head. Attention is causal multi-head self-attention with an explicit
-// softmax, computed in fp32 whatever the autocast dtype (LibTorch's CPU autocast lists leave
-// softmax in its input dtype; fp32 keeps the probabilities accurate). The MLP is
+// -> final LayerNorm -> head. Attention is causal multi-head self-attention through ATen's
+// scaled_dot_product_attention (is_causal): flash-attention kernels on the CPU and on CUDA,
+// which accumulate the softmax in fp32 whatever the input dtype and keep only its log-sum-exp
+// for backward, never the T x T probabilities (causal_attention below). The MLP is
 // Linear -> GELU(tanh) -> Linear. With tie_weights the head reuses the token embedding
 // (logits = x @ tok_emb^T): one parameter, registered once, so DDP and optimizers see it once.
 // No dropout: runs are deterministic for a seed. Initialization follows GPT-2: N(0, 0.02),
@@ -31,6 +32,13 @@
 #include "sharding/fsdp.h"
 
 namespace dtrain::framework {
+
+// Causal attention of q, k, v [B, H, T, D] -> [B, H, T, D]. fused (the model's):
+// at::scaled_dot_product_attention(is_causal = true), as Python's F.scaled_dot_product_attention.
+// Otherwise the explicit matmul -> mask -> fp32 softmax -> matmul of earlier releases, kept to
+// compare with (models_test, bench/attention_bench): the two agree within rounding.
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            bool fused = true);
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
