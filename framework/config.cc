@@ -159,6 +159,11 @@ void ConfigSection::fail(const std::string& key, const std::string& msg) const {
 
 void ConfigSection::allow(const std::string& key) { impl_->known.push_back(key); }
 
+bool ConfigSection::is_word(const std::string& key, const std::string& word) {
+  impl_->known.push_back(key);
+  return has(key) && impl_->node[key].IsScalar() && impl_->node[key].Scalar() == word;
+}
+
 void ConfigSection::finish() const {
   const YAML::Node& n = impl_->node;
   if (!n || !n.IsMap()) return;
@@ -178,6 +183,18 @@ void ConfigSection::finish() const {
                    "unknown key; " + hint + "(keys under " +
                        (impl_->path.empty() ? "the top level" : impl_->path) + ": " + list + ")");
   }
+}
+
+void read_vocab_size(ConfigSection& s, int64_t& out) {
+  if (s.is_word("vocab_size", "auto")) {
+    out = kAutoVocab;
+    return;
+  }
+  s.read("vocab_size", out);
+  s.check(
+      out >= 2, "vocab_size",
+      "must be >= 2, or auto (the tokenizer's, from the meta.json dtrain-prepare writes), got " +
+          std::to_string(out));
 }
 
 std::string nearest_name(const std::string& name, const std::vector<std::string>& known) {
@@ -566,8 +583,20 @@ void read_logging(Section s, LoggingConfig& l) {
 
 // What the model's registration says about the rest of the config: the data it trains on and
 // the wrap points FSDP may choose.
-void check_model_against(const ModelSpec& spec, const RunConfig& cfg, Section& top) {
+void check_model_against(const ModelSpec& spec, RunConfig& cfg, Section& top) {
   const std::string type = cfg.model.type;
+  // model.vocab_size: auto, the tokenizer's.
+  if (spec.data == ModelData::kTokens &&
+      spec.tokens(*cfg.model.settings).vocab_size == kAutoVocab) {
+    Section model = top.section("model");
+    model.check(cfg.data.tokenizer_vocab_size > 0, "vocab_size",
+                "auto takes the tokenizer's vocabulary from the meta.json that dtrain-prepare "
+                "writes beside its token files, and data.path has none (data.source: " +
+                    std::string(name_of(cfg.data.source)) + "): give a number");
+    model.check(spec.set_vocab_size != nullptr, "vocab_size",
+                "auto is not supported by model.type " + type + ": give a number");
+    spec.set_vocab_size(*cfg.model.settings, cfg.data.tokenizer_vocab_size);
+  }
   if (spec.data == ModelData::kOwn && cfg.data.source != DataSource::kSynthetic) {
     top.section("data").fail(
         "source",

@@ -37,6 +37,9 @@ class ConfigSection {
   // value is not a T). T: bool, int64_t, double or std::string.
   template <typename T>
   void read(const std::string& key, T& out, bool required = false);
+  // Whether `key` holds exactly the word `word` (e.g. "auto" where a number may stand); marks
+  // `key` read.
+  bool is_word(const std::string& key, const std::string& word);
   // A list of strings: a YAML sequence of scalars, or one scalar.
   void read_list(const std::string& key, std::vector<std::string>& out);
   // An enum with named choices (core/choices.h): its names are the only ones accepted.

@@ -227,6 +227,31 @@ TEST(ModelRegistry, LlamaReadsLlamaConfigsNamesOrAPretrainedCheckpoint) {
                     {"model.seq_len=65"});
 }
 
+// dtrain-prepare's meta.json beside the token files: the dtype, and model.vocab_size: auto.
+TEST(Config, PreparedTokensGiveTheDtypeAndTheVocabulary) {
+  const std::string dir = ::testing::TempDir() + "/prepared_tokens";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/a-0000.bin") << "";
+  std::ofstream(dir + "/meta.json")
+      << R"({"written_by": "dtrain-prepare", "tokenizer": "sentencepiece", "vocab_size": 3000,
+            "dtype": "uint16", "tokens": 0, "shards": []})";
+  const std::vector<std::string> data = {"data.path=" + dir + "/*.bin"};
+  RunConfig c = parse_config(replace(kGood, "  d_model: 64", "  d_model: 64\n  vocab_size: auto"),
+                             "run.yaml", data);
+  EXPECT_EQ(c.model.as<TransformerLMSettings>().vocab_size, 3000);
+  EXPECT_EQ(c.data.dtype, "uint16");
+  EXPECT_EQ(c.data.tokenizer_vocab_size, 3000);
+  // Too small a vocabulary, or another dtype: refused, naming meta.json and the fix.
+  expect_yaml_error(kGood, {"model.vocab_size", "meta.json", "set model.vocab_size: 3000"}, data);
+  std::vector<std::string> wrong_dtype = data;
+  wrong_dtype.push_back("data.dtype=uint32");
+  expect_yaml_error(kGood, {"data.dtype", "meta.json", "remove data.dtype"}, wrong_dtype);
+  // auto without meta.json.
+  expect_yaml_error(replace(kGood, "  d_model: 64", "  d_model: 64\n  vocab_size: auto"),
+                    {"run.yaml:5:", "model.vocab_size", "auto", "give a number"});
+  expect_yaml_error(kGood, {"model.vocab_size", "must be >= 2, or auto"}, {"model.vocab_size=1"});
+}
+
 TEST(Config, SampleTokensCountsTheEndOfRunSample) {
   EXPECT_EQ(parse_config(kGood, "run.yaml").logging.sample_tokens, 48);
   EXPECT_EQ(parse_config(kGood, "run.yaml", {"logging.sample_tokens=0"}).logging.sample_tokens, 0);
@@ -490,8 +515,9 @@ TEST(Configs, EveryShippedConfigLoadsAndValidates) {
         EXPECT_NO_THROW(
             load_config(path, {"model.pretrained=" + ckpt, "data={source: synthetic}"}));
       } else if (name == "llama_tokens.yaml") {
-        // Its tokens are prepared first (tests/prepare_test.py trains on them).
-        EXPECT_NO_THROW(load_config(path, {"data={source: synthetic}"}));
+        // Its tokens, and the vocabulary in their meta.json, are prepared first
+        // (tests/prepare_test.py trains on them).
+        EXPECT_NO_THROW(load_config(path, {"data={source: synthetic}", "model.vocab_size=2048"}));
       } else {
         EXPECT_NO_THROW(load_config(path));
       }

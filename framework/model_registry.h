@@ -66,8 +66,10 @@ struct ModelSpec {
   ModelData data = ModelData::kTokens;
   // model's keys besides type; the registry calls finish() after it.
   std::function<std::unique_ptr<ModelSettings>(ConfigSection& model)> read;
-  // kTokens: the shape the token data is made for.
+  // kTokens: the shape the token data is made for, and (for model.vocab_size: auto) how the
+  // config sets the vocabulary it found in the tokens' meta.json.
   std::function<TokenShape(const ModelSettings&)> tokens;
+  std::function<void(ModelSettings&, int64_t vocab_size)> set_vocab_size;
   // Module type names FSDP's auto-wrap may choose ("Block"); empty: no wrap points.
   std::vector<std::string> wrap_points;
   std::function<ModelMemory(const RunConfig&)> memory;
@@ -89,7 +91,12 @@ const ModelSpec* find_model(const std::string& name);
 const ModelSpec& model_spec(const RunConfig& c);
 std::vector<std::string> registered_models();
 
-// Helpers for models' readers. model.recompute: none | full | {every_n: K}, as 0, 1 or K (the
+// Helpers for models' readers. model.vocab_size: an integer >= 2, or `auto` (kAutoVocab): the
+// tokenizer's, from the meta.json dtrain-prepare writes beside data.path's token files, which
+// the config reader puts in through spec.set_vocab_size once the data section is read.
+inline constexpr int64_t kAutoVocab = 0;
+void read_vocab_size(ConfigSection& model, int64_t& out);
+// model.recompute: none | full | {every_n: K}, as 0, 1 or K (the
 // block i with i % K == 0 recomputes its activations in backward; sharding/recompute.h).
 int64_t read_recompute(ConfigSection& model);
 // Bytes of one element of the compute dtype (the policy's param_dtype).

@@ -5,7 +5,8 @@ SentencePiece command-line tools, and what trains on its output:
     end-of-sentence id, whatever the chunking and the number of jobs; --decode equals spm_decode;
   - the byte tokenizer's shards are the files' bytes;
   - bad input is refused naming it (exit 2);
-  - configs/llama_tokens.yaml trains on the prepared tokens through dtrain-launch at 2 ranks
+  - configs/llama_tokens.yaml (model.vocab_size: auto, the tokenizer's from meta.json) trains
+    on the prepared tokens through dtrain-launch at 2 ranks
     under DDP and FSDP, bf16 and fp16: the loss falls, the validation perplexity is logged and
     the end-of-run sample decodes;
   - the config refuses a model.vocab_size smaller than the tokenizer's and a data.dtype other
@@ -76,7 +77,7 @@ with tempfile.TemporaryDirectory() as tmp:
     meta = json.load(open(os.path.join(sp_dir, "meta.json")))
     check(meta["tokenizer"] == "sentencepiece" and meta["dtype"] == "uint16"
           and meta["vocab_size"] == 2048, f"meta.json: sentencepiece, uint16, 2048 ({meta})")
-    check("vocab_size: 2048" in r.stdout and f"path: {sp_dir}/*.bin" in r.stdout,
+    check("vocab_size: auto" in r.stdout and "2048" in r.stdout and f"path: {sp_dir}/*.bin" in r.stdout,
           "it prints the config lines that train on the result")
     check("MB/s" in r.stderr and "tokens/s" in r.stderr, "a progress bar with its throughput")
     model = os.path.join(sp_dir, "tokenizer.model")
@@ -167,7 +168,7 @@ with tempfile.TemporaryDirectory() as tmp:
                 print(log[-3000:], flush=True)
             check(rc == 0 and falls, f"llama_tokens {strategy} {policy}: trains, loss "
                   f"{done.group(1) + ' -> ' + done.group(2) if done else '?'}")
-            check("val_ppl" in log and "model: Llama" in log,
+            check("val_ppl" in log and "model: Llama, 1.00058M parameters" in log,
                   f"llama_tokens {strategy} {policy}: a Llama, validation perplexity logged")
             sample = re.search(r"sample \(token ids; prompt \| greedy continuation\): ([0-9 |]+)",
                                log)

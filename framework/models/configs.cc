@@ -101,7 +101,7 @@ namespace {
 
 std::unique_ptr<ModelSettings> read_transformer(ConfigSection& s) {
   auto m = std::make_unique<TransformerLMSettings>();
-  s.read("vocab_size", m->vocab_size);
+  read_vocab_size(s, m->vocab_size);
   s.read("seq_len", m->seq_len);
   s.read("d_model", m->d_model);
   s.read("n_layers", m->n_layers);
@@ -110,15 +110,13 @@ std::unique_ptr<ModelSettings> read_transformer(ConfigSection& s) {
   s.read("tie_weights", m->tie_weights);
   m->recompute_every = read_recompute(s);
   s.read("deferred_init", m->deferred_init);
-  for (auto [key, v] : {std::pair<const char*, int64_t>{"vocab_size", m->vocab_size},
-                        {"seq_len", m->seq_len},
+  for (auto [key, v] : {std::pair<const char*, int64_t>{"seq_len", m->seq_len},
                         {"d_model", m->d_model},
                         {"n_layers", m->n_layers},
                         {"n_heads", m->n_heads},
                         {"d_ff", m->d_ff}}) {
     s.check(v >= 1, key, "must be >= 1, got " + std::to_string(v));
   }
-  s.check(m->vocab_size >= 2, "vocab_size", "must be >= 2");
   s.check(m->d_model % m->n_heads == 0, "n_heads",
           "d_model " + std::to_string(m->d_model) + " must be divisible by n_heads " +
               std::to_string(m->n_heads));
@@ -238,7 +236,7 @@ std::unique_ptr<ModelSettings> read_llama(ConfigSection& s) {
             head_dim = o.head_dim(), positions = o.max_position_embeddings();
     double eps = o.rms_norm_eps(), theta = o.rope_theta(), range = o.initializer_range();
     bool tie = o.tie_word_embeddings();
-    s.read("vocab_size", vocab);
+    read_vocab_size(s, vocab);
     s.read("hidden_size", hidden);
     s.read("intermediate_size", inter);
     s.read("num_hidden_layers", layers);
@@ -251,8 +249,7 @@ std::unique_ptr<ModelSettings> read_llama(ConfigSection& s) {
     s.read("tie_word_embeddings", tie);
     s.read("initializer_range", range);
     if (kv < 0) kv = heads;  // LlamaConfig: num_key_value_heads defaults to the heads
-    for (auto [key, v] : {std::pair<const char*, int64_t>{"vocab_size", vocab},
-                          {"hidden_size", hidden},
+    for (auto [key, v] : {std::pair<const char*, int64_t>{"hidden_size", hidden},
                           {"intermediate_size", inter},
                           {"num_hidden_layers", layers},
                           {"num_attention_heads", heads},
@@ -332,6 +329,9 @@ ModelSpec transformer_lm_config() {
     const auto& t = dynamic_cast<const TransformerLMSettings&>(m);
     return TokenShape{t.vocab_size, t.seq_len};
   };
+  s.set_vocab_size = [](ModelSettings& m, int64_t v) {
+    dynamic_cast<TransformerLMSettings&>(m).vocab_size = v;
+  };
   s.wrap_points = {"Block"};
   s.memory = transformer_memory;
   s.depth_key = "n_layers";
@@ -365,6 +365,9 @@ ModelSpec llama_config() {
   s.tokens = [](const ModelSettings& m) {
     const auto& l = dynamic_cast<const LlamaSettings&>(m);
     return TokenShape{l.options.vocab_size(), l.seq_len};
+  };
+  s.set_vocab_size = [](ModelSettings& m, int64_t v) {
+    dynamic_cast<LlamaSettings&>(m).options.vocab_size(v);
   };
   s.wrap_points = {"LlamaDecoderLayer"};
   s.memory = llama_memory;

@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
         "dtrain-prepare: %lld tokens from %s of text in %zu shard(s) of %s in %s/ (%.1f s; "
         "%.1f MB/s)\n"
         "train on them with:\n"
-        "  model:\n    vocab_size: %lld   # the tokenizer's (%s); a larger one works too\n"
+        "  model:\n    vocab_size: auto   # the tokenizer's: %lld (%s); a larger number works too\n"
         "  data:\n    source: tokens\n    path: %s/*.bin\n    val_fraction: 0.05\n",
         static_cast<long long>(r.tokens), megabytes(static_cast<double>(r.bytes)).c_str(),
         r.shards.size(), r.dtype.c_str(), out.c_str(), r.seconds,
