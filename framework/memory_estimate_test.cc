@@ -56,10 +56,11 @@ TEST(MemoryEstimate, ActivationsAreWithinATenthOfAMeasuredStep) {
       c.model.as<TransformerLMSettings>().recompute_every = every;
       const double measured = measured_activations(layers, every);
       const double estimated = estimate_memory(c, 1).activations;
-      std::printf("transformer, %lld layers, recompute_every %lld: activations estimated %.0f B, "
-                  "measured %.0f B (%.3f)\n",
-                  static_cast<long long>(layers), static_cast<long long>(every), estimated,
-                  measured, estimated / measured);
+      std::printf(
+          "transformer, %lld layers, recompute_every %lld: activations estimated %.0f B, "
+          "measured %.0f B (%.3f)\n",
+          static_cast<long long>(layers), static_cast<long long>(every), estimated, measured,
+          estimated / measured);
       EXPECT_NEAR(estimated / measured, 1.0, 0.1)
           << "estimated " << estimated << " B, measured " << measured << " B";
       if (layers == 6 && every == 0) plain6 = measured;
