@@ -53,7 +53,9 @@ PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
   std::map<std::pair<std::string, c10::ScalarType>, std::vector<at::Tensor>> grads;
   // Devices of gradients a reduction unscaled already, and whether one of them is inf/NaN.
   std::map<c10::Device, bool, DeviceLess> reduced;
-  const float current = unscaled_.empty() ? 0.0f : scale_.item<float>();
+  // Gradients a reduction unscaled exist only with a CPU scale (exact_unscale_divisor): its
+  // value is read from memory, not waited for.
+  const float current = unscaled_.empty() ? 0.0f : *scale_.data_ptr<float>();
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
       const at::Tensor& g = p.grad();
@@ -118,7 +120,7 @@ bool GradScaler::has_unscaled(torch::optim::Optimizer& optimizer) const {
 
 std::optional<float> GradScaler::exact_unscale_divisor() const {
   if (!enabled_ || !scale_.defined() || !scale_.is_cpu()) return std::nullopt;
-  const float s = scale_.item<float>();
+  const float s = *scale_.data_ptr<float>();  // a CPU tensor: no device to wait for
   if (!(s > 0) || !std::isfinite(s)) return std::nullopt;
   int exponent = 0;
   // A power of two whose reciprocal is a normal float: x * (1 / s) is then the exact real
@@ -169,18 +171,28 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   state.stage = Stage::kUnscaled;
 }
 
-bool GradScaler::step(torch::optim::Optimizer& optimizer) { return step_impl(optimizer, nullptr); }
+namespace {
+bool stepped(const at::Tensor& found) { return !found.defined() || found.item<double>() == 0; }
+}  // namespace
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  return stepped(step_impl(optimizer, nullptr));
+}
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf) {
   DTRAIN_CHECK_AS(UsageError, !found_inf.defined() || found_inf.numel() == 1,
                   "GradScaler::step: found_inf must hold one element, got ", found_inf.numel());
-  return step_impl(optimizer, found_inf.defined() ? &found_inf : nullptr);
+  return stepped(step_impl(optimizer, found_inf.defined() ? &found_inf : nullptr));
 }
 
-bool GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::Tensor* found_inf) {
+at::Tensor GradScaler::step_deferred(torch::optim::Optimizer& optimizer) {
+  return step_impl(optimizer, nullptr);
+}
+
+at::Tensor GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::Tensor* found_inf) {
   if (!enabled_) {
     optimizer.step();
-    return true;
+    return at::Tensor();
   }
   check_initialized("step");
   OptimizerState& state = per_optimizer_[&optimizer];
@@ -217,17 +229,20 @@ bool GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::Tensor*
     optimizer.step();
     fused->set_grad_scaling(at::Tensor(), at::Tensor());
     state.stage = Stage::kStepped;
-    return found.item<double>() == 0;
+    return found;
   }
   if (state.stage == Stage::kReady) unscale_(optimizer);
   DTRAIN_CHECK_AS(UsageError, !state.found_inf_per_device.empty(),
                   "No inf checks were recorded for this optimizer.");
-  double found = 0;
-  for (auto& [device, f] : state.found_inf_per_device) found += f.item<double>();
-  bool stepped = found == 0;
-  if (stepped) optimizer.step();
+  // PyTorch's _maybe_opt_step: the host decides, so it reads the flags.
+  at::Tensor found;
+  for (auto& [device, f] : state.found_inf_per_device) {
+    at::Tensor here = f.to(scale_.device(), /*non_blocking=*/true);
+    found = found.defined() ? found + here : here;
+  }
+  if (found.item<double>() == 0) optimizer.step();
   state.stage = Stage::kStepped;
-  return stepped;
+  return found;
 }
 
 void GradScaler::update() {
@@ -274,6 +289,11 @@ void GradScaler::update(const at::Tensor& new_scale) {
 double GradScaler::get_scale() const {
   if (!enabled_) return 1.0;
   return scale_.defined() ? scale_.item<double>() : init_scale_;
+}
+
+at::Tensor GradScaler::scale_tensor() const {
+  if (!enabled_) return at::scalar_tensor(1.0, at::kFloat);
+  return scale_.defined() ? scale_.clone() : at::scalar_tensor(init_scale_, at::kFloat);
 }
 
 int64_t GradScaler::get_growth_tracker() const {

@@ -5,14 +5,17 @@
 //   scaler.scale(loss).backward();
 //   scaler.unscale_(optimizer);          // optional: to clip or inspect real gradients
 //   clip_grad_norm_(...);
-//   bool stepped = scaler.step(optimizer);  // skipped when a gradient is inf/NaN
+//   scaler.step(optimizer);              // skipped when a gradient is inf/NaN
 //   scaler.update();                     // once per iteration, after every optimizer stepped
 //
 // Per optimizer and iteration the state goes READY -> UNSCALED -> STEPPED and back to READY
 // at update(); out-of-order calls throw UsageError with PyTorch's messages. One scaler may
 // drive several optimizers; update() sums their found-inf flags. The scale and growth
-// tracker live on the device of the first scaled output; the only host sync is the one
-// step() needs to decide. Disabled, every call passes through (scale returns its input,
+// tracker live on the device of the first scaled output. With a fused optimizer
+// (ScalingAwareOptimizer) nothing waits for the device: step_deferred() hands back the
+// verdict as a tensor and scale_tensor() the scale, as PyTorch's GradScaler does for its fused
+// optimizers; step()'s bool and get_scale() are host reads, for code that asks for them.
+// Disabled, every call passes through (scale returns its input,
 // step just steps, update does nothing), so one loop serves fp32, bf16 and fp16.
 //
 // The plain scaler refuses fp16 gradients (fp32 master gradients are expected), like
@@ -90,6 +93,11 @@ class GradScaler {
   // any other optimizer, or one unscale_()d already, steps as step(optimizer) does. The
   // flag must come from this iteration's gradients, as they are now.
   bool step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf);
+  // step(), with the verdict left on the device: the 1-element fp32 flag on the scale's device,
+  // non-zero when a gradient was inf/NaN and the step was skipped (undefined when disabled).
+  // With a ScalingAwareOptimizer nothing here reads a value back to the host; any other
+  // optimizer is told on the host whether to step, which needs the read (as in PyTorch).
+  at::Tensor step_deferred(torch::optim::Optimizer& optimizer);
 
   // Backs the scale off after a skipped step, grows it after growth_interval clean ones.
   void update();
@@ -98,6 +106,9 @@ class GradScaler {
   void update(const at::Tensor& new_scale);
 
   double get_scale() const;
+  // The scale now, as a 0-d fp32 tensor on the scale's device (a copy; 1 when disabled,
+  // init_scale on the CPU before the first scale()): get_scale() without the host read.
+  at::Tensor scale_tensor() const;
   int64_t get_growth_tracker() const;
   double get_growth_factor() const { return growth_factor_; }
   double get_backoff_factor() const { return backoff_factor_; }
@@ -171,7 +182,8 @@ class GradScaler {
   PerDevice unscale_grads(torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale);
   // Whether any gradient of `optimizer` is one a reduction recorded as unscaled.
   bool has_unscaled(torch::optim::Optimizer& optimizer) const;
-  bool step_impl(torch::optim::Optimizer& optimizer, const at::Tensor* found_inf);
+  // Steps (or skips) and returns the summed found-inf flag; undefined when disabled.
+  at::Tensor step_impl(torch::optim::Optimizer& optimizer, const at::Tensor* found_inf);
 
   bool enabled_;
   double init_scale_;

@@ -68,15 +68,27 @@ void ScaleCollapseGuard::after_step(int64_t step, bool stepped, double scale,
               ". Recent scales: ", history.str(), ". ", collapse_advice());
 }
 
-void NonFiniteLossGuard::after_step(int64_t step, double loss, comm::Communicator* comm,
-                                    const amp::NumericsMonitor& monitor) {
-  double bad = std::isfinite(loss) ? 0.0 : 1.0;
+void NonFiniteLossGuard::after_steps(int64_t first_step, const std::vector<double>& losses,
+                                     comm::Communicator* comm,
+                                     const amp::NumericsMonitor& monitor) {
+  if (losses.empty()) return;
+  std::vector<double> flags;
+  for (double loss : losses) flags.push_back(std::isfinite(loss) ? 0.0 : 1.0);
+  at::Tensor bad = at::tensor(flags, at::TensorOptions(at::kDouble));
   if (comm != nullptr && comm->size() > 1) {
-    at::Tensor t = at::full({1}, bad, at::TensorOptions(at::kDouble).device(comm->device()));
-    comm->all_reduce(t, comm::ReduceOp::kMax).wait();
-    bad = t.item<double>();
+    bad = bad.to(comm->device());
+    comm->all_reduce(bad, comm::ReduceOp::kMax).wait();
+    bad = bad.cpu();
   }
-  run_ = bad > 0 ? run_ + 1 : 0;
+  const double* verdict = bad.data_ptr<double>();
+  for (size_t i = 0; i < losses.size(); ++i) {
+    judge(first_step + static_cast<int64_t>(i), losses[i], verdict[i] > 0, monitor);
+  }
+}
+
+void NonFiniteLossGuard::judge(int64_t step, double loss, bool bad,
+                               const amp::NumericsMonitor& monitor) {
+  run_ = bad ? run_ + 1 : 0;
   if (run_ < c_.max_nonfinite_steps) return;
   const auto& unit = monitor.first_nonfinite_unit();
   DTRAIN_FAIL(Error, "step ", step + 1, ": the loss is not finite (this rank's: ", loss, ") for ",

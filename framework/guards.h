@@ -4,12 +4,15 @@
 //   - NonFiniteLossGuard (loss scaling off): nothing skips a step whose loss is inf/NaN, so
 //     the parameters are corrupt on every rank after it.
 // Both raise dtrain::Error naming the step, what they saw, the first unit with an inf/NaN
-// (amp::NumericsMonitor) and what to try. Their counts travel in checkpoints (TrainerProgress),
-// so a resumed run stops where the uninterrupted one would.
+// (amp::NumericsMonitor) and what to try. They judge steps when the trainer reads the steps'
+// figures (at each logged step and checkpoint, and after every step once one went wrong), so
+// a run stops there, naming the step where the limit was reached. Their counts travel in
+// checkpoints (TrainerProgress), so a resumed run stops where the uninterrupted one would.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "amp/numerics.h"
 #include "comm/communicator.h"
@@ -50,11 +53,14 @@ class NonFiniteLossGuard {
   int64_t run() const { return run_; }
   void resume(int64_t run) { run_ = run; }
 
-  // After each step (0-based `step`) with this rank's loss. Collective.
-  void after_step(int64_t step, double loss, comm::Communicator* comm,
-                  const amp::NumericsMonitor& monitor);
+  // After steps first_step, first_step + 1, ... (0-based) with this rank's loss for each, in
+  // order. Collective: one all-reduce for all of them.
+  void after_steps(int64_t first_step, const std::vector<double>& losses, comm::Communicator* comm,
+                   const amp::NumericsMonitor& monitor);
 
  private:
+  void judge(int64_t step, double loss, bool bad, const amp::NumericsMonitor& monitor);
+
   const TrainConfig& c_;
   int64_t run_ = 0;
 };

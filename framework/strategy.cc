@@ -5,10 +5,10 @@
 
 namespace dtrain::framework {
 
-double Strategy::clip_grad_norm(double max_norm) {
+at::Tensor Strategy::clip_grad_norm(double max_norm) {
   comm::Communicator* shards = fsdp() != nullptr ? fsdp()->shard_group() : nullptr;
-  if (max_norm > 0) return sharding::clip_grad_norm_(parameters(), max_norm, 2.0, shards);
-  return sharding::grad_norm(parameters(), 2.0, shards).item<double>();
+  if (max_norm > 0) return sharding::clip_grad_norm_tensor_(parameters(), max_norm, 2.0, shards);
+  return sharding::grad_norm(parameters(), 2.0, shards);
 }
 
 sharding::DDPOptions ddp_options(const RunConfig& c, amp::NumericsMonitor* monitor) {

@@ -52,8 +52,8 @@ class Strategy {
   virtual void use_grad_scaler(amp::GradScaler* /*scaler*/) {}
 
   // Clips the gradients to max_norm (> 0) or only measures them; the 2-norm of the whole
-  // model's gradients (over the shards under FSDP).
-  double clip_grad_norm(double max_norm);
+  // model's gradients (over the shards under FSDP), a 0-dim tensor on the device (no host read).
+  at::Tensor clip_grad_norm(double max_norm);
 };
 
 // The config's parallel and precision sections as sharding options.

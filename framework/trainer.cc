@@ -424,6 +424,7 @@ void Trainer::restore() {
   result_.skipped_steps = p->skipped_steps;
   nonfinite_.resume(p->nonfinite_run);
   collapse_.resume(p->consecutive_skips, monitor_);
+  settle_each_step_ = p->consecutive_skips > 0 || p->nonfinite_run > 0;
 }
 
 CheckpointParts Trainer::checkpoint_parts() {
@@ -478,10 +479,10 @@ double Trainer::validation_loss() {
   return t[0].item<double>() / t[1].item<double>();
 }
 
-StepStats Trainer::train_step() {
+Trainer::PendingStep Trainer::run_step() {
   DTRAIN_CHECK(model_ != nullptr, "Trainer::train_step: call setup() first");
   const auto t0 = Clock::now();
-  const int64_t step = step_;  // 0-based here; the stats and the log count from 1
+  const int64_t step = step_;  // 0-based here; the figures and the log count from 1
   const bool tracing = !c_.logging.trace.empty() && step + 1 >= c_.logging.trace_start &&
                        step + 1 < c_.logging.trace_start + c_.logging.trace_steps;
   trace::set_recording(tracing);
@@ -490,12 +491,14 @@ StepStats Trainer::train_step() {
   if (slow_ && slow_->rank == rank_) {  // DTRAIN_TEST_SLOW_RANK=<ms>:<rank>
     std::this_thread::sleep_for(std::chrono::milliseconds(slow_->step));
   }
-  StepStats s;
+  PendingStep s;
   s.step = step + 1;
   s.lr = lr_at(c_.train, step);
   monitor_.begin_step(step);
   for (auto& g : opt_->param_groups()) g.options().set_lr(s.lr);
   opt_->zero_grad(/*set_to_none=*/true);
+  const auto on_device = at::TensorOptions(at::kDouble).device(device_);
+  at::Tensor loss_sum = at::zeros({}, on_device);  // this rank's, over the micro-batches
   for (int64_t m = 0; m < micro_batches; ++m) {
     Batch b = data_->next(step, m);
     b.inputs = b.inputs.to(device_);
@@ -519,16 +522,20 @@ StepStats Trainer::train_step() {
       if (tracing) span.emplace("backward " + std::to_string(m), "compute");
       scaler_->scale(loss).backward();
     }
-    s.loss += loss.item<double>();
+    loss_sum.add_(loss.detach().reshape({}).to(on_device));
   }
   {
     std::optional<trace::Scope> span;
     if (tracing) span.emplace("optimizer", "compute");
     scaler_->unscale_(*opt_);
-    s.grad_norm = model_->clip_grad_norm(c_.train.clip_grad_norm);
-    s.scale_used = scaler_->get_scale();
-    s.stepped = scaler_->step(*opt_);
+    const at::Tensor grad_norm = model_->clip_grad_norm(c_.train.clip_grad_norm);
+    const at::Tensor scale_used = scaler_->scale_tensor();
+    const at::Tensor found_inf = scaler_->step_deferred(*opt_);
     scaler_->update();
+    auto figure = [&](const at::Tensor& t) { return t.reshape({}).to(on_device); };
+    s.figures = at::stack({loss_sum, figure(grad_norm), figure(scale_used),
+                           found_inf.defined() ? figure(found_inf) : at::zeros({}, on_device),
+                           figure(scaler_->scale_tensor())});
   }
   if (tracing) {
     trace::complete("step " + std::to_string(s.step), "step", trace::kMain, step_start_us,
@@ -536,19 +543,60 @@ StepStats Trainer::train_step() {
     trace::set_recording(false);
   }
   step_ = s.step;
-  const double scale = scaler_->get_scale();
-  if (!c_.precision.scaler.enabled) nonfinite_.after_step(step, s.loss, comm_.get(), monitor_);
-  monitor_.record_scale(step, scale);
-  if (!s.stepped) {
-    ++result_.skipped_steps;
-    if (tty_) std::fprintf(stderr, "\r\033[K");
-    logging::warn("step ", s.step, ": inf/NaN gradients, step skipped; loss scale ", s.scale_used,
-                  " -> ", scale);
-    if (c_.logging.numerics) logging::warn(monitor_.report());
-  }
-  if (c_.precision.scaler.enabled) collapse_.after_step(step, s.stepped, scale, monitor_);
   s.seconds = seconds_since(t0);
   return s;
+}
+
+StepStats Trainer::settle() {
+  DTRAIN_CHECK(!pending_.empty(), "Trainer::settle: no step taken since the last read");
+  const auto t0 = Clock::now();
+  std::vector<at::Tensor> rows;
+  rows.reserve(pending_.size());
+  for (const auto& p : pending_) rows.push_back(p.figures);
+  const at::Tensor figures = at::stack(rows).cpu().contiguous();  // the one host read
+  // On a GPU the host ran ahead of the device; the read waited for it, within these steps.
+  window_time_ += seconds_since(t0);
+  const double* f = figures.data_ptr<double>();
+  std::vector<StepStats> steps;
+  for (size_t i = 0; i < pending_.size(); ++i, f += 5) {
+    StepStats s;
+    s.step = pending_[i].step;
+    s.lr = pending_[i].lr;
+    s.seconds = pending_[i].seconds;
+    s.loss = f[0];
+    s.grad_norm = f[1];
+    s.scale_used = f[2];
+    s.stepped = f[3] == 0;
+    s.scale = f[4];
+    steps.push_back(s);
+  }
+  pending_.clear();
+  if (!c_.precision.scaler.enabled) {
+    std::vector<double> losses;
+    for (const auto& s : steps) losses.push_back(s.loss);
+    nonfinite_.after_steps(steps.front().step - 1, losses, comm_.get(), monitor_);
+  }
+  for (const auto& s : steps) {
+    monitor_.record_scale(s.step - 1, s.scale);
+    if (!s.stepped) {
+      ++result_.skipped_steps;
+      if (tty_) std::fprintf(stderr, "\r\033[K");
+      logging::warn("step ", s.step, ": inf/NaN gradients, step skipped; loss scale ", s.scale_used,
+                    " -> ", s.scale);
+      if (c_.logging.numerics) logging::warn(monitor_.report());
+    }
+    if (c_.precision.scaler.enabled) collapse_.after_step(s.step - 1, s.stepped, s.scale, monitor_);
+    window_loss_ += s.loss;
+    window_time_ += s.seconds;
+    ++window_steps_;
+  }
+  settle_each_step_ = collapse_.skips() > 0 || nonfinite_.run() > 0;
+  return steps.back();
+}
+
+StepStats Trainer::train_step() {
+  pending_.push_back(run_step());
+  return settle();
 }
 
 // Validation perplexity, exp(the mean cross-entropy per token), for the config's language
@@ -578,7 +626,7 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
   const std::string spread = straggler_report(
       comm_.get(), std::max(0.0, window_time_ - window_wait_) / static_cast<double>(window_steps_),
       row);
-  const double scale = scaler_->get_scale();
+  const double scale = s.scale;
   const sharding::ReducerStats* rs = model_->stats();
   if (tty_) std::fprintf(stderr, "\r\033[K");  // the bar gives way to the line
   logging::info(
@@ -612,9 +660,9 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
 // On a terminal, the bar under the log lines. Otherwise (under dtrain-launch, mpirun, into a
 // file) a line with the rate and the time left when logging.progress_every_s has passed since
 // rank 0's last line, so that a slow run never looks hung between logged steps.
-void Trainer::show_progress(const StepStats& s, bool logged) {
+void Trainer::show_progress(int64_t step, bool logged) {
   if (tty_) {
-    std::fprintf(stderr, "\r%s ", progress_bar(s.step, c_.train.steps).c_str());
+    std::fprintf(stderr, "\r%s ", progress_bar(step, c_.train.steps).c_str());
     return;
   }
   if (rank_ != 0 || !c_.logging.progress_bar) return;
@@ -627,12 +675,12 @@ void Trainer::show_progress(const StepStats& s, bool logged) {
     return;
   }
   last_line_ = now;
-  const double rate = static_cast<double>(s.step - first_step_) / seconds_since(train_start_);
-  const auto left = static_cast<int64_t>(static_cast<double>(c_.train.steps - s.step) / rate);
+  const double rate = static_cast<double>(step - first_step_) / seconds_since(train_start_);
+  const auto left = static_cast<int64_t>(static_cast<double>(c_.train.steps - step) / rate);
   char eta[32];
   std::snprintf(eta, sizeof(eta), "%lld:%02lld", static_cast<long long>(left / 60),
                 static_cast<long long>(left % 60));
-  logging::info("progress: step ", s.step, "/", c_.train.steps, ", ",
+  logging::info("progress: step ", step, "/", c_.train.steps, ", ",
                 logging::fixed(rate, rate < 10 ? 2 : 1), " step/s, ", eta, " left");
 }
 
@@ -657,29 +705,31 @@ TrainResult Trainer::train() {
   train_start_ = last_line_ = Clock::now();
   while (step_ < steps) {
     const double waited = comm::host_wait_seconds();
-    const StepStats s = train_step();
+    pending_.push_back(run_step());
     window_wait_ += comm::host_wait_seconds() - waited;
-    window_loss_ += s.loss;
-    window_time_ += s.seconds;
-    ++window_steps_;
-    const bool last = s.step == steps;
-    std::optional<double> val_loss;
-    if (c_.train.eval_every > 0 && (s.step % c_.train.eval_every == 0 || last)) {
-      val_loss = validation_loss();
-    }
+    const int64_t step = step_;
+    const bool last = step == steps;
+    const bool evaluate = c_.train.eval_every > 0 && (step % c_.train.eval_every == 0 || last);
     const bool logged =
-        s.step % c_.logging.every_steps == 0 || last || s.step == first_step_ + 1 || val_loss;
-    if (logged) log_step(s, val_loss);
-    show_progress(s, logged);
-    const bool due = c_.checkpoint.every_steps > 0 && s.step % c_.checkpoint.every_steps == 0;
-    if (checkpointer_.enabled() && (due || last)) save_checkpoint(s);
-    if (kill_at_ && s.step == kill_at_->step && rank_ == kill_at_->rank) {
+        step % c_.logging.every_steps == 0 || last || step == first_step_ + 1 || evaluate;
+    const bool due =
+        checkpointer_.enabled() &&
+        ((c_.checkpoint.every_steps > 0 && step % c_.checkpoint.every_steps == 0) || last);
+    // The figures are read when something needs them; the guards judge them then.
+    std::optional<StepStats> s;
+    if (logged || due || settle_each_step_) s = settle();
+    std::optional<double> val_loss;
+    if (evaluate) val_loss = validation_loss();
+    if (logged) log_step(*s, val_loss);
+    show_progress(step, logged);
+    if (due) save_checkpoint(*s);
+    if (kill_at_ && step == kill_at_->step && rank_ == kill_at_->rank) {
       logging::warn("DTRAIN_TEST_KILL_AT_STEP: rank ", rank_, " kills itself after step ",
-                    s.step - 1);
+                    step - 1);
       std::raise(SIGKILL);
     }
-    if (stop_at_ && s.step == stop_at_->step && rank_ == stop_at_->rank) {
-      logging::warn("DTRAIN_TEST_STOP_AT_STEP: rank ", rank_, " stops itself after step ", s.step);
+    if (stop_at_ && step == stop_at_->step && rank_ == stop_at_->rank) {
+      logging::warn("DTRAIN_TEST_STOP_AT_STEP: rank ", rank_, " stops itself after step ", step);
       std::raise(SIGSTOP);
     }
   }

@@ -14,6 +14,12 @@
 // scaler.step (skipped on inf/NaN) -> scaler.update -> LR schedule (linear warmup, cosine
 // to 10%). One loop serves fp32, bf16 and fp16: a disabled GradScaler passes through.
 //
+// Nothing in a step reads a value back to the host (a GPU stream never waits for the CPU):
+// the loss, gradient norm, loss scale and the scaler's verdict stay on the device, and the
+// loop reads them all at once when it logs or checkpoints, and after every step once a step
+// was skipped or its loss was not finite (until one is clean again). The guards judge them
+// then, step by step. train_step(), for a loop of the caller's, reads each step's at once.
+//
 // Every logging.every_steps it logs loss (mean over ranks), loss scale, gradient norm,
 // skipped steps, tokens/s, step time and peak memory, writes the same as a JSON line to
 // logging.metrics_file (rank 0), and redraws a progress bar on rank 0's terminal.
@@ -83,13 +89,15 @@ struct StepStats {
   double grad_norm = 0;  // before clipping
   double lr = 0;
   double scale_used = 1;  // the loss scale the step ran at
+  double scale = 1;       // the loss scale after the step's update (for the next step)
   bool stepped = true;    // false: inf/NaN gradients, the optimizer step was skipped
   double seconds = 0;
 };
 
 // The training loop (what both train()s run). setup() builds the strategy, optimizer and
 // scaler, restores a checkpoint and opens the metrics file; train_step() takes one optimizer
-// step over train.micro_batches micro-batches and applies the guards; train() steps to
+// step over train.micro_batches micro-batches, reads its figures and applies the guards (a
+// host read per step); train() steps to
 // train.steps with validation, logging, checkpoints and the trace, then reports. Every rank
 // constructs one and calls the same methods in the same order.
 class Trainer {
@@ -109,6 +117,19 @@ class Trainer {
   Strategy& strategy() { return *model_; }
 
  private:
+  // A step's figures while they are on the device.
+  struct PendingStep {
+    int64_t step = 0;  // 1-based
+    double lr = 0;
+    double seconds = 0;
+    at::Tensor figures;  // fp64 {loss, grad_norm, scale_used, found_inf, scale after}
+  };
+  // One optimizer step, nothing read back.
+  PendingStep run_step();
+  // Reads the pending steps' figures in one transfer and judges them in order (guards, skip
+  // warnings, the log window); returns the last one's. Collective when the scaler is off.
+  StepStats settle();
+
   CheckpointParts checkpoint_parts();
   amp::AutocastGuard autocast() const;
   at::Tensor forward_loss(const Batch& b);
@@ -118,7 +139,7 @@ class Trainer {
   bool language_model() const;
   std::string perplexity_text(double val_loss) const;
   void save_checkpoint(const StepStats& s);
-  void show_progress(const StepStats& s, bool logged);
+  void show_progress(int64_t step, bool logged);
   void report();
 
   const RunConfig& c_;
@@ -147,6 +168,8 @@ class Trainer {
   double window_loss_ = 0, window_time_ = 0;  // since the last logged step
   double window_wait_ = 0;                    // of window_time_, blocked in collective waits
   int64_t window_steps_ = 0;
+  std::vector<PendingStep> pending_;  // taken, not yet read
+  bool settle_each_step_ = false;     // the last step read was skipped or not finite
   // Progress without a terminal (logging.progress_bar): a line when this long has passed
   // since the last line rank 0 printed.
   std::chrono::steady_clock::time_point train_start_, last_line_;

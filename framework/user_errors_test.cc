@@ -333,12 +333,16 @@ TEST(UserMistakes, ACollapsingLossScaleStopsTheRunNamingTheUnitTheScalesAndTheFi
     ++count;
   }
   EXPECT_EQ(count, 2u) << r.output;
-  check({"max_consecutive_skips",
-         launch + fp16 + "--set precision.scaler.max_consecutive_skips=4",
-         1,
-         {"step 6: the loss scale collapsed (4 steps skipped in a row, "
-          "precision.scaler.max_consecutive_skips: 4)",
-          "The first unit with an inf/NaN: ddp.bucket0.grad"}});
+  // The guards judge steps when their figures are read: at logged steps, then after every
+  // step once one was skipped. Logging every 2 steps, the skips from step 3 are seen at step 4
+  // and the numerics monitor, switched on then, names the unit at step 5.
+  check(
+      {"max_consecutive_skips",
+       launch + fp16 + "--set precision.scaler.max_consecutive_skips=4 --set logging.every_steps=2",
+       1,
+       {"step 6: the loss scale collapsed (4 steps skipped in a row, "
+        "precision.scaler.max_consecutive_skips: 4)",
+        "The first unit with an inf/NaN: ddp.bucket0.grad"}});
   // The same run with the limits off trains to the end, skipping.
   check({"limits off",
          launch + fp16 +

@@ -35,16 +35,43 @@ void check_fusable(const at::Tensor& p, const at::Tensor& g, const char* who) {
                   c10::toString(g.scalar_type()));
 }
 
-// The found-inf flag's value (a host read): whether this step is skipped. Python's kernel
-// call with found_inf set is a no-op when it is non-zero, and the step count it added is
-// subtracted again; dtrain skips the call and never adds it.
-bool skipped(const at::Tensor& found_inf) {
-  return found_inf.defined() && found_inf.item<double>() != 0;
-}
-
 std::optional<at::Tensor> on(const at::Tensor& t, const c10::Device& d) {
   if (!t.defined()) return std::nullopt;
   return t.to(d, /*non_blocking=*/true);
+}
+
+// The skip flag the kernels read, on `d`: 1 when the step is skipped, 0 otherwise. The kernels
+// skip on exactly 1, and a flag summed over devices may exceed it. No host read.
+std::optional<at::Tensor> skip_flag(const at::Tensor& found_inf, const c10::Device& d) {
+  if (!found_inf.defined()) return std::nullopt;
+  return found_inf.to(d, /*non_blocking=*/true).ne(0).to(at::kFloat).reshape({});
+}
+
+// The state of `p` as an AdamWState: made on its first step (zero moments, count 0), or taken
+// over from a plain AdamWParamState (a loaded checkpoint), its count from step().
+AdamWState& adamw_state(std::unique_ptr<torch::optim::OptimizerParamState>& slot,
+                        const at::Tensor& p, bool amsgrad) {
+  if (auto* st = dynamic_cast<AdamWState*>(slot.get())) return *st;
+  auto st = std::make_unique<AdamWState>();
+  if (slot) {
+    const auto& loaded = static_cast<const torch::optim::AdamWParamState&>(*slot);
+    st->step(loaded.step());
+    st->exp_avg(loaded.exp_avg());
+    st->exp_avg_sq(loaded.exp_avg_sq());
+    st->max_exp_avg_sq(loaded.max_exp_avg_sq());
+  } else {
+    st->step(0);
+    st->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+    st->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+  }
+  if (amsgrad && !st->max_exp_avg_sq().defined()) {
+    st->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+  }
+  // Python keeps the step as a 0-d fp32 tensor on the parameter's device.
+  st->set_step_count(at::full({}, static_cast<double>(st->step()),
+                              at::TensorOptions(at::kFloat).device(p.device())));
+  slot = std::move(st);
+  return static_cast<AdamWState&>(*slot);
 }
 
 // The closure's loss, computed with gradients on (as torch::optim's step does).
@@ -70,9 +97,6 @@ AdamW::AdamW(const std::vector<OptimizerParamGroup>& groups, torch::optim::AdamW
 at::Tensor AdamW::step(LossClosure closure) {
   at::Tensor loss = run(closure);
   at::NoGradGuard no_grad;
-  // A skipped step (found_inf) still creates missing state, as Python's does, and changes
-  // nothing.
-  const bool skip = skipped(found_inf_);
   for (auto& group : param_groups_) {
     auto& o = static_cast<torch::optim::AdamWOptions&>(group.options());
     struct Lists {
@@ -82,18 +106,7 @@ at::Tensor AdamW::step(LossClosure closure) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       check_fusable(p, p.grad(), "dtrain::optim::AdamW");
-      auto& slot = state_[p.unsafeGetTensorImpl()];
-      if (!slot) {
-        auto st = std::make_unique<torch::optim::AdamWParamState>();
-        st->step(0);
-        st->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
-        st->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-        if (o.amsgrad()) st->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
-        slot = std::move(st);
-      }
-      if (skip) continue;
-      auto& st = static_cast<torch::optim::AdamWParamState&>(*slot);
-      st.step(st.step() + 1);
+      AdamWState& st = adamw_state(state_[p.unsafeGetTensorImpl()], p, o.amsgrad());
       const GroupKey k = key_of(p);
       auto it = std::find_if(by_key.begin(), by_key.end(), [&](auto& e) { return e.first == k; });
       if (it == by_key.end()) it = by_key.insert(by_key.end(), {k, Lists{}});
@@ -103,16 +116,19 @@ at::Tensor AdamW::step(LossClosure closure) {
       l.exp_avgs.push_back(st.exp_avg());
       l.exp_avg_sqs.push_back(st.exp_avg_sq());
       if (o.amsgrad()) l.max_exp_avg_sqs.push_back(st.max_exp_avg_sq());
-      // Python keeps the step as a 0-d fp32 tensor on the parameter's device.
-      l.steps.push_back(at::full({}, static_cast<double>(st.step()),
-                                 at::TensorOptions(at::kFloat).device(p.device())));
+      l.steps.push_back(st.step_count());
     }
     const auto [beta1, beta2] = o.betas();
     for (auto& [k, l] : by_key) {
       const c10::Device d = l.params.front().device();
+      // Python's _fused_adamw: count the step, run the kernel (a no-op when skipped), take the
+      // count back when skipped. The state exists either way, as in Python.
+      const std::optional<at::Tensor> skip = skip_flag(found_inf_, d);
+      at::_foreach_add_(l.steps, 1);
       at::_fused_adamw_(l.params, l.grads, l.exp_avgs, l.exp_avg_sqs, l.max_exp_avg_sqs, l.steps,
                         o.lr(), beta1, beta2, o.weight_decay(), o.eps(), o.amsgrad(),
-                        /*maximize=*/false, on(grad_scale_, d), on(found_inf_, d));
+                        /*maximize=*/false, on(grad_scale_, d), skip);
+      if (skip) at::_foreach_sub_(l.steps, std::vector<at::Tensor>(l.steps.size(), *skip));
     }
   }
   return loss;
@@ -175,7 +191,7 @@ at::Tensor SGD::step(LossClosure closure) {
       const c10::Device d = ps.front().device();
       at::_fused_sgd_(ps, gs, bs, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
                       o.nesterov(), /*maximize=*/false, first_step, on(grad_scale_, d),
-                      on(found_inf_, d));
+                      skip_flag(found_inf_, d));
     }
     if (momentum) {
       for (size_t i = 0; i < params.size(); ++i) {

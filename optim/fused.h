@@ -14,17 +14,22 @@
 // separate unscale pass, no host decision. A skipped step leaves parameters and state,
 // including the step count, unchanged.
 //
-// State: torch::optim's AdamWParamState / SGDParamState (so checkpoints save and restore it
-// in PyTorch's layout, framework/checkpoint/optim_state.h). AdamW's step count is kept as an
-// integer and handed to the kernel as the fp32 tensor Python keeps, which is exact below 2^24
-// steps. Parameters and gradients must share a device and a floating dtype per group (as Python's
-// fused path requires); sparse gradients are refused.
+// State: torch::optim's AdamWParamState / SGDParamState, so checkpoints save and restore it in
+// PyTorch's layout (framework/checkpoint/optim_state.h). AdamW keeps its step count where
+// Python keeps it: a 0-d fp32 tensor on the parameter's device (AdamWState::step_count, exact
+// below 2^24 steps), incremented before the kernel and decremented by the found-inf flag after
+// it, as Python's _fused_adamw does. Nothing in a step reads a value back to the host, so a
+// GPU stream never waits for the CPU. The int that torch::optim's step() holds is the count
+// when the state was created or loaded; read step_count() for the current one. Parameters and
+// gradients must share a device and a floating dtype per group (as Python's fused path
+// requires); sparse gradients are refused.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <utility>
 #include <vector>
 
 #include "amp/grad_scaler.h"
@@ -38,6 +43,19 @@ class GradScaling : public amp::ScalingAwareOptimizer {
 
  protected:
   at::Tensor grad_scale_, found_inf_;
+};
+
+// AdamW's per-parameter state: torch::optim's, with the step count as a device tensor. A state
+// loaded as a plain AdamWParamState (a checkpoint) becomes one at the next step, its count
+// taken from step().
+class AdamWState : public torch::optim::AdamWParamState {
+ public:
+  // The 0-d fp32 count on the parameter's device; the kernel reads it.
+  const at::Tensor& step_count() const { return step_count_; }
+  void set_step_count(at::Tensor count) { step_count_ = std::move(count); }
+
+ private:
+  at::Tensor step_count_;
 };
 
 class AdamW : public torch::optim::AdamW, public GradScaling {

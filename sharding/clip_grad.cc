@@ -83,8 +83,9 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type,
   return total_norm(params, norm_type, comm, rule);
 }
 
-double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm, double norm_type,
-                       comm::Communicator* comm, bool error_if_nonfinite, ShardNorm rule) {
+at::Tensor clip_grad_norm_tensor_(const std::vector<at::Tensor>& params, double max_norm,
+                                  double norm_type, comm::Communicator* comm,
+                                  bool error_if_nonfinite, ShardNorm rule) {
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> grads = grads_of(params);
   at::Tensor total = total_norm(params, norm_type, comm, rule);
@@ -100,7 +101,13 @@ double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm, d
     at::Tensor coef = at::clamp((total + 1e-6).reciprocal() * max_norm, std::nullopt, 1.0);
     at::_foreach_mul_(grads, coef.to(grads.front().device()));
   }
-  return total.item<double>();
+  return total;
+}
+
+double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm, double norm_type,
+                       comm::Communicator* comm, bool error_if_nonfinite, ShardNorm rule) {
+  return clip_grad_norm_tensor_(params, max_norm, norm_type, comm, error_if_nonfinite, rule)
+      .item<double>();
 }
 
 }  // namespace dtrain::sharding

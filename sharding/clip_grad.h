@@ -32,7 +32,15 @@ enum class ShardNorm { kPerParameter, kPerRank };
 at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type = 2.0,
                      comm::Communicator* comm = nullptr, ShardNorm rule = ShardNorm::kPerParameter);
 
-// Clips the gradients of `params` in place; returns the total norm before clipping.
+// Clips the gradients of `params` in place; returns the total norm before clipping as a 0-dim
+// fp32 tensor on the first gradient's device, as PyTorch's does: nothing waits for the
+// device unless error_if_nonfinite (which must read the norm to decide).
+at::Tensor clip_grad_norm_tensor_(const std::vector<at::Tensor>& params, double max_norm,
+                                  double norm_type = 2.0, comm::Communicator* comm = nullptr,
+                                  bool error_if_nonfinite = false,
+                                  ShardNorm rule = ShardNorm::kPerParameter);
+
+// The same, the norm read back to the host (a sync on a GPU).
 double clip_grad_norm_(const std::vector<at::Tensor>& params, double max_norm,
                        double norm_type = 2.0, comm::Communicator* comm = nullptr,
                        bool error_if_nonfinite = false, ShardNorm rule = ShardNorm::kPerParameter);

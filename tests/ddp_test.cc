@@ -1,6 +1,7 @@
 // DDP on real ranks (mpirun -np 2 / -np 4, dtrain-launch + Gloo): gradients equal one
 // process's full-batch gradients; ranks stay bitwise identical; no_sync, unused parameters,
-// reduce dtypes, fp16 overflow, GradScaler skips, mismatches, buffers.
+// reduce dtypes, fp16 overflow, GradScaler skips, mismatches, buffers; a step reads nothing
+// back to the host.
 #include "sharding/ddp.h"
 
 #include <ATen/ATen.h>
@@ -23,6 +24,8 @@
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
 #include "optim/fused.h"
+#include "sharding/clip_grad.h"
+#include "tests/host_reads.h"
 #include "tests/multirank.h"
 
 namespace dtrain::sharding {
@@ -506,6 +509,38 @@ TEST_F(Test, GradScalerInDDPUnscalesBitwiseAsTheScalerAlone) {
         EXPECT_TRUE(at::equal(with.first_grad, expect)) << what;
       }
     }
+  }
+}
+
+// Nothing in a step reads a value back to the host (tests/host_reads.h; on a GPU each read
+// waits for the stream): DDP reducing in fp16 with the GradScaler in its write-back, clipping
+// (the norm a tensor), the fused AdamW skipping on the device when step 3 overflows. The
+// verdicts, read afterwards, are right on every rank.
+TEST_F(Test, AStepReadsNothingBackToTheHost) {
+  at::manual_seed(5);
+  torch::nn::Linear lin(64, 32);
+  lin->to(dev());
+  amp::GradScaler scaler(amp::GradScalerOptions().init_scale(1024.0).growth_interval(2));
+  DistributedDataParallel<torch::nn::Linear> ddp(
+      lin, world_ptr(), DDPOptions().reduce_dtype(at::kHalf).grad_scaler(&scaler));
+  optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-2));
+  std::vector<at::Tensor> found, norms;
+  dtrain::testing::HostReads reads;
+  for (int step = 0; step < 6; ++step) {
+    if (step == 1) reads.reset();  // the first iteration's bucket rebuild aside
+    auto gen =
+        at::make_generator<at::CPUGeneratorImpl>(80 + step * world().size() + world().rank());
+    at::Tensor x = (at::randn({4, 64}, gen) * (step == 3 ? 1e4 : 1.0)).to(dev());
+    opt.zero_grad();
+    scaler.scale(ddp(x).pow(2).mean()).backward();
+    scaler.unscale_(opt);
+    norms.push_back(clip_grad_norm_tensor_(ddp.parameters(), 1.0));
+    found.push_back(scaler.step_deferred(opt));
+    scaler.update();
+  }
+  EXPECT_EQ(reads.reads(), 0) << "values read back to the host in steps 1-5";
+  for (size_t step = 0; step < found.size(); ++step) {
+    EXPECT_EQ(found[step].item<double>() != 0, step == 3) << "step " << step;
   }
 }
 

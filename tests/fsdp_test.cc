@@ -2,7 +2,8 @@
 // parameters after AdamW steps (TransformerLM with tied weights, MLP, sizes that do not
 // divide by the world size); the mixed-precision policy's fields take effect; the
 // ShardedGradScaler skips on every rank; clipping over shards; no_sync; unused parameters;
-// memory: sharded state is 1/N and gathered buffers are released.
+// memory: sharded state is 1/N and gathered buffers are released; a step reads nothing back to
+// the host.
 #include "sharding/fsdp.h"
 
 #include <ATen/ATen.h>
@@ -21,8 +22,10 @@
 #include "framework/models/llama.h"
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
+#include "optim/fused.h"
 #include "sharding/clip_grad.h"
 #include "sharding/ddp.h"
+#include "tests/host_reads.h"
 #include "tests/multirank.h"
 
 namespace dtrain::sharding {
@@ -420,6 +423,47 @@ TEST_F(Test, Fp16InfOnOneRanksShardMakesEveryRankSkipWithEqualScales) {
     world().broadcast(s0, 0).wait();
     EXPECT_EQ(s.item<double>(), s0.item<double>())
         << "scale differs from rank 0's at step " << step;
+  }
+}
+
+// Nothing in a step reads a value back to the host (tests/host_reads.h; on a GPU each read
+// waits for the stream): fp16 units, the ShardedGradScaler's verdict agreed over the ranks,
+// clipping over the shards (the norm a tensor), the fused AdamW skipping on the device, with an
+// inf on one rank's shard at step 2. The verdicts, read afterwards, are right on every rank.
+TEST_F(Test, AStepReadsNothingBackToTheHost) {
+  FullyShardedDataParallel<MLP> fsdp(
+      make_mlp(Kind::kMlp), world_ptr(),
+      FSDPOptions().mixed_precision(amp::MixedPrecisionPolicy::fp16()));
+  optim::AdamW opt(fsdp.parameters(), adamw());
+  amp::ShardedGradScaler scaler(world_ptr(),
+                                amp::GradScalerOptions().init_scale(1024.0).growth_interval(2));
+  std::vector<at::Tensor> found, norms;
+  dtrain::testing::HostReads reads;
+  for (int step = 0; step < 5; ++step) {
+    if (step == 1) reads.reset();  // the first step's setup aside
+    Batch mine = batch_for(Kind::kMlp, world().size() * kPerRank, 700 + step)
+                     .slice(world().rank(), kPerRank);
+    opt.zero_grad();
+    scaler.scale(loss_of(fsdp(mine.input), mine.target)).backward();
+    if (step == 2 && world().rank() == world().size() - 1) {
+      for (const auto& p : fsdp.parameters()) {
+        if (p.numel() > 0) {
+          c10::NoGradGuard g;
+          p.grad().view({-1})[0].fill_(std::numeric_limits<float>::infinity());
+          break;
+        }
+      }
+    }
+    scaler.unscale_(opt);
+    norms.push_back(
+        clip_grad_norm_tensor_(fsdp.parameters(), 1.0, 2.0, fsdp.state().shard_group()));
+    found.push_back(scaler.step_deferred(opt));
+    scaler.update();
+  }
+  EXPECT_EQ(reads.reads(), 0) << "values read back to the host in steps 1-4";
+  for (size_t step = 0; step < found.size(); ++step) {
+    EXPECT_EQ(found[step].item<double>() != 0, step == 2) << "step " << step;
+    EXPECT_EQ(std::isfinite(norms[step].item<double>()), step != 2) << "step " << step;
   }
 }
 

@@ -5,6 +5,7 @@
 #include <torch/optim/sgd.h>
 
 #include "core/error.h"
+#include "optim/fused.h"
 
 namespace dtrain::framework {
 namespace {
@@ -30,7 +31,11 @@ std::vector<ParamState> export_optimizer_state(torch::optim::Optimizer& opt) {
     auto it = opt.state().find(p.unsafeGetTensorImpl());
     if (it != opt.state().end()) {
       if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
-        s["step"] = at::scalar_tensor(static_cast<double>(a->step()), at::kFloat);
+        // dtrain's fused AdamW counts on the device; a plain state holds the count itself.
+        auto* counted = dynamic_cast<optim::AdamWState*>(a);
+        s["step"] = counted != nullptr
+                        ? counted->step_count().to(at::kCPU, at::kFloat, false, /*copy=*/true)
+                        : at::scalar_tensor(static_cast<double>(a->step()), at::kFloat);
         s["exp_avg"] = a->exp_avg();
         s["exp_avg_sq"] = a->exp_avg_sq();
         if (a->max_exp_avg_sq().defined()) s["max_exp_avg_sq"] = a->max_exp_avg_sq();
