@@ -279,14 +279,11 @@ void read_model(Section s, ModelConfig& m) {
   s.finish();
 }
 
-// dtrain-prepare's meta.json in the folder of the first file `pattern` matches, when there is
-// one: the token dtype and the tokenizer's vocabulary.
-void read_token_meta(Section& s, const std::string& key, const std::string& pattern,
+// dtrain-prepare's meta.json in the folder of the first token file, when there is one: the
+// token dtype and the tokenizer's vocabulary.
+void read_token_meta(Section& s, const std::string& key, const std::string& first_file,
                      DataConfig& d) {
-  const auto files = glob_files(pattern);
-  if (files.empty()) return;
-  const std::filesystem::path meta =
-      std::filesystem::path(files.front()).parent_path() / "meta.json";
+  const std::filesystem::path meta = std::filesystem::path(first_file).parent_path() / "meta.json";
   if (!std::filesystem::exists(meta)) return;
   YAML::Node m;
   try {
@@ -356,11 +353,13 @@ void read_data(Section s, DataConfig& d) {
             "and data.val_path both name the validation split: keep one");
     s.check(d.dtype == "uint16" || d.dtype == "uint32", "dtype",
             "expected uint16 or uint32 (the .bin files' token type), got '" + d.dtype + "'");
+    std::string first_file;  // of data.path
     for (const auto& [key, pattern] :
          {std::pair<const char*, const std::string&>{"path", d.path}, {"val_path", d.val_path}}) {
       if (pattern.empty()) continue;
       const auto files = glob_files(pattern);
       s.check(!files.empty(), key, "'" + pattern + "' matches no file");
+      if (&pattern == &d.path) first_file = files.front();
       for (const auto& f : files) {
         s.check(token_file(f), key,
                 "'" + f +
@@ -368,7 +367,7 @@ void read_data(Section s, DataConfig& d) {
                     "data.source: corpus)");
       }
     }
-    read_token_meta(s, "path", d.path, d);
+    if (!first_file.empty()) read_token_meta(s, "path", first_file, d);
   }
   if (d.source == DataSource::kCorpus) {
     s.check(!std::filesystem::is_directory(d.path), "path",

@@ -9,9 +9,11 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "core/logging.h"
@@ -185,41 +187,55 @@ LlamaForCausalLM load_hf_llama(const std::string& dir) {
   return m;
 }
 
-void load_hf_llama_weights(LlamaForCausalLMImpl& model, const std::string& dir) {
-  ckpt::SafeTensors st = ckpt::read_safetensors_dir(dir);
-  std::map<std::string, at::Tensor> found;
-  for (auto& [name, t] : st.tensors) found.emplace(name, t);
-  c10::NoGradGuard no_grad;
-  for (auto& p : model.named_parameters()) {
-    auto it = found.find(p.key());
-    DTRAIN_CHECK_AS(ConfigError, it != found.end(), dir, ": no tensor '", p.key(),
-                    "' in the checkpoint");
-    DTRAIN_CHECK_AS(ConfigError, it->second.sizes() == p.value().sizes(), dir, ": tensor '",
-                    p.key(), "' has shape ", it->second.sizes(), ", the model's is ",
-                    p.value().sizes(), " (config.json does not match the weights)");
-    p.value().copy_(it->second);
-    found.erase(it);
+namespace {
+
+// A checkpoint folder's tensors by name, each copied into the parameter of that name and shape.
+class HfTensors {
+ public:
+  explicit HfTensors(const std::string& dir) : dir_(dir) {
+    for (auto& [name, t] : ckpt::read_safetensors_dir(dir).tensors) tensors_.emplace(name, t);
   }
-  // A tied head may be saved as well (transformers writes it when asked to).
-  if (model.options().tie_word_embeddings()) found.erase("lm_head.weight");
-  DTRAIN_CHECK_AS(ConfigError, found.empty(), dir, ": tensor '",
-                  found.empty() ? "" : found.begin()->first,
-                  "' matches no parameter of the model (", found.size(), " left over)");
+
+  void copy_into(const std::string& name, at::Tensor& param) {
+    auto it = tensors_.find(name);
+    DTRAIN_CHECK_AS(ConfigError, it != tensors_.end(), dir_, ": no tensor '", name,
+                    "' in the checkpoint");
+    DTRAIN_CHECK_AS(ConfigError, it->second.sizes() == param.sizes(), dir_, ": tensor '", name,
+                    "' has shape ", it->second.sizes(), ", the model's is ", param.sizes(),
+                    " (config.json does not match the weights)");
+    c10::NoGradGuard no_grad;
+    param.copy_(it->second);
+    used_.insert(name);
+  }
+
+  // Every tensor went into a parameter (a tied head may be saved as well: transformers writes
+  // it when asked to).
+  void expect_all_used(bool tied) const {
+    std::vector<std::string> left;
+    for (const auto& [name, t] : tensors_) {
+      if (!used_.count(name) && !(tied && name == "lm_head.weight")) left.push_back(name);
+    }
+    DTRAIN_CHECK_AS(ConfigError, left.empty(), dir_, ": tensor '", left.empty() ? "" : left.front(),
+                    "' matches no parameter of the model (", left.size(), " left over)");
+  }
+
+ private:
+  std::string dir_;
+  std::map<std::string, at::Tensor> tensors_;  // memory-mapped
+  std::set<std::string> used_;
+};
+
+}  // namespace
+
+void load_hf_llama_weights(LlamaForCausalLMImpl& model, const std::string& dir) {
+  HfTensors tensors(dir);
+  for (auto& p : model.named_parameters()) tensors.copy_into(p.key(), p.value());
+  tensors.expect_all_used(model.options().tie_word_embeddings());
 }
 
 sharding::ParamInit hf_llama_param_init(const std::string& dir) {
-  auto tensors = std::make_shared<std::map<std::string, at::Tensor>>();
-  for (auto& [name, t] : ckpt::read_safetensors_dir(dir).tensors) tensors->emplace(name, t);
-  return [tensors, dir](const std::string& name, at::Tensor& t) {
-    auto it = tensors->find(name);
-    DTRAIN_CHECK_AS(ConfigError, it != tensors->end(), dir, ": no tensor '", name,
-                    "' in the checkpoint");
-    DTRAIN_CHECK_AS(ConfigError, it->second.sizes() == t.sizes(), dir, ": tensor '", name,
-                    "' has shape ", it->second.sizes(), ", the model's is ", t.sizes(),
-                    " (config.json does not match the weights)");
-    c10::NoGradGuard no_grad;
-    t.copy_(it->second);
-  };
+  auto tensors = std::make_shared<HfTensors>(dir);
+  return [tensors](const std::string& name, at::Tensor& t) { tensors->copy_into(name, t); };
 }
 
 void save_hf_llama(const LlamaForCausalLMImpl& model, const std::string& dir) {
@@ -258,9 +274,7 @@ void save_hf_llama(const LlamaOptions& o,
   DTRAIN_CHECK_AS(CheckpointError, static_cast<bool>(f), dir, "/config.json: cannot write");
 }
 
-namespace {
-
-void build_llama_impl(const BuildContext& ctx, BuiltModel& out) {
+void build_llama(const BuildContext& ctx, BuiltModel& out) {
   const RunConfig& c = ctx.config;
   const auto& m = c.model.as<LlamaSettings>();
   LlamaOptions o = m.options;
@@ -294,7 +308,7 @@ void build_llama_impl(const BuildContext& ctx, BuiltModel& out) {
       std::vector<std::pair<std::string, at::Tensor>> tensors;
       if (s.fsdp() != nullptr) {
         tensors = s.fsdp()->full_parameters();
-      } else {
+      } else if (rank == 0) {  // every rank holds them: only the writer copies
         for (const auto& p : s.module().named_parameters()) {
           tensors.emplace_back(p.key(), p.value().detach().cpu());
         }
@@ -305,9 +319,5 @@ void build_llama_impl(const BuildContext& ctx, BuiltModel& out) {
     };
   }
 }
-
-}  // namespace
-
-void build_llama(const BuildContext& ctx, BuiltModel& out) { build_llama_impl(ctx, out); }
 
 }  // namespace dtrain::framework

@@ -30,9 +30,7 @@ at::Tensor MLPImpl::forward(const at::Tensor& x) {
   return out->forward(h);
 }
 
-namespace {
-
-void build_mlp_impl(const BuildContext& ctx, BuiltModel& out) {
+void build_mlp(const BuildContext& ctx, BuiltModel& out) {
   const auto& m = ctx.config.model.as<MLPSettings>();
   MLP mlp(m.options());
   mlp->to(ctx.device);
@@ -47,9 +45,5 @@ void build_mlp_impl(const BuildContext& ctx, BuiltModel& out) {
   out.data = std::make_unique<SyntheticClassificationSource>(
       m.in_features, m.out_features, ctx.micro_batch, ctx.rank, ctx.data_seed);
 }
-
-}  // namespace
-
-void build_mlp(const BuildContext& ctx, BuiltModel& out) { build_mlp_impl(ctx, out); }
 
 }  // namespace dtrain::framework

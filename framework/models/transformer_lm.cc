@@ -143,9 +143,7 @@ at::Tensor TransformerLMImpl::forward(const at::Tensor& tokens) {
   return at::linear(x, options_.tie_weights() ? tok_emb->weight : head->weight);
 }
 
-namespace {
-
-void build_transformer_lm_impl(const BuildContext& ctx, BuiltModel& out) {
+void build_transformer_lm(const BuildContext& ctx, BuiltModel& out) {
   const RunConfig& c = ctx.config;
   const auto& m = c.model.as<TransformerLMSettings>();
   TransformerLMOptions o = m.options();
@@ -173,12 +171,6 @@ void build_transformer_lm_impl(const BuildContext& ctx, BuiltModel& out) {
   out.task.make_strategy = [lm, deferred, comm = ctx.comm, c = &c](amp::NumericsMonitor* mon) {
     return make_strategy(lm, comm, *c, mon, deferred ? lm->param_init() : sharding::ParamInit());
   };
-}
-
-}  // namespace
-
-void build_transformer_lm(const BuildContext& ctx, BuiltModel& out) {
-  build_transformer_lm_impl(ctx, out);
 }
 
 }  // namespace dtrain::framework
