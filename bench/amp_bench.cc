@@ -1,16 +1,28 @@
 // amp_bench: what mixed precision buys on one device. The same TransformerLM trains a few
 // steps in fp32, bf16 and fp16 (autocast + GradScaler for fp16, as the trainer does), and a
-// table gives the median step time, the speedup over fp32, tokens/s, achieved TFLOP/s and the
+// table gives the mean step time, the speedup over fp32, tokens/s, achieved TFLOP/s and the
 // model FLOP utilisation, and on CUDA the peak allocated memory.
 //
 //   amp_bench --device cuda --d-model 1024 --layers 12 --heads 16 --seq 1024 --batch 8
+//
+// The step is the trainer's: ATen's fused AdamW (dtrain::optim::AdamW; --optimizer torch for
+// LibTorch's per-parameter one), the GradScaler's verdict left on the device
+// (step_deferred), and nothing read back to the host inside the timed steps: the device is
+// synchronized once before and once after them, and the losses are read at the end.
 //
 // FLOPs per step follow the PaLM appendix: 6 x (non-embedding parameters) per token for the
 // matrix products, plus 12 x layers x d_model x seq per token for attention; MFU divides the
 // achieved rate by --peak-tflops (default: the H200/H100 SXM dense bf16/fp16 rate, 989; the
 // fp32 row by --peak-fp32-tflops, 67, since LibTorch leaves TF32 off by default).
+//
+// --trace-dir DIR writes one more step of each precision as a Chrome trace (Kineto, the
+// profiler behind torch.profiler; CUDA kernels too on a GPU): DIR/amp_bench_<precision>.json.
+// --save-baseline FILE writes each precision's step time; --baseline FILE compares with such a
+// file and exits 3 when a precision's step is more than --tolerance slower (default 10%), so a
+// change that slows the step is named.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 #include <torch/optim/adamw.h>
 #include <CLI/CLI.hpp>
@@ -18,6 +30,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <exception>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -25,6 +43,7 @@
 #include "amp/grad_scaler.h"
 #include "core/cli.h"
 #include "framework/models/transformer_lm.h"
+#include "optim/fused.h"
 
 #ifdef DTRAIN_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -42,11 +61,6 @@ struct Row {
   double peak_gb = -1;
   double first_loss = 0, last_loss = 0;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
 
 void synchronize(const c10::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
@@ -70,6 +84,58 @@ void reset_peak(const c10::Device& device) {
   (void)device;
 }
 
+// "precision step_ms" lines, as --save-baseline writes them.
+std::map<std::string, double> read_baseline(const std::string& path) {
+  std::map<std::string, double> out;
+  std::ifstream f(path);
+  std::string precision;
+  double ms = 0;
+  while (f >> precision >> ms) out[precision] = ms;
+  return out;
+}
+
+// One step's work, as the trainer does it; nothing read back to the host.
+struct Step {
+  TransformerLM& model;
+  torch::optim::Optimizer& opt;
+  dtrain::amp::GradScaler& scaler;
+  const at::Tensor& tokens;
+  const at::Tensor& targets;
+  c10::Device device;
+  c10::ScalarType dtype;
+  bool low;
+  int64_t vocab;
+
+  at::Tensor operator()() const {
+    opt.zero_grad(true);
+    at::Tensor loss;
+    {
+      dtrain::amp::AutocastGuard autocast(device.type(), dtype, low);
+      at::Tensor logits = model->forward(tokens);
+      loss = at::cross_entropy_loss(logits.reshape({-1, vocab}), targets.reshape(-1));
+    }
+    scaler.scale(loss).backward();
+    scaler.step_deferred(opt);
+    scaler.update();
+    return loss.detach();
+  }
+};
+
+// One more step under the Kineto profiler, saved as a Chrome trace.
+void trace_step(const Step& step, const std::string& precision, const std::string& path) {
+  namespace prof = torch::profiler::impl;
+  std::set<prof::ActivityType> activities{prof::ActivityType::CPU};
+  if (step.device.is_cuda()) activities.insert(prof::ActivityType::CUDA);
+  const prof::ProfilerConfig config(prof::ProfilerState::KINETO, /*report_input_shapes=*/true);
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+  step();
+  synchronize(step.device);
+  torch::autograd::profiler::disableProfiler()->save(path);
+  if (!std::ifstream(path)) throw std::runtime_error("cannot write " + path);
+  std::printf("amp_bench: trace of one %s step: %s\n", precision.c_str(), path.c_str());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -87,11 +153,19 @@ int main(int argc, char** argv) {
   app.add_option("--seq", seq, "tokens per sequence");
   app.add_option("--batch", batch, "sequences per step");
   app.add_option("--vocab", vocab, "vocabulary size");
-  app.add_option("--steps", steps, "timed steps per precision");
-  app.add_option("--warmup", warmup, "untimed steps first");
+  app.add_option("--steps", steps, "timed steps per precision")->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "untimed steps first (at least one is taken)");
   app.add_option("--precisions", precisions, "subset of fp32 bf16 fp16");
   app.add_option("--peak-tflops", peak_tflops, "dense bf16/fp16 peak for MFU");
   app.add_option("--peak-fp32-tflops", peak_fp32_tflops, "fp32 peak for the fp32 row's MFU");
+  std::string optimizer = "fused", trace_dir, baseline, save_baseline;
+  double tolerance = 0.10;
+  app.add_option("--optimizer", optimizer, "fused (ATen's fused AdamW, as the trainer) or torch")
+      ->check(CLI::IsMember({"fused", "torch"}));
+  app.add_option("--trace-dir", trace_dir, "write one step per precision as a Chrome trace here");
+  app.add_option("--baseline", baseline, "compare step times with this --save-baseline file");
+  app.add_option("--tolerance", tolerance, "with --baseline: allowed slowdown (0.10: 10%)");
+  app.add_option("--save-baseline", save_baseline, "write each precision's step time here");
   dtrain::cli::parse(app, argc, argv);
 
   c10::Device device(device_name);
@@ -130,33 +204,38 @@ int main(int argc, char** argv) {
     at::manual_seed(1);
     TransformerLM model(options);
     model->to(device);
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-4));
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (optimizer == "fused") {
+      opt = std::make_unique<dtrain::optim::AdamW>(model->parameters(),
+                                                   torch::optim::AdamWOptions(1e-4));
+    } else {
+      opt = std::make_unique<torch::optim::AdamW>(model->parameters(),
+                                                  torch::optim::AdamWOptions(1e-4));
+    }
     dtrain::amp::GradScaler scaler(dtrain::amp::GradScalerOptions().enabled(precision == "fp16"));
+    const Step step{model, *opt, scaler, tokens_in, targets, device, dtype, low, vocab};
     Row row;
     row.precision = precision;
-    std::vector<double> times;
     reset_peak(device);
-    for (int64_t s = 0; s < warmup + steps; ++s) {
-      synchronize(device);
-      auto t0 = Clock::now();
-      opt.zero_grad(true);
-      at::Tensor loss;
-      {
-        dtrain::amp::AutocastGuard autocast(device.type(), dtype, low);
-        at::Tensor logits = model->forward(tokens_in);
-        loss = at::cross_entropy_loss(logits.reshape({-1, vocab}), targets.reshape(-1));
-      }
-      scaler.scale(loss).backward();
-      scaler.step(opt);
-      scaler.update();
-      synchronize(device);
-      if (s >= warmup) times.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-      const double l = loss.item<double>();
-      if (s == 0) row.first_loss = l;
-      row.last_loss = l;
-    }
-    row.step_s = median(times);
+    at::Tensor first = step();
+    for (int64_t s = 1; s < warmup; ++s) step();
+    synchronize(device);
+    const auto t0 = Clock::now();
+    at::Tensor last = first;
+    for (int64_t s = 0; s < steps; ++s) last = step();
+    synchronize(device);
+    row.step_s = std::chrono::duration<double>(Clock::now() - t0).count() / steps;
+    row.first_loss = first.item<double>();
+    row.last_loss = last.item<double>();
     row.peak_gb = peak_gb(device);
+    if (!trace_dir.empty()) {
+      try {  // a profiler that cannot start (no CUPTI, say) costs the trace, not the figures
+        trace_step(step, precision, trace_dir + "/amp_bench_" + precision + ".json");
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "amp_bench: no trace of the %s step: %s\n", precision.c_str(),
+                     e.what());
+      }
+    }
     rows.push_back(row);
   }
 
@@ -177,5 +256,27 @@ int main(int argc, char** argv) {
   }
   std::printf("\nMFU: against %.0f TFLOP/s (dense bf16/fp16) and %.0f TFLOP/s for fp32.\n",
               peak_tflops, peak_fp32_tflops);
-  return 0;
+  if (!save_baseline.empty()) {
+    std::ofstream f(save_baseline);
+    for (const auto& r : rows) f << r.precision << " " << r.step_s * 1e3 << "\n";
+    std::printf("amp_bench: step times written to %s\n", save_baseline.c_str());
+  }
+  int rc = 0;
+  if (!baseline.empty()) {
+    const auto before = read_baseline(baseline);
+    for (const auto& r : rows) {
+      auto it = before.find(r.precision);
+      if (it == before.end()) {
+        std::printf("%s: no baseline in %s\n", r.precision.c_str(), baseline.c_str());
+        continue;
+      }
+      const double ratio = r.step_s * 1e3 / it->second;
+      const bool slower = ratio > 1.0 + tolerance;
+      std::printf("%s: %.1f ms against the baseline's %.1f ms (%.2fx)%s\n", r.precision.c_str(),
+                  r.step_s * 1e3, it->second, ratio,
+                  slower ? ": SLOWER than the baseline allows" : "");
+      if (slower) rc = 3;
+    }
+  }
+  return rc;
 }
