@@ -394,6 +394,17 @@ TEST_F(Test, EveryMixedPrecisionFieldTakesEffect) {
   }
 }
 
+// An inf in this rank's first non-empty gradient shard.
+void put_inf_in_a_gradient(FullyShardedDataParallel<MLP>& fsdp) {
+  for (const auto& p : fsdp.parameters()) {
+    if (p.numel() > 0) {
+      c10::NoGradGuard g;
+      p.grad().view({-1})[0].fill_(std::numeric_limits<float>::infinity());
+      return;
+    }
+  }
+}
+
 TEST_F(Test, Fp16InfOnOneRanksShardMakesEveryRankSkipWithEqualScales) {
   FullyShardedDataParallel<MLP> fsdp(
       make_mlp(Kind::kMlp), world_ptr(),
@@ -406,15 +417,7 @@ TEST_F(Test, Fp16InfOnOneRanksShardMakesEveryRankSkipWithEqualScales) {
                      .slice(world().rank(), kPerRank);
     opt.zero_grad();
     scaler.scale(loss_of(fsdp(mine.input), mine.target)).backward();
-    if (step == 2 && world().rank() == world().size() - 1) {
-      for (const auto& p : fsdp.parameters()) {
-        if (p.numel() > 0) {
-          c10::NoGradGuard g;
-          p.grad().view({-1})[0].fill_(std::numeric_limits<float>::infinity());
-          break;
-        }
-      }
-    }
+    if (step == 2 && world().rank() == world().size() - 1) put_inf_in_a_gradient(fsdp);
     EXPECT_EQ(scaler.step(opt), step != 2) << "step " << step;
     scaler.update();
     at::Tensor s =
@@ -445,15 +448,7 @@ TEST_F(Test, AStepReadsNothingBackToTheHost) {
                      .slice(world().rank(), kPerRank);
     opt.zero_grad();
     scaler.scale(loss_of(fsdp(mine.input), mine.target)).backward();
-    if (step == 2 && world().rank() == world().size() - 1) {
-      for (const auto& p : fsdp.parameters()) {
-        if (p.numel() > 0) {
-          c10::NoGradGuard g;
-          p.grad().view({-1})[0].fill_(std::numeric_limits<float>::infinity());
-          break;
-        }
-      }
-    }
+    if (step == 2 && world().rank() == world().size() - 1) put_inf_in_a_gradient(fsdp);
     scaler.unscale_(opt);
     norms.push_back(
         clip_grad_norm_tensor_(fsdp.parameters(), 1.0, 2.0, fsdp.state().shard_group()));
