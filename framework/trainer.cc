@@ -440,6 +440,15 @@ amp::AutocastGuard Trainer::autocast() const {
       autocast_);
 }
 
+// A host batch onto the GPU without waiting: from pinned memory, non-blocking (PyTorch's
+// DataLoader(pin_memory=True) and .to(non_blocking=True)); a pageable copy would wait for every
+// kernel queued before it. The caching host allocator keeps the pinned buffer until the copy
+// is done.
+at::Tensor Trainer::to_device(const at::Tensor& t) const {
+  if (device_ != c10::kCUDA || !t.is_cpu()) return t.to(device_);
+  return t.pin_memory().to(device_, /*non_blocking=*/true);
+}
+
 at::Tensor Trainer::forward_loss(const Batch& b) {
   amp::AutocastGuard ac = autocast();
   at::Tensor out = model_->forward(b.inputs);
@@ -501,8 +510,8 @@ Trainer::PendingStep Trainer::run_step() {
   at::Tensor loss_sum = at::zeros({}, on_device);  // this rank's, over the micro-batches
   for (int64_t m = 0; m < micro_batches; ++m) {
     Batch b = data_->next(step, m);
-    b.inputs = b.inputs.to(device_);
-    b.targets = b.targets.to(device_);
+    b.inputs = to_device(b.inputs);
+    b.targets = to_device(b.targets);
     // Every micro-batch but the last accumulates locally.
     std::optional<sharding::NoSyncGuard> local =
         m + 1 < micro_batches ? model_->no_sync() : std::nullopt;
@@ -529,13 +538,16 @@ Trainer::PendingStep Trainer::run_step() {
     if (tracing) span.emplace("optimizer", "compute");
     scaler_->unscale_(*opt_);
     const at::Tensor grad_norm = model_->clip_grad_norm(c_.train.clip_grad_norm);
-    const at::Tensor scale_used = scaler_->scale_tensor();
+    // Without loss scaling the scale is 1 and nothing is found: made on the device, so that no
+    // host value is copied in.
+    const bool scaling = scaler_->is_enabled();
+    const at::Tensor scale_used = scaling ? scaler_->scale_tensor() : at::ones({}, on_device);
     const at::Tensor found_inf = scaler_->step_deferred(*opt_);
     scaler_->update();
     auto figure = [&](const at::Tensor& t) { return t.reshape({}).to(on_device); };
     s.figures = at::stack({loss_sum, figure(grad_norm), figure(scale_used),
-                           found_inf.defined() ? figure(found_inf) : at::zeros({}, on_device),
-                           figure(scaler_->scale_tensor())});
+                           scaling ? figure(found_inf) : at::zeros({}, on_device),
+                           scaling ? figure(scaler_->scale_tensor()) : scale_used});
   }
   if (tracing) {
     trace::complete("step " + std::to_string(s.step), "step", trace::kMain, step_start_us,

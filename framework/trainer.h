@@ -132,6 +132,7 @@ class Trainer {
 
   CheckpointParts checkpoint_parts();
   amp::AutocastGuard autocast() const;
+  at::Tensor to_device(const at::Tensor& t) const;
   at::Tensor forward_loss(const Batch& b);
   double validation_loss();
   void restore();

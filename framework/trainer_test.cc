@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <limits>
 #include <regex>
@@ -126,15 +127,19 @@ TEST(Trainer, TrainStepByHandTakesTheStepsTrainTakes) {
   EXPECT_LT(losses.back(), losses.front());
 }
 
-// Nothing in a step reads a value back to the host (on a GPU each read waits for the
-// stream): a run of 9 steps reads no more values than a run of 4 that logs, validates and
-// reports as often. fp32, bf16 without clipping, fp16 with the scaler and accumulation, and SGD.
-// The same count sees a loss function's own item() in every step.
+// Nothing in a step reads a value back to the host or copies blocking between host and
+// device (on a GPU each waits for the stream): a run of 9 steps waits no more often than a run
+// of 4 that logs, validates and reports as often. fp32, bf16 without clipping, fp16 with the
+// scaler and accumulation, and SGD; DTRAIN_TEST_DEVICE=cuda runs it on a GPU. The same count
+// sees a loss function's own item() in every step.
 TEST(Trainer, AStepReadsNothingBackToTheHost) {
   auto reads = [](const std::string& type, std::vector<std::string> overrides, int64_t steps,
                   LossFn loss) {
     overrides.insert(overrides.end(), {"train.steps=" + std::to_string(steps), "train.eval_every=0",
                                        "logging.every_steps=1000"});
+    // scripts/gpu-check runs it on the GPU, where each read or blocking copy stalls the stream.
+    const char* device = std::getenv("DTRAIN_TEST_DEVICE");
+    if (device != nullptr && std::string(device) == "cuda") overrides.push_back("device=cuda");
     const RunConfig c = config_with(type, overrides);
     testing::HostReads counter;
     const TrainResult r =

@@ -1,34 +1,56 @@
-// HostReads: counts the reads of tensor values back to the host (item(), which every
-// tensor-to-number conversion runs, and nonzero, whose output size the host must learn) that
-// code outside ATen makes, while it lives, on any thread. On a GPU each one waits for the
-// stream, so a training step that should never wait shows none. Counted through ATen's
-// RecordFunction observers, the hook PyTorch's profiler uses, so it sees every caller: dtrain's
-// code, a user's loss, LibTorch's C++ API. Reads an ATen kernel makes inside itself are not
-// counted (the CPU fused AdamW reads its CPU step counts; the CUDA kernel reads them on the
-// device).
+// HostReads: counts what makes the host wait for a device, while it lives:
+//   - reads of tensor values that code outside ATen makes (item(), which every
+//     tensor-to-number conversion runs, and nonzero, whose output size the host must learn),
+//     on any thread;
+//   - with a CUDA LibTorch, every synchronizing CUDA call c10 reports in its sync debug mode
+//     (torch.cuda.set_sync_debug_mode("warn")) on the thread that made the HostReads: a
+//     blocking copy between host and GPU, a stream or device synchronization, a read.
+// A training step that should never wait shows none. The reads are counted through ATen's
+// RecordFunction observers, the hook PyTorch's profiler uses, so they are seen whoever makes
+// them: dtrain's code, a user's loss, LibTorch's C++ API. Reads an ATen kernel makes inside
+// itself are not counted (the CPU fused AdamW reads its CPU step counts; the CUDA kernel reads
+// them on the device).
 #pragma once
 
 #include <ATen/record_function.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
+#include <thread>
+
+#ifdef DTRAIN_TORCH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 namespace dtrain::testing {
 
 class HostReads {
  public:
-  HostReads() {
+  HostReads() : previous_(c10::WarningUtils::get_warning_handler()) {
     handle_ = at::addGlobalCallback(at::RecordFunctionCallback(&HostReads::enter, &HostReads::leave)
                                         .scopes({at::RecordScope::FUNCTION}));
     count() = 0;
+#ifdef DTRAIN_TORCH_CUDA
+    sync_handler_.previous = previous_;
+    c10::WarningUtils::set_warning_handler(&sync_handler_);
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+#endif
   }
-  ~HostReads() { at::removeCallback(handle_); }
+  ~HostReads() {
+#ifdef DTRAIN_TORCH_CUDA
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    c10::WarningUtils::set_warning_handler(previous_);
+#endif
+    at::removeCallback(handle_);
+  }
   HostReads(const HostReads&) = delete;
   HostReads& operator=(const HostReads&) = delete;
 
-  // Reads since construction or the last reset().
+  // Waits since construction or the last reset().
   int64_t reads() const { return count().load(); }
   void reset() { count() = 0; }
 
@@ -53,6 +75,23 @@ class HostReads {
     return n;
   }
 
+  // c10's sync debug warnings on the owner's thread counted (a communicator's thread staging
+  // CUDA tensors through the host waits by design); any other warning goes where it went.
+  struct SyncWarnings : c10::WarningHandler {
+    c10::WarningHandler* previous = nullptr;
+    std::thread::id owner = std::this_thread::get_id();
+    void process(const c10::Warning& w) override {
+      if (w.msg().find("synchronizing CUDA operation") != std::string::npos &&
+          std::this_thread::get_id() == owner) {
+        count().fetch_add(1);
+      } else if (previous != nullptr) {
+        previous->process(w);
+      }
+    }
+  };
+
+  c10::WarningHandler* previous_;
+  SyncWarnings sync_handler_;
   at::CallbackHandle handle_ = 0;
 };
 
