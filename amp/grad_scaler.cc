@@ -9,6 +9,15 @@
 #include "core/error.h"
 
 namespace dtrain::amp {
+namespace {
+
+// `t` on `device`: without waiting when that is a GPU (the stream orders the copy before its
+// use), waiting when it is the host, which reads the copy at once.
+at::Tensor moved_to(const at::Tensor& t, const c10::Device& device) {
+  return t.to(device, /*non_blocking=*/!device.is_cpu());
+}
+
+}  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options)
     : enabled_(options.enabled()),
@@ -37,7 +46,7 @@ void GradScaler::lazy_init(const c10::Device& device) {
 at::Tensor GradScaler::scale(const at::Tensor& outputs) {
   if (!enabled_) return outputs;
   if (!scale_.defined()) lazy_init(outputs.device());
-  return finish_scale(outputs * scale_.to(outputs.device(), /*non_blocking=*/true), outputs);
+  return finish_scale(outputs * moved_to(scale_, outputs.device()), outputs);
 }
 
 std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
@@ -55,6 +64,11 @@ PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
   std::map<c10::Device, bool, DeviceLess> reduced;
   // Gradients a reduction unscaled exist only with a CPU scale (exact_unscale_divisor): its
   // value is read from memory, not waited for.
+  DTRAIN_CHECK_AS(UsageError, unscaled_.empty() || scale_.is_cpu(),
+                  "GradScaler: accept_unscaled() was given gradients while the scale lives on ",
+                  scale_.device().str(),
+                  "; unscaled gradients are taken only with a CPU scale (see "
+                  "exact_unscale_divisor())");
   const float current = unscaled_.empty() ? 0.0f : *scale_.data_ptr<float>();
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
@@ -91,7 +105,7 @@ PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
   PerDevice found, inv;
   auto on = [](PerDevice& m, const c10::Device& d, const at::Tensor& master) -> at::Tensor& {
     auto it = m.find(d);
-    if (it == m.end()) it = m.emplace(d, master.to(d, /*non_blocking=*/true)).first;
+    if (it == m.end()) it = m.emplace(d, moved_to(master, d)).first;
     return it->second;
   };
   at::Tensor found_master = at::zeros({1}, scale_.options().dtype(at::kFloat));
@@ -211,7 +225,8 @@ at::Tensor GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::T
       // The verdict is in: no pass over the gradients here.
       state.found_inf_per_device.clear();
       state.found_inf_per_device.emplace(
-          scale_.device(), found_inf->reshape({1}).to(scale_.device(), at::kFloat, true, true));
+          scale_.device(),
+          found_inf->reshape({1}).to(scale_.device(), at::kFloat, !scale_.is_cpu(), true));
       sync_found_inf(state.found_inf_per_device, scale_);
     } else if (state.stage == Stage::kReady) {
       state.found_inf_per_device =
@@ -222,7 +237,7 @@ at::Tensor GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::T
                     "No inf checks were recorded for this optimizer.");
     at::Tensor found;
     for (auto& [device, f] : state.found_inf_per_device) {
-      at::Tensor here = f.to(scale_.device(), /*non_blocking=*/true);
+      at::Tensor here = moved_to(f, scale_.device());
       found = found.defined() ? found + here : here;
     }
     fused->set_grad_scaling(state.stage == Stage::kUnscaled ? at::Tensor() : scale_.clone(), found);
@@ -237,7 +252,7 @@ at::Tensor GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::T
   // PyTorch's _maybe_opt_step: the host decides, so it reads the flags.
   at::Tensor found;
   for (auto& [device, f] : state.found_inf_per_device) {
-    at::Tensor here = f.to(scale_.device(), /*non_blocking=*/true);
+    at::Tensor here = moved_to(f, scale_.device());
     found = found.defined() ? found + here : here;
   }
   if (found.item<double>() == 0) optimizer.step();
@@ -251,7 +266,7 @@ void GradScaler::update() {
   std::vector<at::Tensor> found_infs;
   for (auto& [opt, state] : per_optimizer_) {
     for (auto& [device, f] : state.found_inf_per_device) {
-      found_infs.push_back(f.to(scale_.device(), /*non_blocking=*/true));
+      found_infs.push_back(moved_to(f, scale_.device()));
     }
   }
   DTRAIN_CHECK_AS(UsageError, !found_infs.empty(),

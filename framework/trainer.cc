@@ -424,7 +424,7 @@ void Trainer::restore() {
   result_.skipped_steps = p->skipped_steps;
   nonfinite_.resume(p->nonfinite_run);
   collapse_.resume(p->consecutive_skips, monitor_);
-  settle_each_step_ = p->consecutive_skips > 0 || p->nonfinite_run > 0;
+  settle_each_step_ = trouble();
 }
 
 CheckpointParts Trainer::checkpoint_parts() {
@@ -559,6 +559,11 @@ Trainer::PendingStep Trainer::run_step() {
   return s;
 }
 
+// A guard is counting: the run's figures are read after every step until a clean one.
+bool Trainer::trouble() const {
+  return c_.precision.scaler.enabled ? collapse_.skips() > 0 : nonfinite_.run() > 0;
+}
+
 StepStats Trainer::settle() {
   DTRAIN_CHECK(!pending_.empty(), "Trainer::settle: no step taken since the last read");
   const auto t0 = Clock::now();
@@ -602,7 +607,7 @@ StepStats Trainer::settle() {
     window_time_ += s.seconds;
     ++window_steps_;
   }
-  settle_each_step_ = collapse_.skips() > 0 || nonfinite_.run() > 0;
+  settle_each_step_ = trouble();
   return steps.back();
 }
 

@@ -129,6 +129,7 @@ class Trainer {
   // Reads the pending steps' figures in one transfer and judges them in order (guards, skip
   // warnings, the log window); returns the last one's. Collective when the scaler is off.
   StepStats settle();
+  bool trouble() const;
 
   CheckpointParts checkpoint_parts();
   amp::AutocastGuard autocast() const;
