@@ -9,15 +9,10 @@
 #include "core/error.h"
 
 namespace dtrain::amp {
-namespace {
 
-// `t` on `device`: without waiting when that is a GPU (the stream orders the copy before its
-// use), waiting when it is the host, which reads the copy at once.
-at::Tensor moved_to(const at::Tensor& t, const c10::Device& device) {
+at::Tensor moved_for_use(const at::Tensor& t, const c10::Device& device) {
   return t.to(device, /*non_blocking=*/!device.is_cpu());
 }
-
-}  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options)
     : enabled_(options.enabled()),
@@ -46,7 +41,7 @@ void GradScaler::lazy_init(const c10::Device& device) {
 at::Tensor GradScaler::scale(const at::Tensor& outputs) {
   if (!enabled_) return outputs;
   if (!scale_.defined()) lazy_init(outputs.device());
-  return finish_scale(outputs * moved_to(scale_, outputs.device()), outputs);
+  return finish_scale(outputs * moved_for_use(scale_, outputs.device()), outputs);
 }
 
 std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
@@ -105,7 +100,7 @@ PerDevice GradScaler::unscale_grads(torch::optim::Optimizer& optimizer,
   PerDevice found, inv;
   auto on = [](PerDevice& m, const c10::Device& d, const at::Tensor& master) -> at::Tensor& {
     auto it = m.find(d);
-    if (it == m.end()) it = m.emplace(d, moved_to(master, d)).first;
+    if (it == m.end()) it = m.emplace(d, moved_for_use(master, d)).first;
     return it->second;
   };
   at::Tensor found_master = at::zeros({1}, scale_.options().dtype(at::kFloat));
@@ -235,11 +230,7 @@ at::Tensor GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::T
     }
     DTRAIN_CHECK_AS(UsageError, !state.found_inf_per_device.empty(),
                     "No inf checks were recorded for this optimizer.");
-    at::Tensor found;
-    for (auto& [device, f] : state.found_inf_per_device) {
-      at::Tensor here = moved_to(f, scale_.device());
-      found = found.defined() ? found + here : here;
-    }
+    const at::Tensor found = summed_found_inf(state);
     fused->set_grad_scaling(state.stage == Stage::kUnscaled ? at::Tensor() : scale_.clone(), found);
     optimizer.step();
     fused->set_grad_scaling(at::Tensor(), at::Tensor());
@@ -250,11 +241,7 @@ at::Tensor GradScaler::step_impl(torch::optim::Optimizer& optimizer, const at::T
   DTRAIN_CHECK_AS(UsageError, !state.found_inf_per_device.empty(),
                   "No inf checks were recorded for this optimizer.");
   // PyTorch's _maybe_opt_step: the host decides, so it reads the flags.
-  at::Tensor found;
-  for (auto& [device, f] : state.found_inf_per_device) {
-    at::Tensor here = moved_to(f, scale_.device());
-    found = found.defined() ? found + here : here;
-  }
+  const at::Tensor found = summed_found_inf(state);
   if (found.item<double>() == 0) optimizer.step();
   state.stage = Stage::kStepped;
   return found;
@@ -266,7 +253,7 @@ void GradScaler::update() {
   std::vector<at::Tensor> found_infs;
   for (auto& [opt, state] : per_optimizer_) {
     for (auto& [device, f] : state.found_inf_per_device) {
-      found_infs.push_back(moved_to(f, scale_.device()));
+      found_infs.push_back(moved_for_use(f, scale_.device()));
     }
   }
   DTRAIN_CHECK_AS(UsageError, !found_infs.empty(),
@@ -357,6 +344,15 @@ void GradScaler::load_state_dict(const c10::impl::GenericDict& state) {
   growth_interval_ = get("growth_interval").toInt();
   init_growth_tracker_ = get("_growth_tracker").toInt();
   if (growth_tracker_.defined()) growth_tracker_.fill_(init_growth_tracker_);
+}
+
+at::Tensor GradScaler::summed_found_inf(const OptimizerState& state) const {
+  at::Tensor found;
+  for (const auto& [device, f] : state.found_inf_per_device) {
+    at::Tensor here = moved_for_use(f, scale_.device());
+    found = found.defined() ? found + here : here;
+  }
+  return found;
 }
 
 }  // namespace dtrain::amp

@@ -47,6 +47,12 @@ struct DeviceLess {
 };
 using PerDevice = std::map<c10::Device, at::Tensor, DeviceLess>;
 
+// `t` on `device` for the next op there: without waiting when that is a GPU (the stream orders
+// the copy before its use), waiting when it is the host, which may read the copy at once (a
+// non-blocking copy into pinned memory could be read before it landed). The scaler and the
+// fused optimizers move their flags and scales with it.
+at::Tensor moved_for_use(const at::Tensor& t, const c10::Device& device);
+
 // An optimizer that unscales and skips inside its own step (PyTorch's
 // `_step_supports_amp_scaling`, which its fused AdamW and SGD set): GradScaler::step hands it
 // the scale and the found-inf flag and always calls step(), instead of unscaling the
@@ -182,6 +188,8 @@ class GradScaler {
   PerDevice unscale_grads(torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale);
   // Whether any gradient of `optimizer` is one a reduction recorded as unscaled.
   bool has_unscaled(torch::optim::Optimizer& optimizer) const;
+  // The state's per-device found-inf flags summed on the scale's device.
+  at::Tensor summed_found_inf(const OptimizerState& state) const;
   // Steps (or skips) and returns the summed found-inf flag; undefined when disabled.
   at::Tensor step_impl(torch::optim::Optimizer& optimizer, const at::Tensor* found_inf);
 

@@ -643,14 +643,13 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
   const std::string spread = straggler_report(
       comm_.get(), std::max(0.0, window_time_ - window_wait_) / static_cast<double>(window_steps_),
       row);
-  const double scale = s.scale;
   const sharding::ReducerStats* rs = model_->stats();
   if (tty_) std::fprintf(stderr, "\r\033[K");  // the bar gives way to the line
   logging::info(
       "step ", s.step, "/", c_.train.steps, " loss ", logging::fixed(loss, 4),
       val_loss ? " val_loss " + logging::fixed(*val_loss, 4) + perplexity_text(*val_loss)
                : std::string(),
-      " scale ", scale, " grad_norm ", logging::fixed(s.grad_norm, 3), " skipped ",
+      " scale ", s.scale, " grad_norm ", logging::fixed(s.grad_norm, 3), " skipped ",
       result_.skipped_steps, " lr ", s.lr, " tokens/s ", logging::fixed(tokens_per_s, 0), " step ",
       logging::fixed(avg_time * 1000, 1), " ms", spread,
       rs ? " comm hidden " + logging::fixed(100 * rs->hidden_fraction(), 0) + "%" : std::string(),
@@ -658,7 +657,7 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
       tty_ ? "" : "  " + progress_bar(s.step, c_.train.steps));
   row.integer("step", s.step)
       .number("loss", loss)
-      .number("scale", scale)
+      .number("scale", s.scale)
       .number("grad_norm", s.grad_norm, "%.6g")
       .integer("skipped", result_.skipped_steps)
       .number("lr", s.lr, "%.6g")

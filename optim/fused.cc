@@ -37,14 +37,14 @@ void check_fusable(const at::Tensor& p, const at::Tensor& g, const char* who) {
 
 std::optional<at::Tensor> on(const at::Tensor& t, const c10::Device& d) {
   if (!t.defined()) return std::nullopt;
-  return t.to(d, /*non_blocking=*/!d.is_cpu());  // the host reads a copy at once: wait for it
+  return amp::moved_for_use(t, d);
 }
 
 // The skip flag the kernels read, on `d`: 1 when the step is skipped, 0 otherwise. The kernels
 // skip on exactly 1, and a flag summed over devices may exceed it. No host read.
 std::optional<at::Tensor> skip_flag(const at::Tensor& found_inf, const c10::Device& d) {
   if (!found_inf.defined()) return std::nullopt;
-  return found_inf.to(d, /*non_blocking=*/!d.is_cpu()).ne(0).to(at::kFloat).reshape({});
+  return amp::moved_for_use(found_inf, d).ne(0).to(at::kFloat).reshape({});
 }
 
 // The state of `p` as an AdamWState: made on its first step (zero moments, count 0), or taken
