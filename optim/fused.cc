@@ -47,6 +47,20 @@ std::optional<at::Tensor> skip_flag(const at::Tensor& found_inf, const c10::Devi
   return amp::moved_for_use(found_inf, d).ne(0).to(at::kFloat).reshape({});
 }
 
+}  // namespace
+
+void AdamWState::serialize(torch::serialize::OutputArchive& archive) const {
+  torch::optim::AdamWParamState plain(*this);
+  if (step_count_.defined()) plain.step(static_cast<int64_t>(step_count_.item<float>()));
+  plain.serialize(archive);
+}
+
+std::unique_ptr<torch::optim::OptimizerParamState> AdamWState::clone() const {
+  return std::make_unique<AdamWState>(*this);
+}
+
+namespace {
+
 // The state of `p` as an AdamWState: made on its first step (zero moments, count 0), or taken
 // over from a plain AdamWParamState (a loaded checkpoint), its count from step().
 AdamWState& adamw_state(std::unique_ptr<torch::optim::OptimizerParamState>& slot,

@@ -29,6 +29,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -53,6 +54,14 @@ class AdamWState : public torch::optim::AdamWParamState {
   // The 0-d fp32 count on the parameter's device; the kernel reads it.
   const at::Tensor& step_count() const { return step_count_; }
   void set_step_count(at::Tensor count) { step_count_ = std::move(count); }
+
+  // torch::save(optimizer) and copies carry the current count: the archive's "step" is
+  // step_count() (read back to the host here, at save time only), and a copy is an AdamWState
+  // (the base's clone() would slice it to the count at creation). torch::load gives plain
+  // states, which the next step takes over.
+  using torch::optim::AdamWParamState::serialize;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  std::unique_ptr<torch::optim::OptimizerParamState> clone() const override;
 
  private:
   at::Tensor step_count_;

@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/serialize.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -20,6 +21,7 @@
 #include <iostream>
 #include <iterator>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -170,6 +172,54 @@ INSTANTIATE_TEST_SUITE_P(PyTorch, Fused,
                          [](const auto& info) { return info.param.name; });
 
 TEST(FusedReference, HoldsEveryScenario) { EXPECT_EQ(g_reference.size(), 9u); }
+
+// torch::save(optimizer) mid-run, torch::load into a fresh optimizer, and both go on alike: the
+// archive holds the count the kernel has reached, not the one the state was created with.
+TEST(FusedAdamW, ResumesFromTorchSaveAtTheStepItReached) {
+  at::manual_seed(7);
+  const std::vector<at::Tensor> start = {at::randn({5, 3}), at::randn({4})};
+  auto copies = [&] {
+    std::vector<at::Tensor> out;
+    for (const auto& t : start) out.push_back(t.clone().requires_grad_());
+    return out;
+  };
+  auto grads_at = [](int step, const std::vector<at::Tensor>& params) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].mutable_grad() = at::sin(at::arange(params[i].numel(), at::kFloat)
+                                             .reshape(params[i].sizes())
+                                             .mul(0.37 * (step + 1) + static_cast<double>(i)));
+    }
+  };
+  const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
+  std::vector<at::Tensor> a = copies();
+  AdamW run(a, options);
+  for (int step = 0; step < 3; ++step) {
+    grads_at(step, a);
+    run.step();
+  }
+  std::stringstream archive;
+  torch::save(run, archive);
+  std::vector<at::Tensor> b = copies();
+  for (size_t i = 0; i < b.size(); ++i) {
+    c10::NoGradGuard no_grad;
+    b[i].copy_(a[i]);
+  }
+  AdamW resumed(b, options);
+  torch::load(resumed, archive);
+  for (int step = 3; step < 6; ++step) {
+    grads_at(step, a);
+    grads_at(step, b);
+    run.step();
+    resumed.step();
+  }
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(same_bits(b[i], a[i])) << "parameter " << i;
+  const auto& st = static_cast<const AdamWState&>(*run.state().at(a[0].unsafeGetTensorImpl()));
+  EXPECT_EQ(st.step_count().item<float>(), 6.0f);
+  // A copy of the state is still one, with the same count.
+  const auto copy = st.clone();
+  ASSERT_NE(dynamic_cast<const AdamWState*>(copy.get()), nullptr);
+  EXPECT_EQ(static_cast<const AdamWState&>(*copy).step_count().item<float>(), 6.0f);
+}
 
 }  // namespace
 }  // namespace dtrain::optim
