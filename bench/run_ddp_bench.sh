@@ -13,6 +13,10 @@
 # to dtrain's DDP step over MPI: unscaled and checked in DDP's write-back (the trainer's way),
 # checked there only, or checked by the scaler itself, and the trainer's way against no scaler
 # in alternate steps of one process (--scaler ab).
+#   ONLY=scaler   the GradScaler runs alone
+#   ONLY=bf16     bf16 autocast step for step against PyTorch's torch.autocast: one process
+#                 and DDP at 2 ranks (PyTorch's buckets reduced in bf16 as dtrain's), PyTorch
+#                 with its default and its fused AdamW
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -26,7 +30,10 @@ export OMP_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM
 export OMPI_MCA_mpi_yield_when_idle=1
 out=$(mktemp)
 ref=bench/reference/ddp_reference.py
-only=${ONLY:-all}  # ONLY=scaler: the GradScaler runs alone
+only=${ONLY:-all}
+if [ "$only" = bf16 ]; then
+  args+=(--precision bf16)
+fi
 # One run each; the order rotates by one every round, so no run always follows the same one
 # (the machine's state after a run moves the next run's numbers by several percent).
 run() {
@@ -40,6 +47,9 @@ run() {
     mpi-ddp)
       mpirun -np 2 --bind-to none -x OMP_NUM_THREADS -x DTRAIN_BACKEND=mpi \
         bazel-bin/bench/step_bench --strategy ddp "${args[@]}" ;;
+    pytorch-ddp-fused)
+      PYTHONPATH=bench/reference $launch --nproc-per-node 2 --master-port 0 -- \
+        .venv/bin/python $ref --fused "${args[@]}" | sed 's/^\[rank 0\] //' ;;
     pytorch-local) PYTHONPATH=bench/reference .venv/bin/python $ref --local "${args[@]}" ;;
     pytorch-local-fused)
       PYTHONPATH=bench/reference .venv/bin/python $ref --local --fused "${args[@]}" ;;
@@ -64,7 +74,9 @@ run() {
   esac
 }
 runs=(scaler-in-ddp scaler-verdict scaler-own-check scaler-off scaler-ab)
-if [ "$only" = all ]; then
+if [ "$only" = bf16 ]; then
+  runs=(pytorch-ddp pytorch-ddp-fused gloo-ddp mpi-ddp pytorch-local pytorch-local-fused local)
+elif [ "$only" = all ]; then
   runs=(pytorch-ddp gloo-ddp mpi-ddp pytorch-local pytorch-local-fused local local-libtorch
     pytorch-ddp-ab gloo-ddp-ab mpi-ddp-ab "${runs[@]}")
 fi
@@ -79,11 +91,36 @@ def key(r):
     k = "/".join([r["impl"], r.get("strategy", "ddp"), r.get("backend", ""),
                   r.get("optimizer", "default")])
     k += "/ab" if "ab_sync_step_s" in r else ""
-    return k + ("/scaler-" + r["scaler"] if r.get("precision") == "bf16" else "")
+    return k + ("/scaler-" + r.get("scaler", "off") if r.get("precision") == "bf16" else "")
 groups = {}
 for r in rows: groups.setdefault(key(r), []).append(r)
 med = lambda k, f: statistics.median(r[f] for r in groups[k])
 p = rows[0]["params"]
+if any(k.startswith("pytorch/") and k.endswith("/scaler-off") for k in groups):
+    n = len(groups.get("pytorch/local/none/default/scaler-off", []))
+    print(f"bf16 autocast, step for step against PyTorch 2.13's torch.autocast: TransformerLM "
+          f"{p/1e6:.1f}M parameters, 2 ranks x 1 thread (local: 1 process x 1 thread), {n} "
+          "alternating rounds (median of per-run medians); DDP buckets reduced in bf16 on both "
+          "sides\n")
+    print("| run | step (s) | forward + loss (s) | backward (s) | optimizer (s) | "
+          "dtrain / PyTorch (default AdamW) | dtrain / PyTorch (fused AdamW) |")
+    print("|---|---|---|---|---|---|---|")
+    for k, label, versus in [
+            ("dtrain/local/none/fused", "dtrain, one process", "pytorch/local/none"),
+            ("pytorch/local/none/default", "PyTorch, one process", None),
+            ("pytorch/local/none/fused", "PyTorch AdamW(fused=True), one process", None),
+            ("dtrain/ddp/mpi/fused", "dtrain DDP, MPI", "pytorch/ddp/gloo"),
+            ("dtrain/ddp/gloo/fused", "dtrain DDP, Gloo", "pytorch/ddp/gloo"),
+            ("pytorch/ddp/gloo/default", "PyTorch DDP, Gloo", None),
+            ("pytorch/ddp/gloo/fused", "PyTorch DDP, Gloo, AdamW(fused=True)", None)]:
+        k += "/scaler-off"
+        if k not in groups: continue
+        s = med(k, "median_step_s")
+        b, o = med(k, "median_backward_s"), med(k, "median_optimizer_s")
+        ratio = lambda opt: (f"{s / med(versus + '/' + opt + '/scaler-off', 'median_step_s'):.3f}"
+                             if versus and versus + "/" + opt + "/scaler-off" in groups else "")
+        print(f"| {label} | {s:.4f} | {s - b - o:.4f} | {b:.4f} | {o:.4f} | {ratio('default')} | "
+              f"{ratio('fused')} |")
 if "pytorch/ddp/gloo/default" in groups:
     n = len(groups["pytorch/ddp/gloo/default"])
     print(f"DDP step time beside the local step, TransformerLM {p/1e6:.1f}M parameters, 2 ranks "
@@ -134,7 +171,7 @@ if "pytorch/ddp/gloo/default" in groups:
         o, s = med(k, "median_optimizer_s"), med(k, "median_step_s")
         print(f"| {label} | {o:.4f} | {s:.4f} | {100*o/s:.1f}% |")
 base = "dtrain/ddp/mpi/fused/scaler-off"
-if base in groups:
+if base in groups and any(k.startswith(base[:-3]) and k != base for k in groups):
     n = len(groups[base])
     print(f"\nWhat a GradScaler adds to dtrain's DDP step over MPI ({n} rounds; bf16 autocast and\n"
           "buckets with the scaler on top: its work is what it is with fp16, whose CPU matmuls\n"

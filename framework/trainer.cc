@@ -443,9 +443,10 @@ amp::AutocastGuard Trainer::autocast() const {
 // A host batch onto the GPU without waiting: from pinned memory, non-blocking (PyTorch's
 // DataLoader(pin_memory=True) and .to(non_blocking=True)); a pageable copy would wait for every
 // kernel queued before it. The caching host allocator keeps the pinned buffer until the copy
-// is done.
+// is done. A batch the data source hands out already pinned is copied waiting: the source may
+// refill that buffer for the next batch while a non-blocking copy still reads it.
 at::Tensor Trainer::to_device(const at::Tensor& t) const {
-  if (device_ != c10::kCUDA || !t.is_cpu()) return t.to(device_);
+  if (device_ != c10::kCUDA || !t.is_cpu() || t.is_pinned()) return t.to(device_);
   return t.pin_memory().to(device_, /*non_blocking=*/true);
 }
 

@@ -8,6 +8,9 @@ Prints one JSON line on rank 0.
     --local   one process, no DDP and no communication: the local step, the limit of data
               parallelism (run it without a launcher)
     --fused   AdamW(fused=True) instead of PyTorch's default (foreach)
+    --precision bf16|fp16
+              the forward and the loss under torch.autocast, DDP's buckets reduced in that
+              dtype (as step_bench's), and fp16 with torch.amp.GradScaler
 
 Parity (tests/parity/ddp_parity_test.sh): with --init DIR/init.pt, train the small TransformerLM
 of tests/parity/ddp_parity.cc from dtrain's initial weights on the same data, as a PyTorch user
@@ -34,19 +37,15 @@ from model import TransformerLM
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def parity(a):
+def compress(ddp, dtype):
+    """Buckets reduced in `dtype` (fp16_compress_hook, or the same for bf16), as dtrain's DDP
+    with reduce_dtype does."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = os.path.dirname(os.path.abspath(a.init))
-    model = TransformerLM(common.VOCAB, common.SEQ, common.D_MODEL, common.LAYERS, common.HEADS,
-                          2 * common.D_MODEL)
-    keys = model.load_state_dict(torch.load(a.init, weights_only=False), strict=True)
-    assert not keys.missing_keys and not keys.unexpected_keys, keys
-    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
-    dtype = DTYPES[a.precision]
     if dtype == torch.float16:
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif dtype == torch.bfloat16:
+        world = dist.get_world_size()
+
         # DDP refuses bf16_compress_hook by name without NCCL or XCCL: the same hook, renamed.
         def bf16_hook(process_group, bucket):
             buffer = bucket.buffer()
@@ -58,6 +57,18 @@ def parity(a):
                 return buffer
             return fut.then(decompress)
         ddp.register_comm_hook(None, bf16_hook)
+
+
+def parity(a):
+    rank = dist.get_rank()
+    out = os.path.dirname(os.path.abspath(a.init))
+    model = TransformerLM(common.VOCAB, common.SEQ, common.D_MODEL, common.LAYERS, common.HEADS,
+                          2 * common.D_MODEL)
+    keys = model.load_state_dict(torch.load(a.init, weights_only=False), strict=True)
+    assert not keys.missing_keys and not keys.unexpected_keys, keys
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    dtype = DTYPES[a.precision]
+    compress(ddp, dtype)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=a.init_scale,
                                   growth_interval=a.growth_interval,
@@ -127,7 +138,11 @@ def main():
     model = TransformerLM(vocab, a.seq, a.d_model, a.layers, a.heads, a.d_ff)
     ddp = model if a.local else torch.nn.parallel.DistributedDataParallel(
         model, bucket_cap_mb=a.bucket_cap_mb, gradient_as_bucket_view=True)
+    low = DTYPES[a.precision]
+    if not a.local:
+        compress(ddp, low)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, **({"fused": True} if a.fused else {}))
+    scaler = torch.amp.GradScaler("cpu", enabled=low == torch.float16)
     gen = torch.Generator().manual_seed(1234 + rank)
     steps, backwards, optimizer, synced = [], [], [], []
     for s in range(a.warmup + a.steps):
@@ -140,11 +155,13 @@ def main():
         t0 = time.perf_counter()
         opt.zero_grad()
         with guard:
-            loss = F.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
+            with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+                loss = F.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
             tb = time.perf_counter()
-            loss.backward()
+            scaler.scale(loss).backward()
             te = time.perf_counter()
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         t1 = time.perf_counter()
         if s >= a.warmup:
             steps.append(t1 - t0)
@@ -160,6 +177,7 @@ def main():
         print(json.dumps({"impl": "pytorch", "backend": "none" if a.local else "gloo",
                           "strategy": "local" if a.local else "ddp",
                           "optimizer": "fused" if a.fused else "default",
+                          "precision": a.precision,
                           "world": 1 if a.local else dist.get_world_size(),
                           "params": sum(p.numel() for p in model.parameters()),
                           "torch": torch.__version__,
