@@ -17,7 +17,8 @@ of tests/parity/ddp_parity.cc from dtrain's initial weights on the same data, as
 would: DDP (with bf16_compress_hook / fp16_compress_hook for those precisions), the forward
 and the loss under torch.autocast, AdamW(fused=True), torch.amp.GradScaler for fp16. Rank 0
 then compares the losses, scales and final weights with dtrain's (DIR/dtrain.json,
-DIR/final.pt) bit for bit and exits 1 on any difference.
+DIR/final.pt) bit for bit and exits 1 on any difference. --runs FILE (a JSON list of
+{"init", "precision"}) does several such runs in one launch.
 """
 import argparse
 import contextlib
@@ -120,15 +121,19 @@ def main():
                     help="DDP: every other step under no_sync() (no communication), reported "
                          "apart (ab_sync_step_s, ab_local_step_s)")
     ap.add_argument("--init", help="parity: dtrain's initial weights (DIR/init.pt)")
+    ap.add_argument("--runs", help="parity: a JSON list of runs, each {init, precision}, trained "
+                                   "and compared in turn in this one launch")
     ap.add_argument("--precision", choices=DTYPES, default="fp32")
     ap.add_argument("--init-scale", type=float, default=16777216.0)
     ap.add_argument("--growth-interval", type=int, default=4)
     a = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if a.init:
+    if a.init or a.runs:
         dist.init_process_group("gloo")
-        status = parity(a)
-        dist.barrier()
+        status = 0
+        for run in json.load(open(a.runs)) if a.runs else [{}]:
+            status = max(status, parity(argparse.Namespace(**{**vars(a), **run})))
+            dist.barrier()
         common.leave(status)
     if not a.local:
         dist.init_process_group("gloo")

@@ -7,6 +7,8 @@ Two uses, one process per rank under dtrain-launch (or torchrun):
           trajectory, for tests/parity/fsdp_parity_test.sh to compare with dtrain's
       dtrain-launch --nproc-per-node 2 -- .venv/bin/python bench/reference/fsdp_reference.py \\
           parity --precision bf16 --init DIR/init.pt --out DIR/pytorch.json
+          With --runs FILE (a JSON list of {"precision", "clip", "init", "out"}), one launch
+          trains each in turn: the test pays for the processes and torch's import once.
 
   bench:  median step time and peak memory per rank, one JSON line on rank 0
       dtrain-launch --nproc-per-node 2 -- .venv/bin/python bench/reference/fsdp_reference.py \\
@@ -196,8 +198,9 @@ def main():
     p = sub.add_parser("parity")
     p.add_argument("--precision", choices=DTYPES, default="fp32")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--init", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--init")
+    p.add_argument("--out")
+    p.add_argument("--runs", help="a JSON list of runs, each {precision, clip, init, out}")
     p.add_argument("--init-scale", type=float, default=16777216.0)
     p.add_argument("--growth-interval", type=int, default=4)
     p.add_argument("--fused", action="store_true", help="AdamW(fused=True)")
@@ -217,7 +220,15 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
-    {"parity": parity, "bench": bench, "capacity": capacity}[args.mode](args)
+    if args.mode == "parity" and args.runs:
+        with open(args.runs) as f:
+            for run in json.load(f):
+                parity(argparse.Namespace(**{**vars(args), **run}))
+                dist.barrier()
+    elif args.mode == "parity" and not (args.init and args.out):
+        ap.error("parity needs --init and --out, or --runs")
+    else:
+        {"parity": parity, "bench": bench, "capacity": capacity}[args.mode](args)
     dist.barrier()
     common.leave()
 
