@@ -392,6 +392,7 @@ void read_train(Section s, TrainConfig& t) {
   s.read("eval_samples", t.eval_samples);
   s.read_choice("optimizer", t.optimizer);
   s.read("momentum", t.momentum);
+  s.read("optimizer_in_backward", t.optimizer_in_backward);
   s.read("seed", t.seed);
   s.read("max_nonfinite_steps", t.max_nonfinite_steps);
   s.check(t.steps >= 1, "steps", "must be >= 1, got " + std::to_string(t.steps));
@@ -679,6 +680,24 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
               "trainer's fused AdamW and SGD cannot step (they need fp32 gradients); remove it, "
               "or use it through the library with an optimizer that takes low-precision "
               "gradients");
+  }
+  if (cfg.train.optimizer_in_backward) {
+    Section train = top.section("train");
+    const std::string why =
+        "optimizer_in_backward steps each FSDP unit as soon as its gradients "
+        "are reduced, so nothing sees the whole gradient: ";
+    train.check(cfg.parallel.strategy == ParallelStrategy::kFsdp, "optimizer_in_backward",
+                why +
+                    "it needs parallel.strategy: fsdp (DDP's gradients are whole already); "
+                    "set it, or remove optimizer_in_backward");
+    train.check(cfg.train.clip_grad_norm == 0, "optimizer_in_backward",
+                why +
+                    "clipping needs the norm of all of it first; remove train.clip_grad_norm "
+                    "or optimizer_in_backward");
+    train.check(!cfg.precision.scaler.enabled, "optimizer_in_backward",
+                why +
+                    "a GradScaler must judge all of it before any step; use bf16 or fp32 "
+                    "(precision.scaler off), or remove optimizer_in_backward");
   }
   if (const ModelSpec* spec = find_model(cfg.model.type)) check_model_against(*spec, cfg, top);
   if (cfg.parallel.backend == comm::Backend::kNccl && cfg.device != ComputeDevice::kCuda) {

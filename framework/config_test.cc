@@ -387,6 +387,22 @@ TEST(ConfigError, KeepLowPrecisionGradsIsRefusedForTheTrainersOptimizers) {
   EXPECT_TRUE(c.precision.mixed.keep_low_precision_grads);  // fp32 gradients: nothing to refuse
 }
 
+// The optimizer in backward steps each FSDP unit before any rank has the whole gradient: it
+// needs FSDP, and refuses what needs that gradient first (clipping, a GradScaler's verdict).
+TEST(ConfigError, TheOptimizerInBackwardIsRefusedWhereItCannotStep) {
+  const std::string in_backward =
+      replace(kGood, "  lr: 1.0e-3\n", "  lr: 1.0e-3\n  optimizer_in_backward: true\n");
+  expect_yaml_error(in_backward,
+                    {"run.yaml:10:", "train.optimizer_in_backward", "parallel.strategy: fsdp"});
+  const std::string fsdp = replace(in_backward, "strategy: ddp", "strategy: fsdp");
+  RunConfig c = parse_config(fsdp, "run.yaml");
+  EXPECT_TRUE(c.train.optimizer_in_backward);
+  expect_yaml_error(fsdp, {"run.yaml:10:", "train.optimizer_in_backward", "clip_grad_norm"},
+                    {"train.clip_grad_norm=1.0"});
+  expect_yaml_error(replace(fsdp, "policy: bf16", "policy: fp16\n  scaler:\n    enabled: true"),
+                    {"run.yaml:10:", "train.optimizer_in_backward", "GradScaler"});
+}
+
 TEST(Config, Bf16WithAnEnabledScalerWarns) {
   RunConfig c = parse_config(
       replace(kGood, "policy: bf16", "policy: bf16\n  scaler:\n    enabled: true"), "run.yaml");

@@ -62,7 +62,12 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
       n = static_cast<double>(c.parallel.hybrid_group_size);
     }
     e.parameters = 4 * p / n;
-    e.gradients = (mp.keep_low_precision_grads ? bytes_of(mp.effective_reduce_dtype()) : 4) * p / n;
+    const double grad_bytes =
+        mp.keep_low_precision_grads ? bytes_of(mp.effective_reduce_dtype()) : 4;
+    // Stepped in backward, a rank holds the shards of the unit being stepped and of the one
+    // whose reduction is in flight, not the whole gradient.
+    e.gradients = c.train.optimizer_in_backward ? 2 * std::max(largest_unit, root) * grad_bytes / n
+                                                : grad_bytes * p / n;
     e.optimizer = opt_per_param * p / n;
     const double gathered =
         s == ShardingStrategy::kShardGradOp || s == ShardingStrategy::kNoShard

@@ -35,6 +35,13 @@ TEST(MemoryEstimate, FsdpShardsParametersGradientsAndOptimizerStateOverTheRanks)
   EXPECT_DOUBLE_EQ(a.steady(), 16 * p);      // fp32 params + grads + AdamW's two moments
   EXPECT_DOUBLE_EQ(b.steady(), 16 * p / 4);  // ... over four ranks
   EXPECT_LT(b.peak(), a.peak());
+  // Stepped in backward, a rank holds two units' gradient shards (of the seven), not them all.
+  RunConfig in_backward = fsdp;
+  in_backward.train.optimizer_in_backward = true;
+  const MemoryEstimate c = estimate_memory(in_backward, 4);
+  EXPECT_DOUBLE_EQ(c.parameters + c.optimizer, 12 * p / 4);
+  EXPECT_GT(c.gradients, 0);
+  EXPECT_LT(c.gradients, b.gradients / 2);
   EXPECT_EQ(a.parameter_count,
             transformer_lm_parameter_count(
                 TransformerLMOptions().d_model(512).n_layers(6).d_ff(2048).n_heads(8).seq_len(64)));

@@ -1,5 +1,6 @@
 #include "framework/strategy.h"
 
+#include "core/error.h"
 #include "framework/task.h"
 #include "sharding/clip_grad.h"
 
@@ -7,8 +8,32 @@ namespace dtrain::framework {
 
 at::Tensor Strategy::clip_grad_norm(double max_norm) {
   comm::Communicator* shards = fsdp() != nullptr ? fsdp()->shard_group() : nullptr;
+  if (in_backward_) {
+    DTRAIN_CHECK_AS(UsageError, max_norm <= 0,
+                    "clip_grad_norm: the optimizer steps in backward, so the gradients are gone "
+                    "before they could be clipped");
+    std::vector<at::Tensor> norms;
+    for (const auto& p : parameters()) {
+      auto it = stepped_norms_.find(p.unsafeGetTensorImpl());
+      norms.push_back(it == stepped_norms_.end() ? at::Tensor() : it->second);
+    }
+    stepped_norms_.clear();
+    return sharding::norm_of_grad_norms(norms, 2.0, shards);
+  }
   if (max_norm > 0) return sharding::clip_grad_norm_tensor_(parameters(), max_norm, 2.0, shards);
   return sharding::grad_norm(parameters(), 2.0, shards);
+}
+
+void Strategy::step_in_backward(StepParams step) {
+  DTRAIN_CHECK_AS(UsageError, fsdp() != nullptr,
+                  "the optimizer steps in backward under FSDP only (parallel.strategy: fsdp)");
+  in_backward_ = true;
+  fsdp()->set_step_in_backward([this, step = std::move(step)](const std::vector<at::Tensor>& ps) {
+    for (const auto& p : ps) {
+      stepped_norms_[p.unsafeGetTensorImpl()] = at::linalg_vector_norm(p.grad(), 2.0);
+    }
+    step(ps);
+  });
 }
 
 sharding::DDPOptions ddp_options(const RunConfig& c, amp::NumericsMonitor* monitor) {

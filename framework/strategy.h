@@ -14,8 +14,10 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -53,7 +55,19 @@ class Strategy {
 
   // Clips the gradients to max_norm (> 0) or only measures them; the 2-norm of the whole
   // model's gradients (over the shards under FSDP), a 0-dim tensor on the device (no host read).
+  // With the optimizer in backward it measures them as they were when stepped (no clipping).
   at::Tensor clip_grad_norm(double max_norm);
+
+  // FSDP's optimizer in backward (train.optimizer_in_backward; FSDPState::set_step_in_backward):
+  // `step` gets each unit's masters as soon as their gradients are reduced, after their norms
+  // are kept for clip_grad_norm, and their gradients are dropped after it.
+  using StepParams = std::function<void(const std::vector<at::Tensor>& params)>;
+  void step_in_backward(StepParams step);
+
+ private:
+  bool in_backward_ = false;
+  // Each stepped parameter's gradient norm in this step, until clip_grad_norm reads them.
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> stepped_norms_;
 };
 
 // The config's parallel and precision sections as sharding options.

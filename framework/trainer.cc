@@ -371,6 +371,15 @@ void Trainer::setup() {
   logging::info("model ready: process peak RSS so far ", logging::fixed(peak_rss_mb(), 0),
                 " MB (building, initializing and sharding the model)");
   opt_ = make_optimizer(c_.train, model_->parameters());
+  if (c_.train.optimizer_in_backward) {
+    // Each unit steps in backward; the step after it finds no gradient left, and does nothing.
+    auto* fused = dynamic_cast<optim::GradScaling*>(opt_.get());
+    DTRAIN_CHECK(fused != nullptr, "optimizer_in_backward: the optimizer cannot step a subset");
+    model_->step_in_backward([fused](const std::vector<at::Tensor>& ps) { fused->step_only(ps); });
+    logging::info(
+        "the optimizer steps each FSDP unit in backward, as its gradients are reduced "
+        "(train.optimizer_in_backward): no rank holds the whole gradient");
+  }
   scaler_ = make_scaler(c_, comm_);
   const auto& sc = c_.precision.scaler;
   // DDP unscales and judges the gradients as it writes them back, so unscale_ makes no pass

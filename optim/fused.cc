@@ -102,6 +102,20 @@ void GradScaling::set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) 
   found_inf_ = std::move(found_inf);
 }
 
+void GradScaling::step_only(const std::vector<at::Tensor>& params) {
+  std::unordered_set<const c10::TensorImpl*> only;
+  for (const auto& p : params) only.insert(p.unsafeGetTensorImpl());
+  auto& optimizer = dynamic_cast<torch::optim::Optimizer&>(*this);
+  only_ = &only;
+  try {
+    optimizer.step();
+  } catch (...) {
+    only_ = nullptr;
+    throw;
+  }
+  only_ = nullptr;
+}
+
 AdamW::AdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults)
     : torch::optim::AdamW(std::move(params), std::move(defaults)) {}
 
@@ -118,7 +132,7 @@ at::Tensor AdamW::step(LossClosure closure) {
     };
     std::vector<std::pair<GroupKey, Lists>> by_key;
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
+      if (!p.grad().defined() || !selected(p)) continue;
       check_fusable(p, p.grad(), "dtrain::optim::AdamW");
       AdamWState& st = adamw_state(state_[p.unsafeGetTensorImpl()], p, o.amsgrad());
       const GroupKey k = key_of(p);
@@ -164,7 +178,7 @@ at::Tensor SGD::step(LossClosure closure) {
     std::vector<torch::optim::SGDParamState*> states;
     bool first_step = momentum;  // Python: every buffer absent, and momentum on
     for (auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
+      if (!p.grad().defined() || !selected(p)) continue;
       check_fusable(p, p.grad(), "dtrain::optim::SGD");
       params.push_back(p);
       grads.push_back(p.grad());

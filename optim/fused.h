@@ -30,6 +30,7 @@
 #include <torch/optim/sgd.h>
 
 #include <memory>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -37,13 +38,27 @@
 
 namespace dtrain::optim {
 
-// The GradScaler's hand-off, kept for the next step (both optimizers below).
+// The GradScaler's hand-off, kept for the next step, and stepping part of the parameters
+// (both optimizers below).
 class GradScaling : public amp::ScalingAwareOptimizer {
  public:
   void set_grad_scaling(at::Tensor grad_scale, at::Tensor found_inf) override;
 
+  // step() for `params` alone (of this optimizer's, those with a gradient); the others keep
+  // their gradients for a later step. The kernels are elementwise, so each parameter gets the
+  // bits step() would give it: FSDP's optimizer in backward steps each unit this way as its
+  // gradients are reduced (FSDPState::set_step_in_backward).
+  void step_only(const std::vector<at::Tensor>& params);
+
  protected:
+  // Whether step() takes `p`: always, but inside step_only only its parameters.
+  bool selected(const at::Tensor& p) const {
+    return only_ == nullptr || only_->count(p.unsafeGetTensorImpl()) > 0;
+  }
   at::Tensor grad_scale_, found_inf_;
+
+ private:
+  const std::unordered_set<const c10::TensorImpl*>* only_ = nullptr;
 };
 
 // AdamW's per-parameter state: torch::optim's, with the step count as a device tensor. A state

@@ -221,6 +221,41 @@ TEST(FusedAdamW, ResumesFromTorchSaveAtTheStepItReached) {
   EXPECT_EQ(static_cast<const AdamWState&>(*copy).step_count().item<float>(), 6.0f);
 }
 
+// step_only steps its parameters alone, each to the bits step() gives it; the others keep their
+// gradients and values for a later step, which then gives them their bits too.
+TEST(FusedOptimizers, StepOnlyStepsItsParametersToTheBitsOfAWholeStep) {
+  at::manual_seed(3);
+  const std::vector<at::Tensor> start = {at::randn({6}), at::randn({2, 3}), at::randn({5})};
+  const std::vector<at::Tensor> grads = {at::randn({6}), at::randn({2, 3}), at::randn({5})};
+  auto copies = [&] {
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < start.size(); ++i) {
+      out.push_back(start[i].clone().requires_grad_());
+      out.back().mutable_grad() = grads[i].clone();
+    }
+    return out;
+  };
+  for (bool adamw : {true, false}) {
+    SCOPED_TRACE(adamw ? "adamw" : "sgd with momentum");
+    auto make = [&](const std::vector<at::Tensor>& ps) -> std::unique_ptr<torch::optim::Optimizer> {
+      if (adamw) return std::make_unique<AdamW>(ps, torch::optim::AdamWOptions(1e-2));
+      return std::make_unique<SGD>(ps, torch::optim::SGDOptions(0.1).momentum(0.9));
+    };
+    std::vector<at::Tensor> whole = copies(), parts = copies();
+    auto a = make(whole), b = make(parts);
+    a->step();
+    dynamic_cast<GradScaling&>(*b).step_only({parts[1]});
+    EXPECT_TRUE(same_bits(parts[1], whole[1]));
+    EXPECT_TRUE(same_bits(parts[0], start[0])) << "a parameter outside step_only moved";
+    EXPECT_TRUE(same_bits(parts[2], start[2])) << "a parameter outside step_only moved";
+    parts[1].mutable_grad().reset();  // as FSDP drops a stepped unit's gradients
+    b->step();
+    for (size_t i = 0; i < parts.size(); ++i) {
+      EXPECT_TRUE(same_bits(parts[i], whole[i])) << "parameter " << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dtrain::optim
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -39,33 +40,46 @@ at::Tensor combine_over_ranks(at::Tensor t, double norm_type, comm::Communicator
 at::Tensor total_norm(const std::vector<at::Tensor>& params, double norm_type,
                       comm::Communicator* comm, ShardNorm rule) {
   c10::NoGradGuard no_grad;
-  const std::vector<at::Tensor> grads = grads_of(params);
+  std::vector<at::Tensor> norms;
+  norms.reserve(params.size());
+  for (const auto& p : params) {
+    norms.push_back(p.grad().defined() ? at::linalg_vector_norm(p.grad(), norm_type)
+                                       : at::Tensor());
+  }
+  return norm_of_grad_norms(norms, norm_type, comm, rule);
+}
+
+}  // namespace
+
+at::Tensor norm_of_grad_norms(const std::vector<at::Tensor>& norms, double norm_type,
+                              comm::Communicator* comm, ShardNorm rule) {
+  c10::NoGradGuard no_grad;
+  const auto first =
+      std::find_if(norms.begin(), norms.end(), [](const at::Tensor& n) { return n.defined(); });
   if (comm != nullptr && rule == ShardNorm::kPerParameter) {
     // torch.nn.utils.clip_grad_norm_ over DTensor shards (FSDP2): each parameter's norm is
     // reduced across ranks first, then the norm of their stack is taken, on every rank alike.
     // One entry per parameter (0 without a gradient), so every rank all-reduces as many.
-    c10::Device device = grads.empty() ? c10::Device(c10::kCPU) : grads.front().device();
-    std::vector<at::Tensor> norms;
-    norms.reserve(params.size());
-    for (const auto& p : params) {
-      norms.push_back(p.grad().defined()
-                          ? at::linalg_vector_norm(p.grad(), norm_type).to(device, at::kFloat)
-                          : at::zeros({}, at::TensorOptions(device).dtype(at::kFloat)));
-    }
     if (norms.empty()) return at::zeros({}, at::kFloat);
-    at::Tensor per_param = combine_over_ranks(at::stack(norms), norm_type, *comm);
+    const c10::Device device = first == norms.end() ? c10::Device(c10::kCPU) : first->device();
+    std::vector<at::Tensor> all;
+    all.reserve(norms.size());
+    for (const auto& n : norms) {
+      all.push_back(n.defined() ? n.to(device, at::kFloat)
+                                : at::zeros({}, at::TensorOptions(device).dtype(at::kFloat)));
+    }
+    at::Tensor per_param = combine_over_ranks(at::stack(all), norm_type, *comm);
     return at::linalg_vector_norm(per_param, norm_type);
   }
   at::Tensor total;
-  if (grads.empty()) {
+  if (first == norms.end()) {
     total = at::zeros({}, at::kFloat);
   } else {
-    std::vector<at::Tensor> norms;
-    norms.reserve(grads.size());
-    for (const auto& g : grads) norms.push_back(at::linalg_vector_norm(g, norm_type));
-    c10::Device first = grads.front().device();
-    for (auto& n : norms) n = n.to(first);
-    total = at::linalg_vector_norm(at::stack(norms), norm_type);
+    std::vector<at::Tensor> defined;
+    for (const auto& n : norms) {
+      if (n.defined()) defined.push_back(n.to(first->device()));
+    }
+    total = at::linalg_vector_norm(at::stack(defined), norm_type);
   }
   if (comm != nullptr) {
     // Each rank's total, combined: (sum_r n_r^p)^(1/p), or max_r n_r for p = inf.
@@ -75,8 +89,6 @@ at::Tensor total_norm(const std::vector<at::Tensor>& params, double norm_type,
   }
   return total;
 }
-
-}  // namespace
 
 at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type,
                      comm::Communicator* comm, ShardNorm rule) {

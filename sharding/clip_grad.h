@@ -32,6 +32,14 @@ enum class ShardNorm { kPerParameter, kPerRank };
 at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type = 2.0,
                      comm::Communicator* comm = nullptr, ShardNorm rule = ShardNorm::kPerParameter);
 
+// grad_norm from each parameter's local gradient norm, linalg_vector_norm(grad, norm_type)
+// (undefined: no gradient), given in the order grad_norm would take the parameters: for when
+// the gradients are gone by the time the norm is wanted (FSDP's optimizer in backward
+// records each unit's before stepping it). Every rank must call it, as grad_norm.
+at::Tensor norm_of_grad_norms(const std::vector<at::Tensor>& norms, double norm_type = 2.0,
+                              comm::Communicator* comm = nullptr,
+                              ShardNorm rule = ShardNorm::kPerParameter);
+
 // Clips the gradients of `params` in place; returns the total norm before clipping as a 0-dim
 // fp32 tensor on the first gradient's device, as PyTorch's does: nothing waits for the
 // device unless error_if_nonfinite (which must read the norm to decide).

@@ -178,6 +178,7 @@ FSDPState::FSDPState(std::vector<UnitSpec> units, UnitSpec root,
   ready_.assign(units_.size(), false);
   in_forward_order_.assign(units_.size(), false);
   ran_since_sync_.assign(units_.size(), false);
+  stepped_.assign(units_.size(), 0);
   inputs_marked_.assign(units_.size(), 0);
   inputs_pending_.assign(units_.size(), 0);
   inputs_done_.assign(units_.size(), false);
@@ -263,6 +264,7 @@ void FSDPState::abandon_backward() {
   in_backward_ = false;
   pending_backward_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
+  std::fill(stepped_.begin(), stepped_.end(), 0);
   reset_input_counts();
 }
 
@@ -453,10 +455,41 @@ void FSDPState::launch_ready() {
 
 void FSDPState::finish_previous_reduce() {
   // The reduce-scatters are waited for here; HYBRID_SHARD's replica all-reduces stay in
-  // flight until finalize_backward.
+  // flight until finalize_backward (unless the optimizer steps in backward).
   for (; next_finish_ < next_launch_; ++next_finish_) {
-    FlatUnit& u = *units_[backward_order_[next_finish_]];
+    const int64_t unit = backward_order_[next_finish_];
+    FlatUnit& u = *units_[unit];
     if (!u.finish_scatter(&exposed_s_)) u.finish_reduce(&exposed_s_);
+    if (step_in_backward_) step_unit(unit);
+  }
+}
+
+void FSDPState::set_step_in_backward(StepInBackward step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  DTRAIN_CHECK_AS(UsageError, !in_backward_, "FSDP: set_step_in_backward called during a backward");
+  step_in_backward_ = std::move(step);
+}
+
+void FSDPState::step_unit(int64_t unit) {
+  if (stepped_[unit]) return;
+  stepped_[unit] = true;
+  FlatUnit& u = *units_[unit];
+  u.finish_reduce(&exposed_s_);
+  record_grads(u);
+  std::vector<at::Tensor> params;
+  for (const auto& p : u.params()) {
+    if (p.trainable && p.master.grad().defined()) params.push_back(p.master);
+  }
+  if (!params.empty()) step_in_backward_(params);
+  u.drop_grads();
+}
+
+void FSDPState::record_grads(const FlatUnit& u) const {
+  if (options_.monitor() == nullptr) return;
+  for (const auto& p : u.params()) {
+    if (p.trainable && p.master.grad().defined()) {
+      options_.monitor()->record("fsdp." + u.name() + ".grad", p.master.grad());
+    }
   }
 }
 
@@ -473,17 +506,16 @@ void FSDPState::finalize_backward() {
       if (!u.reduce_launched()) launch_reduce(u);
     }
     for (int64_t unit : backward_order_) {
+      if (step_in_backward_) {
+        step_unit(unit);
+        continue;
+      }
       FlatUnit& u = *units_[unit];
       u.finish_reduce(&exposed_s_);
-      if (options_.monitor() != nullptr && !u.params().empty()) {
-        for (const auto& p : u.params()) {
-          if (p.trainable && p.master.grad().defined()) {
-            options_.monitor()->record("fsdp." + u.name() + ".grad", p.master.grad());
-          }
-        }
-      }
+      record_grads(u);
     }
   }
+  std::fill(stepped_.begin(), stepped_.end(), 0);
   for (auto& u : units_) {
     u->reshard();
     u->reset_backward();

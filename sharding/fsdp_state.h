@@ -175,6 +175,16 @@ class FSDPState : public GradientSync {
   void set_parameters(const std::vector<at::Tensor>& parts);
   bool require_sync() const override { return require_sync_; }
   void set_require_sync(bool on) override { require_sync_ = on; }
+  // The optimizer in backward (PyTorch's _apply_optimizer_in_backward): in a backward that
+  // reduces (not under no_sync), `step` gets each unit's trainable masters as soon as their
+  // gradients are final (its reduce-scatter done, and under HYBRID_SHARD the replicas'
+  // all-reduce, which is then waited for at once), in backward order; then the unit's
+  // gradients are unset and their shard released. A rank then never holds more than a unit or
+  // two of gradient shards, where a step after backward holds them all: 4 bytes per
+  // parameter and rank of FULL_SHARD's 16. Nothing may need the whole gradient after backward
+  // (clipping, a GradScaler's verdict); `step` runs inside backward, on autograd's thread.
+  using StepInBackward = std::function<void(const std::vector<at::Tensor>& params)>;
+  void set_step_in_backward(StepInBackward step);
   // The group whose shards together make the gradients (for norms): null when every rank
   // holds them all.
   comm::Communicator* shard_group() const { return groups_.shard.get(); }
@@ -201,6 +211,10 @@ class FSDPState : public GradientSync {
   void on_grad_ready(int64_t unit, int64_t param);
   void launch_ready();
   void finish_previous_reduce();  // every launched reduction, before the next launches
+  // set_step_in_backward: finishes `unit`'s reduction, steps its masters and drops their
+  // gradients, once per backward.
+  void step_unit(int64_t unit);
+  void record_grads(const FlatUnit& u) const;  // the numerics monitor's gradient shards
   void finalize_backward();
   void abandon_backward();
   void prefetch(int64_t unit);
@@ -219,6 +233,8 @@ class FSDPState : public GradientSync {
   std::vector<std::pair<int64_t, int64_t>> order_;  // (unit, param) in the module's order
 
   std::mutex mu_;
+  StepInBackward step_in_backward_;
+  std::vector<char> stepped_;  // per unit, in this backward (set_step_in_backward)
   bool require_sync_ = true;
   bool grad_forward_ = false;  // the forward running now records autograd
   // Training state between a forward with grad and the end of its backward. A forward

@@ -427,6 +427,13 @@ void FlatUnit::reset_backward() {
   if (!reduce_launched_) reduce_full_ = at::Tensor();
 }
 
+void FlatUnit::drop_grads() {
+  for (auto& p : params_) {
+    if (p.trainable) p.master.mutable_grad().reset();
+  }
+  grad_shard_ = at::Tensor();
+}
+
 at::Tensor FlatUnit::gather(const at::Tensor& flat) const {
   c10::NoGradGuard no_grad;
   if (n_ == 1) return flat.narrow(0, 0, total_).clone();

@@ -148,6 +148,9 @@ class FlatUnit {
   void begin_backward();
   // Forgets this backward's counts (the next backward starts over).
   void reset_backward();
+  // Unsets the masters' gradients and releases the shard behind them (an optimizer stepped
+  // them in backward).
+  void drop_grads();
 
   // State dicts handle per-parameter quantities held like the masters (the masters
   // themselves, an optimizer's state): one 1-D tensor per param, this rank's part.

@@ -15,6 +15,7 @@
 
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "amp/sharded_grad_scaler.h"
 #include "core/error.h"
@@ -514,6 +515,107 @@ TEST_F(Test, GatheredParametersAreReleasedSoThePeakDoesNotGrowWithUnits) {
   // block here (a block and a half under load, before collectives let go of their tensors
   // before completing). Kept gathered until the step ends, the six more blocks would add six.
   EXPECT_LT(eight.overhead - two.overhead, 3 * block) << seen;
+}
+
+// The optimizer in backward (FSDPState::set_step_in_backward) steps each unit as its gradients
+// are reduced: after three steps (the second with two micro-batches, the first under no_sync)
+// every strategy holds bitwise the parameters of the same model stepped after backward, with
+// the same fused AdamW and the same gradient norm; and no gradient shard is left when backward
+// returns, where the step after backward holds all of them then.
+TEST_F(Test, TheOptimizerInBackwardStepsEachUnitAsTheStepAfterBackwardWould) {
+  struct Run {
+    FullyShardedDataParallel<TransformerLM> fsdp;
+    optim::AdamW opt;
+    std::map<const c10::TensorImpl*, at::Tensor> norms;
+    int64_t after_backward = 0;  // tracked bytes when the last backward returned
+    Run(ShardingStrategy s, int64_t layers, int64_t d_model)
+        : fsdp(make_lm(layers, d_model), world_ptr(), options_for(s).limit_all_gathers(2)),
+          opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01)) {}
+    void in_backward() {
+      fsdp.state().set_step_in_backward([this](const std::vector<at::Tensor>& ps) {
+        for (const auto& p : ps) norms[p.unsafeGetTensorImpl()] = at::linalg_vector_norm(p.grad());
+        opt.step_only(ps);
+      });
+    }
+    // One step of `micro` micro-batches; the gradient norm, from the gradients or the norms
+    // recorded as each unit was stepped.
+    at::Tensor step(int64_t step, int64_t micro, int64_t tokens, bool in_backward) {
+      opt.zero_grad();
+      for (int64_t m = 0; m < micro; ++m) {
+        Batch b = batch_for(Kind::kLm, world().size() * kPerRank, 500 + 10 * step + m)
+                      .slice(world().rank(), kPerRank);
+        std::optional<NoSyncGuard> local;
+        if (m + 1 < micro) local.emplace(fsdp.no_sync());
+        (loss_of(fsdp(b.input.narrow(1, 0, tokens)), b.target.narrow(1, 0, tokens)) /
+         static_cast<double>(micro))
+            .backward();
+      }
+      after_backward = TrackedCpuMemory::current_bytes();
+      at::Tensor norm;
+      if (in_backward) {
+        std::vector<at::Tensor> ordered;
+        for (const auto& p : fsdp.parameters()) {
+          EXPECT_FALSE(p.grad().defined()) << "a gradient outlived its unit's step";
+          auto it = norms.find(p.unsafeGetTensorImpl());
+          ordered.push_back(it == norms.end() ? at::Tensor() : it->second);
+        }
+        norms.clear();
+        norm = norm_of_grad_norms(ordered, 2.0, fsdp.state().shard_group());
+      } else {
+        norm = grad_norm(fsdp.parameters(), 2.0, fsdp.state().shard_group());
+      }
+      opt.step();  // finds no gradient after the steps in backward
+      return norm;
+    }
+  };
+  for (auto s : strategies()) {
+    SCOPED_TRACE(to_string(s));
+    Run after(s, 3, 24), during(s, 3, 24);
+    during.in_backward();
+    for (int64_t step = 0; step < 3; ++step) {
+      const int64_t micro = step == 1 ? 2 : 1;
+      const at::Tensor a = after.step(step, micro, 10, false);
+      const at::Tensor b = during.step(step, micro, 10, true);
+      EXPECT_TRUE(at::equal(a, b)) << "gradient norm, step " << step << ": " << a.item<double>()
+                                   << " vs " << b.item<double>();
+    }
+    const auto want = after.fsdp.state().full_parameters();
+    const auto got = during.fsdp.state().full_parameters();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t k = 0; k < got.size(); ++k) {
+      EXPECT_TRUE(at::equal(got[k].second, want[k].second)) << got[k].first;
+    }
+  }
+  if (dev().is_cuda()) return;  // the rest counts CPU tensor memory
+  // Memory: 8 blocks of d_model 64 (~33k parameters each), 2 tokens.
+  struct Bytes {
+    int64_t peak = 0, after_backward = 0, shards = 0;
+  };
+  auto measure = [&](bool in_backward) {
+    const int64_t base = TrackedCpuMemory::current_bytes();
+    Run r(ShardingStrategy::kFullShard, 8, 64);
+    if (in_backward) r.in_backward();
+    Bytes b;
+    for (const auto& p : r.fsdp.parameters()) b.shards += p.nbytes();
+    for (int64_t step = 0; step < 3; ++step) {
+      TrackedCpuMemory::reset_peak();
+      r.step(step, 1, 2, in_backward);
+      // The model, its state and the step.
+      b.peak = TrackedCpuMemory::peak_bytes() - base;
+      b.after_backward = r.after_backward - base;
+    }
+    return b;
+  };
+  const Bytes after = measure(false), during = measure(true);
+  const std::string seen = "stepping in backward: peak " + std::to_string(during.peak) + " B, " +
+                           std::to_string(during.after_backward) +
+                           " B when backward returned; after it: " + std::to_string(after.peak) +
+                           " and " + std::to_string(after.after_backward) +
+                           " B; the parameter shards are " + std::to_string(after.shards) + " B";
+  // The gradient shards take at least the parameter shards' bytes (padding aside).
+  EXPECT_GE(after.after_backward - during.after_backward, after.shards * 9 / 10) << seen;
+  EXPECT_LT(during.peak, after.peak) << seen;
+  std::printf("optimizer in backward, %d ranks: %s\n", world().size(), seen.c_str());
 }
 
 // Deferred initialization: a TransformerLM built with placeholders and initialized by FSDP
