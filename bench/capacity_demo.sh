@@ -9,8 +9,10 @@
 #   3. dtrain FSDP on configs/capacity_1_3b.yaml (1.31B parameters: deferred init, every block
 #      recomputed, one unit gathered at a time): 5 steps, each rank's peak beside the estimate;
 #   4. PyTorch's fully_shard with the same recipe (meta-device build, checkpoint_wrapper,
-#      fused AdamW, clipping) at the same size, then one size down if it did not train.
-# Needs ~22 GiB free and about 25 minutes on 2 cores. Not part of CI.
+#      fused AdamW, clipping) at the same size, then one size down if it did not train;
+#   5. without clipping: dtrain with the optimizer in backward (train.optimizer_in_backward,
+#      12 bytes per parameter) at 33 layers (1.66B), and PyTorch at 27 layers, then 26.
+# Needs ~22 GiB free and about 50 minutes on 2 cores. Not part of CI.
 #   bench/capacity_demo.sh [SKIP_PYTORCH=1]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +44,20 @@ for layers in 26 24 22; do
   echo "-- $layers layers"
   "${launch[@]}" .venv/bin/python -W ignore bench/reference/fsdp_reference.py capacity \
     --layers $layers 2>&1 | grep -E "pytorch step|\"capacity\"|killed|Killed|Error" | tail -7
+  code=${PIPESTATUS[0]}
+  echo "(exit code $code)"
+  [ "$code" = 0 ] && break
+done
+echo
+echo "== 5. without clipping: dtrain with the optimizer in backward, 1.66B; PyTorch from 1.36B down"
+"${launch[@]}" $train --config configs/capacity_1_3b.yaml --set model.n_layers=33 \
+  --set train.clip_grad_norm=0 --set train.optimizer_in_backward=true 2>&1 |
+  grep -E "memory: about|model ready|step [0-9]/|RSS|done|Killed|killed|error"
+echo "(exit code ${PIPESTATUS[0]})"
+for layers in 27 26; do
+  echo "-- PyTorch, $layers layers, no clipping"
+  "${launch[@]}" .venv/bin/python -W ignore bench/reference/fsdp_reference.py capacity \
+    --layers $layers --clip 0 2>&1 | grep -E "pytorch step|\"capacity\"|killed|Killed|Error" | tail -7
   code=${PIPESTATUS[0]}
   echo "(exit code $code)"
   [ "$code" = 0 ] && break

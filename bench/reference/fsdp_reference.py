@@ -17,7 +17,8 @@ Two uses, one process per rank under dtrain-launch (or torchrun):
   capacity: configs/capacity_1_3b.yaml's recipe as PyTorch users write it, for
           bench/capacity_demo.sh: built on the meta device, every block under
           checkpoint_wrapper and fully_shard, to_empty then each rank initializes its shards;
-          AdamW(fused=True), clip_grad_norm_(1.0), the GPL-3 bytes; losses and peak RSS
+          AdamW(fused=True), clip_grad_norm_(1.0) (--clip 0: none), the GPL-3 bytes; losses and
+          peak RSS
       dtrain-launch --nproc-per-node 2 -- .venv/bin/python bench/reference/fsdp_reference.py \
           capacity --layers 26
 
@@ -174,7 +175,8 @@ def capacity(args):
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x).float().reshape(-1, 256), y.reshape(-1))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -217,6 +219,7 @@ def main():
                           ("d-ff", 8192), ("seq", 64), ("batch", 2)]:
         c.add_argument("--" + name, type=int, default=default)
     c.add_argument("--corpus", default="/usr/share/common-licenses/GPL-3")
+    c.add_argument("--clip", type=float, default=1.0, help="clip_grad_norm_ to this (0: off)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo")
