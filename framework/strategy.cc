@@ -27,13 +27,13 @@ at::Tensor Strategy::clip_grad_norm(double max_norm) {
 void Strategy::step_in_backward(StepParams step) {
   DTRAIN_CHECK_AS(UsageError, fsdp() != nullptr,
                   "the optimizer steps in backward under FSDP only (parallel.strategy: fsdp)");
-  in_backward_ = true;
   fsdp()->set_step_in_backward([this, step = std::move(step)](const std::vector<at::Tensor>& ps) {
     for (const auto& p : ps) {
       stepped_norms_[p.unsafeGetTensorImpl()] = at::linalg_vector_norm(p.grad(), 2.0);
     }
     step(ps);
   });
+  in_backward_ = true;
 }
 
 sharding::DDPOptions ddp_options(const RunConfig& c, amp::NumericsMonitor* monitor) {

@@ -474,6 +474,9 @@ void FSDPState::step_unit(int64_t unit) {
   if (stepped_[unit]) return;
   stepped_[unit] = true;
   FlatUnit& u = *units_[unit];
+  // A unit prefetched for a backward that never reached it is still being gathered from its
+  // shard: let the all-gather finish reading it before the step writes it.
+  if (u.state() == FlatUnit::State::kGathering) u.wait_unsharded(&exposed_s_);
   u.finish_reduce(&exposed_s_);
   record_grads(u);
   std::vector<at::Tensor> params;

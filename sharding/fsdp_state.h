@@ -182,7 +182,11 @@ class FSDPState : public GradientSync {
   // gradients are unset and their shard released. A rank then never holds more than a unit or
   // two of gradient shards, where a step after backward holds them all: 4 bytes per
   // parameter and rank of FULL_SHARD's 16. Nothing may need the whole gradient after backward
-  // (clipping, a GradScaler's verdict); `step` runs inside backward, on autograd's thread.
+  // (clipping, a GradScaler's verdict); `step` runs inside backward, on autograd's thread, and
+  // must not call into this FSDP (a forward, this setter): it holds the state's lock. `step`
+  // must step every parameter it gets (one optimizer over all the masters): the gradients are
+  // dropped after it either way. Every reducing backward steps once, so accumulate over
+  // micro-batches under no_sync.
   using StepInBackward = std::function<void(const std::vector<at::Tensor>& params)>;
   void set_step_in_backward(StepInBackward step);
   // The group whose shards together make the gradients (for norms): null when every rank

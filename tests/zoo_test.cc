@@ -10,7 +10,9 @@
 // Every rank also trains the same model alone, on the whole batch (the reference); after each
 // step the ranks' averaged gradients, then the parameters and buffers, must equal it. Then
 // the trained model is checkpointed (FSDP: sharded and full; DDP: full) and restored into a
-// fresh one, whose parameters and buffers must equal the reference's bit for bit.
+// fresh one, whose parameters and buffers must equal the reference's bit for bit. And every
+// FSDP strategy with the optimizer in backward must end with bitwise the parameters and
+// buffers of the same strategy stepped after backward.
 //
 // Named tests pin one pattern each; ZooTest.RandomModels draws models from seeds
 // (DTRAIN_ZOO_SEEDS=first:count, default a fixed set; scripts/zoo runs random ones).
@@ -468,8 +470,45 @@ std::vector<std::pair<std::string, FSDPOptions>> strategies() {
   };
 }
 
+// The optimizer in backward (FSDPState::set_step_in_backward) on the same pattern: SGD stepped
+// on each unit as its gradients are reduced leaves bitwise the parameters of SGD after
+// backward, with no gradient left when backward returns.
+void check_in_backward(const ZooSpec& spec, FSDPOptions options, const std::string& label) {
+  SCOPED_TRACE(label + ", optimizer in backward | " + spec.describe());
+  const int64_t n = world().size(), r = world().rank();
+  const int64_t total = n * kPerRank;
+  auto mine = [&](Batch b) {
+    return Batch{b.x.narrow(0, r * kPerRank, kPerRank), b.y.narrow(0, r * kPerRank, kPerRank)};
+  };
+  FullyShardedDataParallel<ZooNet> after(make_net(spec), world_ptr(), options);
+  FullyShardedDataParallel<ZooNet> during(make_net(spec), world_ptr(), options);
+  during.state().set_step_in_backward([](const std::vector<at::Tensor>& ps) { sgd_step(ps, kLr); });
+  for (int64_t s = 0; s < spec.steps; ++s) {
+    for (auto* model : {&after, &during}) {
+      zero_grad(model->parameters());
+      train_step(
+          spec, s, total, [&](const at::Tensor& x, bool last) { return (*model)(x, last); }, mine,
+          [&](bool last) { return no_sync_unless(last, *model); });
+    }
+    for (const auto& p : during.parameters()) {
+      EXPECT_FALSE(p.grad().defined()) << "step " << s << ": a gradient outlived its unit's step";
+    }
+    sgd_step(after.parameters(), kLr);
+  }
+  const auto want = after.state().full_parameters();
+  const auto got = during.state().full_parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    EXPECT_TRUE(at::equal(got[k].second, want[k].second)) << "final parameter " << got[k].first;
+  }
+  expect_equal_buffers("FSDP, optimizer in backward", *during.module(), *after.module());
+}
+
 void check_all(const ZooSpec& spec) {
-  for (const auto& [name, options] : strategies()) check_fsdp(spec, options, "FSDP " + name);
+  for (const auto& [name, options] : strategies()) {
+    check_fsdp(spec, options, "FSDP " + name);
+    check_in_backward(spec, options, "FSDP " + name);
+  }
   check_ddp(spec, "DDP");
 }
 
