@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   int64_t steps = 8, warmup = 2, d_model = 512, layers = 6, heads = 8, d_ff = 2048, seq = 64,
           batch = 4, vocab = 256, limit = 2, hybrid_group = 0;
   double bucket_cap_mb = 25;
-  bool forward_prefetch = false, one_queue = false, local_ab = false;
+  bool forward_prefetch = false, one_queue = false, local_ab = false, in_backward = false;
   app.add_option("--strategy", strategy, "ddp, fsdp, or local (one process, no communication)")
       ->check(CLI::IsMember({"ddp", "fsdp", "local"}));
   app.add_option("--sharding", sharding, "FSDP: full_shard, shard_grad_op, no_shard")
@@ -133,6 +133,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"per_parameter", "flat"}));
   app.add_flag("--forward-prefetch", forward_prefetch, "FSDP");
   app.add_flag("--one-queue", one_queue, "FSDP: reduce-scatters on the gathers' communicator");
+  app.add_flag("--optimizer-in-backward", in_backward,
+               "FSDP, fused AdamW: each unit steps as its gradients are reduced "
+               "(FSDPState::set_step_in_backward); the optimizer's time is then inside backward");
   app.add_flag("--local-ab", local_ab,
                "DDP: every other step under no_sync(), without communication, reported apart "
                "(ab_sync_*, ab_local_*): the step beside the same processes' local step, "
@@ -158,6 +161,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (scaler_mode.empty()) scaler_mode = fp16 ? "in-ddp" : "off";
+  if (in_backward && (strategy != "fsdp" || optimizer != "fused")) {
+    std::fprintf(stderr, "step_bench: --optimizer-in-backward is for fsdp with the fused AdamW\n");
+    return 2;
+  }
   if (scaler_mode != "off" && strategy == "fsdp") {
     std::fprintf(stderr, "step_bench: --scaler is for ddp and local\n");
     return 2;
@@ -216,6 +223,10 @@ int main(int argc, char** argv) {
     opt_ptr = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-4));
   }
   torch::optim::Optimizer& opt = *opt_ptr;
+  if (in_backward) {
+    fsdp->state().set_step_in_backward(
+        [timed](const std::vector<at::Tensor>& ps) { timed->step_only(ps); });
+  }
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
   std::vector<double> step_s, forward_s, backward_s, comm_s, exposed_s, opt_s, scaler_s,
       write_back_s, adamw_s, check_s;
@@ -259,7 +270,7 @@ int main(int argc, char** argv) {
       }
       sc.update();
       in_scaler += seconds(te, Clock::now()) - (timed ? timed->last_s : 0.0);
-    } else {
+    } else if (!in_backward) {
       opt.step();
     }
     auto t1 = Clock::now();
@@ -270,7 +281,7 @@ int main(int argc, char** argv) {
     opt_s.push_back(seconds(te, t1));
     scaler_s.push_back(sc.is_enabled() ? in_scaler : 0.0);
     scaled_step.push_back(local_ab ? !local_step.has_value() : with_scaler);
-    adamw_s.push_back(timed ? timed->last_s : 0.0);
+    adamw_s.push_back(timed && !in_backward ? timed->last_s : 0.0);
     if (ddp || fsdp) {
       const auto& st = ddp ? ddp->last_stats() : fsdp->last_stats();
       comm_s.push_back(st.comm_seconds);
@@ -311,7 +322,7 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     const double c = median(comm_s), e = median(exposed_s);
     std::printf(
-        "{\"impl\":\"dtrain\",\"optimizer\":\"%s\",\"strategy\":\"%s\",\"sharding\":\"%s\","
+        "{\"impl\":\"dtrain\",\"optimizer\":\"%s%s\",\"strategy\":\"%s\",\"sharding\":\"%s\","
         "\"precision\":\"%s\","
         "\"backend\":\"%s\",\"world\":%d,\"params\":%lld,\"median_step_s\":%.4f,"
         "\"median_forward_s\":%.4f,\"median_backward_s\":%.4f,\"median_optimizer_s\":%.4f,\"comm_"
@@ -320,8 +331,9 @@ int main(int argc, char** argv) {
         "\"steady_tracked_mb\":%.1f,\"scaler\":\"%s\",\"median_scaler_s\":%.5f,\"median_write_back_"
         "s\":%.5f,\"median_adamw_s\":%.5f,"
         "\"median_finite_check_s\":%.5f%s}\n",
-        optimizer.c_str(), strategy.c_str(), strategy == "fsdp" ? sharding.c_str() : "",
-        precision.c_str(), comm ? comm->backend().c_str() : "none", comm ? comm->size() : 1,
+        optimizer.c_str(), in_backward ? " in backward" : "", strategy.c_str(),
+        strategy == "fsdp" ? sharding.c_str() : "", precision.c_str(),
+        comm ? comm->backend().c_str() : "none", comm ? comm->size() : 1,
         static_cast<long long>(dtrain::framework::transformer_lm_parameter_count(opts)),
         median(step_s), median(forward_s), median(backward_s), median(opt_s), c, e,
         c > 0 ? std::max(0.0, 1 - e / c) : 1.0, peak_rss_mb, peak_tracked_mb, steady_mb,

@@ -29,7 +29,7 @@ void Strategy::step_in_backward(StepParams step) {
                   "the optimizer steps in backward under FSDP only (parallel.strategy: fsdp)");
   fsdp()->set_step_in_backward([this, step = std::move(step)](const std::vector<at::Tensor>& ps) {
     for (const auto& p : ps) {
-      stepped_norms_[p.unsafeGetTensorImpl()] = at::linalg_vector_norm(p.grad(), 2.0);
+      stepped_norms_[p.unsafeGetTensorImpl()] = sharding::local_grad_norm(p, 2.0);
     }
     step(ps);
   });

@@ -42,14 +42,15 @@ at::Tensor total_norm(const std::vector<at::Tensor>& params, double norm_type,
   c10::NoGradGuard no_grad;
   std::vector<at::Tensor> norms;
   norms.reserve(params.size());
-  for (const auto& p : params) {
-    norms.push_back(p.grad().defined() ? at::linalg_vector_norm(p.grad(), norm_type)
-                                       : at::Tensor());
-  }
+  for (const auto& p : params) norms.push_back(local_grad_norm(p, norm_type));
   return norm_of_grad_norms(norms, norm_type, comm, rule);
 }
 
 }  // namespace
+
+at::Tensor local_grad_norm(const at::Tensor& p, double norm_type) {
+  return p.grad().defined() ? at::linalg_vector_norm(p.grad(), norm_type) : at::Tensor();
+}
 
 at::Tensor norm_of_grad_norms(const std::vector<at::Tensor>& norms, double norm_type,
                               comm::Communicator* comm, ShardNorm rule) {

@@ -357,7 +357,7 @@ void FSDPState::ensure_backward_started() {
     }
   }
   if (root_ >= 0 && units_[root_]->trainable_count() > 0) backward_order_.push_back(root_);
-  next_launch_ = next_finish_ = 0;
+  next_launch_ = next_finish_ = next_step_ = 0;
   std::fill(ready_.begin(), ready_.end(), false);
   for (auto& u : units_) u->begin_backward();
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize_backward(); });
@@ -455,12 +455,17 @@ void FSDPState::launch_ready() {
 
 void FSDPState::finish_previous_reduce() {
   // The reduce-scatters are waited for here; HYBRID_SHARD's replica all-reduces stay in
-  // flight until finalize_backward (unless the optimizer steps in backward).
+  // flight until finalize_backward. With the optimizer in backward, a unit is stepped once
+  // its reduction is final: at once without replicas; under HYBRID_SHARD when the next
+  // unit's scatter is done, so one replica all-reduce stays in flight behind the backward.
   for (; next_finish_ < next_launch_; ++next_finish_) {
     const int64_t unit = backward_order_[next_finish_];
     FlatUnit& u = *units_[unit];
-    if (!u.finish_scatter(&exposed_s_)) u.finish_reduce(&exposed_s_);
-    if (step_in_backward_) step_unit(unit);
+    const bool replicas_pending = u.finish_scatter(&exposed_s_);
+    if (!replicas_pending) u.finish_reduce(&exposed_s_);
+    if (!step_in_backward_) continue;
+    for (; next_step_ < next_finish_; ++next_step_) step_unit(backward_order_[next_step_]);
+    if (!replicas_pending) step_unit(unit);
   }
 }
 

@@ -178,7 +178,8 @@ class FSDPState : public GradientSync {
   // The optimizer in backward (PyTorch's _apply_optimizer_in_backward): in a backward that
   // reduces (not under no_sync), `step` gets each unit's trainable masters as soon as their
   // gradients are final (its reduce-scatter done, and under HYBRID_SHARD the replicas'
-  // all-reduce, which is then waited for at once), in backward order; then the unit's
+  // all-reduce, waited for once the next unit's reduce-scatter is done, so that one replica
+  // all-reduce runs behind the backward), in backward order; then the unit's
   // gradients are unset and their shard released. A rank then never holds more than a unit or
   // two of gradient shards, where a step after backward holds them all: 4 bytes per
   // parameter and rank of FULL_SHARD's 16. Nothing may need the whole gradient after backward
@@ -263,7 +264,7 @@ class FSDPState : public GradientSync {
   std::vector<bool> inputs_done_;
   std::vector<int64_t> backward_order_;  // reduction order, root last
   std::vector<bool> ready_;
-  size_t next_launch_ = 0, next_finish_ = 0;  // into backward_order_
+  size_t next_launch_ = 0, next_finish_ = 0, next_step_ = 0;  // into backward_order_
   double exposed_s_ = 0;
   int64_t peak_gathered_ = 0;
   int64_t reductions_launched_ = 0;

@@ -533,7 +533,7 @@ TEST_F(Test, TheOptimizerInBackwardStepsEachUnitAsTheStepAfterBackwardWould) {
           opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01)) {}
     void in_backward() {
       fsdp.state().set_step_in_backward([this](const std::vector<at::Tensor>& ps) {
-        for (const auto& p : ps) norms[p.unsafeGetTensorImpl()] = at::linalg_vector_norm(p.grad());
+        for (const auto& p : ps) norms[p.unsafeGetTensorImpl()] = local_grad_norm(p);
         opt.step_only(ps);
       });
     }

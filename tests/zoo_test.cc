@@ -368,20 +368,22 @@ std::optional<NoSyncGuard> no_sync_unless(bool last, Model& model) {
   return guard;
 }
 
+// This rank's rows of a batch that holds every rank's.
+Batch my_rows(const Batch& b) {
+  const int64_t r = world().rank();
+  return Batch{b.x.narrow(0, r * kPerRank, kPerRank), b.y.narrow(0, r * kPerRank, kPerRank)};
+}
+
 // Trains `model` (DDP or FSDP) on this rank's rows beside the reference on all of them, for
 // spec.steps steps: after each step's backward, compare_grads(step), then SGD on both.
 template <typename Model, typename CompareGrads>
 void train_beside(const ZooSpec& spec, Model& model, Reference& ref, CompareGrads&& compare_grads) {
-  const int64_t n = world().size(), r = world().rank();
-  const int64_t total = n * kPerRank;
-  auto mine = [&](Batch b) {
-    return Batch{b.x.narrow(0, r * kPerRank, kPerRank), b.y.narrow(0, r * kPerRank, kPerRank)};
-  };
+  const int64_t total = world().size() * kPerRank;
   for (int64_t s = 0; s < spec.steps; ++s) {
     ref.step(spec, s, total);
     zero_grad(model.parameters());
     train_step(
-        spec, s, total, [&](const at::Tensor& x, bool last) { return model(x, last); }, mine,
+        spec, s, total, [&](const at::Tensor& x, bool last) { return model(x, last); }, my_rows,
         [&](bool last) { return no_sync_unless(last, model); });
     compare_grads(s);
     sgd_step(model.parameters(), kLr);
@@ -475,11 +477,7 @@ std::vector<std::pair<std::string, FSDPOptions>> strategies() {
 // backward, with no gradient left when backward returns.
 void check_in_backward(const ZooSpec& spec, FSDPOptions options, const std::string& label) {
   SCOPED_TRACE(label + ", optimizer in backward | " + spec.describe());
-  const int64_t n = world().size(), r = world().rank();
-  const int64_t total = n * kPerRank;
-  auto mine = [&](Batch b) {
-    return Batch{b.x.narrow(0, r * kPerRank, kPerRank), b.y.narrow(0, r * kPerRank, kPerRank)};
-  };
+  const int64_t total = world().size() * kPerRank;
   FullyShardedDataParallel<ZooNet> after(make_net(spec), world_ptr(), options);
   FullyShardedDataParallel<ZooNet> during(make_net(spec), world_ptr(), options);
   during.state().set_step_in_backward([](const std::vector<at::Tensor>& ps) { sgd_step(ps, kLr); });
@@ -487,8 +485,8 @@ void check_in_backward(const ZooSpec& spec, FSDPOptions options, const std::stri
     for (auto* model : {&after, &during}) {
       zero_grad(model->parameters());
       train_step(
-          spec, s, total, [&](const at::Tensor& x, bool last) { return (*model)(x, last); }, mine,
-          [&](bool last) { return no_sync_unless(last, *model); });
+          spec, s, total, [&](const at::Tensor& x, bool last) { return (*model)(x, last); },
+          my_rows, [&](bool last) { return no_sync_unless(last, *model); });
     }
     for (const auto& p : during.parameters()) {
       EXPECT_FALSE(p.grad().defined()) << "step " << s << ": a gradient outlived its unit's step";
