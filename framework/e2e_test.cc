@@ -178,34 +178,38 @@ TEST(EndToEnd, RecomputeLeavesTheOtherStrategiesAndFp16BitwiseTheSame) {
 }
 
 // The optimizer in backward (train.optimizer_in_backward) steps each FSDP unit as its gradients
-// are reduced: every strategy, fp32 and bf16, 2 micro-batches, trains bitwise as the step after
-// backward, with the same logged gradient norms (the tiny configs clip; neither run does here).
+// are reduced: each strategy, in fp32 or bf16, 2 micro-batches, trains bitwise as the step
+// after backward, with the same logged gradient norms (the tiny configs clip; neither run does
+// here). The trainer's wiring is what this adds: fsdp_test and zoo_test compare every strategy
+// in every pattern at the library.
 TEST(EndToEnd, TheOptimizerInBackwardTrainsBitwiseAsTheStepAfterBackward) {
   int i = 0;
-  for (const std::string config : {"configs/tiny/fsdp_fp32.yaml", "configs/tiny/fsdp_bf16.yaml"}) {
-    for (const std::string strategy : {"full_shard", "shard_grad_op", "no_shard"}) {
-      SCOPED_TRACE(config + " " + strategy);
-      const std::string extra =
-          "--set train.clip_grad_norm=0 --set parallel.sharding_strategy=" + strategy;
-      const std::string name = "in_backward" + std::to_string(i++);
-      const auto after = trajectory(config, extra, name + "a");
-      std::string log;
-      const auto during =
-          trajectory(config, extra + " --set train.optimizer_in_backward=true", name + "b", &log);
-      EXPECT_NE(log.find("steps each FSDP unit in backward"), std::string::npos) << log;
-      ASSERT_EQ(after.first.size(), 3u);
-      EXPECT_EQ(after.first, during.first) << "losses";
-      EXPECT_FALSE(after.second.empty());
-      EXPECT_EQ(after.second, during.second) << "the final parameters differ";
-      std::vector<std::string> norms[2];
-      for (int k = 0; k < 2; ++k) {
-        for (const auto& row : metrics(tmp(name + (k == 0 ? "a" : "b") + ".jsonl"))) {
-          norms[k].push_back(row["grad_norm"].Scalar());
-        }
+  const std::pair<std::string, std::string> cases[] = {
+      {"configs/tiny/fsdp_fp32.yaml", "full_shard"},
+      {"configs/tiny/fsdp_bf16.yaml", "shard_grad_op"},
+      {"configs/tiny/fsdp_bf16.yaml", "no_shard"}};
+  for (const auto& [config, strategy] : cases) {
+    SCOPED_TRACE(config + " " + strategy);
+    const std::string extra =
+        "--set train.clip_grad_norm=0 --set parallel.sharding_strategy=" + strategy;
+    const std::string name = "in_backward" + std::to_string(i++);
+    const auto after = trajectory(config, extra, name + "a");
+    std::string log;
+    const auto during =
+        trajectory(config, extra + " --set train.optimizer_in_backward=true", name + "b", &log);
+    EXPECT_NE(log.find("steps each FSDP unit in backward"), std::string::npos) << log;
+    ASSERT_EQ(after.first.size(), 3u);
+    EXPECT_EQ(after.first, during.first) << "losses";
+    EXPECT_FALSE(after.second.empty());
+    EXPECT_EQ(after.second, during.second) << "the final parameters differ";
+    std::vector<std::string> norms[2];
+    for (int k = 0; k < 2; ++k) {
+      for (const auto& row : metrics(tmp(name + (k == 0 ? "a" : "b") + ".jsonl"))) {
+        norms[k].push_back(row["grad_norm"].Scalar());
       }
-      EXPECT_EQ(norms[0], norms[1]) << "the logged gradient norms";
-      EXPECT_NE(norms[0].front(), "0") << "the gradient norm was not measured";
     }
+    EXPECT_EQ(norms[0], norms[1]) << "the logged gradient norms";
+    EXPECT_NE(norms[0].front(), "0") << "the gradient norm was not measured";
   }
 }
 
