@@ -463,13 +463,21 @@ void check_ddp(const ZooSpec& spec, const std::string& label) {
 }
 
 std::vector<std::pair<std::string, FSDPOptions>> strategies() {
-  return {
+  std::vector<std::pair<std::string, FSDPOptions>> all = {
       {"full_shard", FSDPOptions().sharding_strategy(ShardingStrategy::kFullShard)},
       {"shard_grad_op", FSDPOptions().sharding_strategy(ShardingStrategy::kShardGradOp)},
       {"no_shard", FSDPOptions().sharding_strategy(ShardingStrategy::kNoShard)},
       {"hybrid_shard",
        FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard).hybrid_group_size(1)},
   };
+  // From 4 ranks on (run by hand: CI runs the zoo at 2 and 3), shard groups of 2 with
+  // replicas too: a reduce-scatter, then the replicas' all-reduce in flight behind backward.
+  if (world().size() >= 4 && world().size() % 2 == 0) {
+    all.push_back(
+        {"hybrid_shard (groups of 2)",
+         FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard).hybrid_group_size(2)});
+  }
+  return all;
 }
 
 // The optimizer in backward (FSDPState::set_step_in_backward) on the same pattern: SGD stepped
