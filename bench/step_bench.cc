@@ -223,9 +223,13 @@ int main(int argc, char** argv) {
     opt_ptr = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-4));
   }
   torch::optim::Optimizer& opt = *opt_ptr;
+  double in_backward_adamw_s = 0;  // --optimizer-in-backward: this step's unit steps, summed
   if (in_backward) {
     fsdp->state().set_step_in_backward(
-        [timed](const std::vector<at::Tensor>& ps) { timed->step_only(ps); });
+        [timed, &in_backward_adamw_s](const std::vector<at::Tensor>& ps) {
+          timed->step_only(ps);
+          in_backward_adamw_s += timed->last_s;
+        });
   }
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
   std::vector<double> step_s, forward_s, backward_s, comm_s, exposed_s, opt_s, scaler_s,
@@ -238,6 +242,7 @@ int main(int argc, char** argv) {
     if (comm) comm->barrier().wait();
     const double steady = TrackedCpuMemory::current_bytes() / 1e6;
     TrackedCpuMemory::reset_peak();
+    in_backward_adamw_s = 0;
     // --scaler ab: even steps as the trainer runs fp16 (in-ddp), odd steps without a scaler.
     const bool with_scaler = ab ? s % 2 == 0 : scaler.is_enabled();
     // --local-ab: odd steps without communication.
@@ -281,7 +286,7 @@ int main(int argc, char** argv) {
     opt_s.push_back(seconds(te, t1));
     scaler_s.push_back(sc.is_enabled() ? in_scaler : 0.0);
     scaled_step.push_back(local_ab ? !local_step.has_value() : with_scaler);
-    adamw_s.push_back(timed && !in_backward ? timed->last_s : 0.0);
+    adamw_s.push_back(in_backward ? in_backward_adamw_s : timed ? timed->last_s : 0.0);
     if (ddp || fsdp) {
       const auto& st = ddp ? ddp->last_stats() : fsdp->last_stats();
       comm_s.push_back(st.comm_seconds);

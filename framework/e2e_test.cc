@@ -185,8 +185,8 @@ TEST(EndToEnd, RecomputeLeavesTheOtherStrategiesAndFp16BitwiseTheSame) {
 TEST(EndToEnd, TheOptimizerInBackwardTrainsBitwiseAsTheStepAfterBackward) {
   int i = 0;
   const std::pair<std::string, std::string> cases[] = {
-      {"configs/tiny/fsdp_fp32.yaml", "full_shard"},
-      {"configs/tiny/fsdp_bf16.yaml", "shard_grad_op"},
+      {"configs/tiny/fsdp_bf16.yaml", "full_shard"},
+      {"configs/tiny/fsdp_fp32.yaml", "shard_grad_op"},
       {"configs/tiny/fsdp_bf16.yaml", "no_shard"}};
   for (const auto& [config, strategy] : cases) {
     SCOPED_TRACE(config + " " + strategy);

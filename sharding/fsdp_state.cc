@@ -246,7 +246,10 @@ void FSDPState::note_gathered() { peak_gathered_ = std::max(peak_gathered_, gath
 
 void FSDPState::abandon_backward() {
   // A backward that ended early (an exception) left reductions in flight: finish them so
-  // their results never land in buffers the next iteration uses.
+  // their results never land in buffers the next iteration uses. With the optimizer in
+  // backward, what reached the units not stepped (the one whose step threw among them) is
+  // dropped too: the masters hold no gradient between steps, and one left here would be added
+  // to the next step's.
   for (auto& u : units_) {
     if (u->reduce_launched()) {
       try {
@@ -259,6 +262,7 @@ void FSDPState::abandon_backward() {
                       e.what());
       }
     }
+    if (step_in_backward_) u->drop_grads();
     u->reset_backward();
   }
   in_backward_ = false;

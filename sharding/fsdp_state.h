@@ -187,7 +187,9 @@ class FSDPState : public GradientSync {
   // must not call into this FSDP (a forward, this setter): it holds the state's lock. `step`
   // must step every parameter it gets (one optimizer over all the masters): the gradients are
   // dropped after it either way. Every reducing backward steps once, so accumulate over
-  // micro-batches under no_sync.
+  // micro-batches under no_sync. A `step` that throws ends the backward (on every rank alike,
+  // or the ranks' collectives part ways); the next forward drops the gradients the units not
+  // stepped had received, so none is added to the next step's.
   using StepInBackward = std::function<void(const std::vector<at::Tensor>& params)>;
   void set_step_in_backward(StepInBackward step);
   // The group whose shards together make the gradients (for norms): null when every rank

@@ -620,6 +620,29 @@ TEST_F(Test, TheOptimizerInBackwardStepsEachUnitAsTheStepAfterBackwardWould) {
   std::printf("optimizer in backward, %d ranks: %s\n", world().size(), seen.c_str());
 }
 
+// A step that throws inside backward (the optimizer in backward's callback, on its second unit,
+// on every rank) ends that backward; the next forward abandons it. What the units not stepped
+// received must not survive into the next step: the masters hold no gradient afterwards.
+TEST_F(Test, AStepThatThrowsInBackwardLeavesNoGradientBehind) {
+  for (auto s : strategies()) {
+    SCOPED_TRACE(to_string(s));
+    FullyShardedDataParallel<TransformerLM> fsdp(make_lm(3, 24), world_ptr(), options_for(s));
+    optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-2));
+    int calls = 0;
+    fsdp.state().set_step_in_backward([&](const std::vector<at::Tensor>& ps) {
+      if (++calls == 2) throw std::runtime_error("the optimizer failed");
+      opt.step_only(ps);
+    });
+    Batch b = batch_for(Kind::kLm, world().size() * kPerRank, 900).slice(world().rank(), kPerRank);
+    EXPECT_THROW(loss_of(fsdp(b.input), b.target).backward(), std::exception);
+    EXPECT_GE(calls, 2);
+    fsdp(b.input);  // the next forward abandons it
+    for (const auto& p : fsdp.parameters()) {
+      EXPECT_FALSE(p.grad().defined()) << "a gradient of the aborted backward was left";
+    }
+  }
+}
+
 // Deferred initialization: a TransformerLM built with placeholders and initialized by FSDP
 // unit by unit holds, on every rank, the shards of the same model built eagerly under the same
 // seed, and computes the same logits; building it peaks at one unit plus the shards.
