@@ -37,9 +37,9 @@ at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type = 2
 at::Tensor local_grad_norm(const at::Tensor& p, double norm_type = 2.0);
 
 // grad_norm from each parameter's local_grad_norm, given in the order grad_norm would take
-// the parameters: for when
-// the gradients are gone by the time the norm is wanted (FSDP's optimizer in backward
-// records each unit's before stepping it). Every rank must call it, as grad_norm.
+// the parameters: for when the gradients are gone by the time the norm is wanted (FSDP's
+// optimizer in backward records each unit's before stepping it). Every rank must call it, as
+// grad_norm.
 at::Tensor norm_of_grad_norms(const std::vector<at::Tensor>& norms, double norm_type = 2.0,
                               comm::Communicator* comm = nullptr,
                               ShardNorm rule = ShardNorm::kPerParameter);

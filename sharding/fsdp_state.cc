@@ -468,8 +468,9 @@ void FSDPState::finish_previous_reduce() {
     const bool replicas_pending = u.finish_scatter(&exposed_s_);
     if (!replicas_pending) u.finish_reduce(&exposed_s_);
     if (!step_in_backward_) continue;
-    for (; next_step_ < next_finish_; ++next_step_) step_unit(backward_order_[next_step_]);
-    if (!replicas_pending) step_unit(unit);
+    // Every unit before this one, and this one too when its reduction is already final.
+    const size_t final_until = replicas_pending ? next_finish_ : next_finish_ + 1;
+    for (; next_step_ < final_until; ++next_step_) step_unit(backward_order_[next_step_]);
   }
 }
 
