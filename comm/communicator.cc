@@ -59,7 +59,9 @@ void Communicator::Health::mark(const std::string& why) {
     abandoned.swap(pending);
   }
   for (auto& weak : abandoned) {
-    if (auto state = weak.lock()) state->fail(abandoned_error(*state, why));
+    // A finished op stays finished: only those still in flight are abandoned.
+    auto state = weak.lock();
+    if (state && !state->is_completed()) state->fail(abandoned_error(*state, why));
   }
 }
 
@@ -156,7 +158,12 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
                   "). Restart the job; ranks cannot be brought back in step.");
   CollectiveInfo info;
   info.op = name;
-  info.backend = backend();
+  const char* backend_name = backend_name_.load(std::memory_order_relaxed);
+  if (backend_name == nullptr) {  // backend() is virtual: not callable at construction
+    backend_name = interned_name(backend());
+    backend_name_.store(backend_name, std::memory_order_relaxed);
+  }
+  info.backend = backend_name;
   info.rank = rank_;
   info.ranks = shared_ranks_;
   if (kind != OpKind::kBarrier) {
@@ -202,7 +209,7 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
 
   auto state = std::make_shared<detail::WorkState>(std::move(info), timeout_);
   state->on_break = on_break_;
-  state->flight_ticket = flight::issued(state->info());
+  state->flight_ticket = flight::issued(state->info(), state->enqueued_ns());
   health_->track(state);
   Collective c{kind, input, output, op, root, state};
   enqueue(std::move(c));

@@ -146,8 +146,9 @@ class Communicator {
   int64_t id_ = 0;  // this process's communicators, numbered in creation order
   int64_t next_seq_ = 1;
   int64_t next_split_ = 1;
-  bool check_calls_ = false;  // DTRAIN_COMM_CHECK=1
-  bool checking_ = false;     // inside verify_same_call: its own all-gather is not checked
+  std::atomic<const char*> backend_name_{nullptr};  // interned backend(), set at first use
+  bool check_calls_ = false;                        // DTRAIN_COMM_CHECK=1
+  bool checking_ = false;  // inside verify_same_call: its own all-gather is not checked
   // Shared with pending Works, whose timeout marks it even if this communicator is gone.
   // Marking it fails every op still pending, so a rank that hit one timeout (or error) does
   // not wait a full timeout again per queued bucket: it can report and exit at once.
@@ -156,6 +157,8 @@ class Communicator {
     std::mutex mu;
     std::string reason;
     // In issue order; ops complete in order, so finished ones are dropped from the front.
+    // Weak: each state holds on_break, which holds this Health, so an owning list would be
+    // a cycle that outlives the communicator.
     std::deque<std::weak_ptr<detail::WorkState>> pending;
     void mark(const std::string& why);
     void track(const std::shared_ptr<detail::WorkState>& state);

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -22,23 +24,38 @@
 namespace dtrain::comm::flight {
 namespace {
 
-int64_t now_us() {
+// Wall-clock microseconds now.
+int64_t wall_us() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
-struct Entry {
-  int64_t ticket = -1;  // which collective holds the slot
-  int64_t comm_id = 0;
-  int64_t seq = 0;
-  std::string op;
-  c10::ScalarType dtype = c10::kFloat;
-  int64_t numel = 0;
-  std::string backend;
-  std::shared_ptr<const std::vector<int>> ranks;
-  int64_t issued_us = 0, started_us = 0, ended_us = 0;
-  State state = State::kIssued;
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// One collective's record. Every field is a relaxed atomic: the issuing thread, the backend's
+// thread and a dump (from another thread, at any moment) touch a slot without a lock. A slot
+// is published by its ticket, stored last at issue; a dump takes an entry only when it reads
+// the same ticket before and after the fields (a slot being rewritten is left out).
+// Times are steady-clock nanoseconds (0: not yet), the readings the Work takes anyway; a dump
+// converts them to wall-clock microseconds.
+struct Slot {
+  std::atomic<int64_t> ticket{-1};  // which collective holds the slot; -1: none, -2: writing
+  std::atomic<int64_t> comm_id{0};
+  std::atomic<int64_t> seq{0};
+  std::atomic<const char*> op{""};  // CollectiveInfo's views: process-lifetime strings
+  std::atomic<size_t> op_size{0};
+  std::atomic<int> dtype{static_cast<int>(c10::kFloat)};
+  std::atomic<int64_t> numel{0};
+  std::atomic<const char*> backend{""};
+  std::atomic<size_t> backend_size{0};
+  std::atomic<const std::vector<int>*> ranks{nullptr};  // kept alive by Recorder::keep_
+  std::atomic<int64_t> issued_ns{0}, started_ns{0}, ended_ns{0};
+  std::atomic<int> state{static_cast<int>(State::kIssued)};
 };
 
 const char* name_of(State s) {
@@ -62,71 +79,104 @@ class Recorder {
   Recorder() {
     const char* n = std::getenv("DTRAIN_FLIGHT_ENTRIES");
     const long entries = n != nullptr ? std::atol(n) : 2048;
-    ring_.resize(static_cast<size_t>(entries > 0 ? entries : 0));
+    size_ = static_cast<size_t>(entries > 0 ? entries : 0);
+    if (size_ > 0) ring_ = std::make_unique<Slot[]>(size_);
   }
 
-  bool on() const { return !ring_.empty(); }
+  bool on() const { return size_ > 0; }
 
-  int64_t issued(const CollectiveInfo& info) {
+  int64_t issued(const CollectiveInfo& info, int64_t now_ns) {
     if (!on()) return -1;
-    const int64_t t = now_us();
-    std::lock_guard<std::mutex> lock(mu_);
-    const int64_t ticket = next_++;
-    Entry& e = ring_[static_cast<size_t>(ticket) % ring_.size()];
-    e.ticket = ticket;
-    e.comm_id = info.comm_id;
-    e.seq = info.seq;
-    e.op = info.op;
-    e.dtype = info.dtype;
-    e.numel = info.numel;
-    e.backend = info.backend;
-    e.ranks = info.ranks;
-    e.issued_us = t;
-    e.started_us = e.ended_us = 0;
-    e.state = State::kIssued;
+    const int64_t ticket = next_.fetch_add(1, std::memory_order_relaxed);
+    Slot& e = ring_[static_cast<size_t>(ticket) % size_];
+    constexpr auto kRelaxed = std::memory_order_relaxed;
+    e.ticket.store(-2, kRelaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    e.comm_id.store(info.comm_id, kRelaxed);
+    e.seq.store(info.seq, kRelaxed);
+    e.op.store(info.op.data(), kRelaxed);
+    e.op_size.store(info.op.size(), kRelaxed);
+    e.dtype.store(static_cast<int>(info.dtype), kRelaxed);
+    e.numel.store(info.numel, kRelaxed);
+    e.backend.store(info.backend.data(), kRelaxed);
+    e.backend_size.store(info.backend.size(), kRelaxed);
+    e.ranks.store(keep(info.ranks), kRelaxed);
+    e.issued_ns.store(now_ns, kRelaxed);
+    e.started_ns.store(0, kRelaxed);
+    e.ended_ns.store(0, kRelaxed);
+    e.state.store(static_cast<int>(State::kIssued), kRelaxed);
+    e.ticket.store(ticket, std::memory_order_release);
     return ticket;
   }
 
-  void update(int64_t ticket, State state) {
-    if (ticket < 0) return;
-    const int64_t t = now_us();
-    std::lock_guard<std::mutex> lock(mu_);
-    Entry& e = ring_[static_cast<size_t>(ticket) % ring_.size()];
-    if (e.ticket != ticket) return;  // overwritten: the ring has moved on
-    if (state == State::kStarted) {
-      e.started_us = t;
-    } else {
-      e.ended_us = t;
-    }
-    e.state = state;
+  void update(int64_t ticket, State state, int64_t now_ns) {
+    if (ticket < 0 || !on()) return;
+    Slot& e = ring_[static_cast<size_t>(ticket) % size_];
+    // Overwritten: the ring has moved on. (A slot retaken between this check and the stores
+    // below, 2048 collectives later, would show one wrong time in a dump: a debugging record.)
+    if (e.ticket.load(std::memory_order_acquire) != ticket) return;
+    (state == State::kStarted ? e.started_ns : e.ended_ns).store(now_ns, std::memory_order_relaxed);
+    e.state.store(static_cast<int>(state), std::memory_order_release);
   }
 
   std::string json(const std::string& reason, int rank) {
+    // Steady nanoseconds to wall-clock microseconds, at the offset of the moment of the dump.
+    const int64_t offset_us = wall_us() - steady_ns() / 1000;
+    auto wall = [&](int64_t ns) { return ns == 0 ? int64_t{0} : ns / 1000 + offset_us; };
     std::ostringstream os;
     os << "{\"rank\":" << rank << ",\"pid\":" << ::getpid() << ",\"reason\":" << json::quote(reason)
-       << ",\"dumped_us\":" << now_us() << ",\"capacity\":" << ring_.size() << ",\"entries\":[";
-    std::lock_guard<std::mutex> lock(mu_);
-    const int64_t first = std::max<int64_t>(0, next_ - static_cast<int64_t>(ring_.size()));
-    for (int64_t t = first; t < next_; ++t) {
-      const Entry& e = ring_[static_cast<size_t>(t) % ring_.size()];
-      if (t > first) os << ",";
-      os << "\n{\"comm\":" << e.comm_id << ",\"seq\":" << e.seq << ",\"op\":\"" << e.op
-         << "\",\"dtype\":\"" << dtype_name(e.dtype) << "\",\"numel\":" << e.numel
-         << ",\"backend\":\"" << e.backend << "\",\"ranks\":[";
-      if (e.ranks) {
-        for (size_t i = 0; i < e.ranks->size(); ++i) os << (i ? "," : "") << (*e.ranks)[i];
+       << ",\"dumped_us\":" << wall_us() << ",\"capacity\":" << size_ << ",\"entries\":[";
+    const int64_t next = next_.load(std::memory_order_acquire);
+    const int64_t first = std::max<int64_t>(0, next - static_cast<int64_t>(size_));
+    bool any = false;
+    for (int64_t t = first; t < next; ++t) {
+      const Slot& e = ring_[static_cast<size_t>(t) % size_];
+      constexpr auto kRelaxed = std::memory_order_relaxed;
+      if (e.ticket.load(std::memory_order_acquire) != t) continue;
+      const int state = e.state.load(std::memory_order_acquire);
+      const int64_t comm_id = e.comm_id.load(kRelaxed), seq = e.seq.load(kRelaxed);
+      const std::string_view op(e.op.load(kRelaxed), e.op_size.load(kRelaxed));
+      const auto dtype = static_cast<c10::ScalarType>(e.dtype.load(kRelaxed));
+      const int64_t numel = e.numel.load(kRelaxed);
+      const std::string_view backend(e.backend.load(kRelaxed), e.backend_size.load(kRelaxed));
+      const std::vector<int>* ranks = e.ranks.load(kRelaxed);
+      const int64_t issued = e.issued_ns.load(kRelaxed), started = e.started_ns.load(kRelaxed),
+                    ended = e.ended_ns.load(kRelaxed);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (e.ticket.load(kRelaxed) != t) continue;  // rewritten while read
+      os << (any ? "," : "") << "\n{\"comm\":" << comm_id << ",\"seq\":" << seq << ",\"op\":\""
+         << op << "\",\"dtype\":\"" << dtype_name(dtype) << "\",\"numel\":" << numel
+         << ",\"backend\":\"" << backend << "\",\"ranks\":[";
+      any = true;
+      if (ranks) {
+        for (size_t i = 0; i < ranks->size(); ++i) os << (i ? "," : "") << (*ranks)[i];
       }
-      os << "],\"issued_us\":" << e.issued_us << ",\"started_us\":" << e.started_us
-         << ",\"ended_us\":" << e.ended_us << ",\"state\":\"" << name_of(e.state) << "\"}";
+      os << "],\"issued_us\":" << wall(issued) << ",\"started_us\":" << wall(started)
+         << ",\"ended_us\":" << wall(ended) << ",\"state\":\"" << name_of(static_cast<State>(state))
+         << "\"}";
     }
     os << "]}\n";
     return os.str();
   }
 
  private:
-  std::mutex mu_;
-  std::vector<Entry> ring_;
-  int64_t next_ = 0;
+  // The member list a slot points to, kept for the process's life (communicators share one
+  // per communicator, so this holds a few). The issuing thread remembers the last one.
+  const std::vector<int>* keep(const std::shared_ptr<const std::vector<int>>& ranks) {
+    if (!ranks) return nullptr;
+    thread_local const std::vector<int>* last = nullptr;
+    if (ranks.get() == last) return last;
+    std::lock_guard<std::mutex> lock(keep_mu_);
+    keep_.insert(ranks);
+    last = ranks.get();
+    return last;
+  }
+
+  size_t size_ = 0;
+  std::unique_ptr<Slot[]> ring_;
+  std::atomic<int64_t> next_{0};
+  std::mutex keep_mu_;
+  std::set<std::shared_ptr<const std::vector<int>>> keep_;
 };
 
 Recorder& recorder() {
@@ -158,9 +208,16 @@ void on_signal(int sig) {
 
 }  // namespace
 
-int64_t issued(const CollectiveInfo& info) { return recorder().issued(info); }
-void started(int64_t ticket) { recorder().update(ticket, State::kStarted); }
-void ended(int64_t ticket, State state) { recorder().update(ticket, state); }
+int64_t issued(const CollectiveInfo& info, int64_t now_ns) {
+  return recorder().issued(info, now_ns);
+}
+int64_t issued(const CollectiveInfo& info) { return issued(info, steady_ns()); }
+void started(int64_t ticket, int64_t now_ns) { recorder().update(ticket, State::kStarted, now_ns); }
+void started(int64_t ticket) { started(ticket, steady_ns()); }
+void ended(int64_t ticket, State state, int64_t now_ns) {
+  recorder().update(ticket, state, now_ns);
+}
+void ended(int64_t ticket, State state) { ended(ticket, state, steady_ns()); }
 
 void set_dump_dir(const std::string& dir, int rank) {
   std::lock_guard<std::mutex> lock(g_dir_mu);

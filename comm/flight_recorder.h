@@ -11,8 +11,10 @@
 // reads every rank's dump and names the rank that fell behind and the first collective where ranks
 // disagree or one is missing (docs/reliability.md).
 //
-// Cost: one short critical section at issue, start and end of each collective (measured in
-// bench/comm_bench --flight).
+// Cost: a few relaxed stores at issue, start and end of each collective, no lock: the issuing
+// thread, the backend's thread and a dump never wait for each other (measured in
+// flight_recorder_test). Times are the steady clock's readings the Work takes anyway (the
+// `now_ns` overloads), shown in a dump as wall-clock microseconds.
 #pragma once
 
 #include <cstdint>
@@ -24,9 +26,13 @@ namespace dtrain::comm::flight {
 
 enum class State { kIssued, kStarted, kCompleted, kFailed, kTimedOut };
 
-// Records a collective at issue; returns its ticket (-1 when the recorder is off).
+// Records a collective at issue; returns its ticket (-1 when the recorder is off). `now_ns`:
+// the steady clock's time since its epoch, in nanoseconds; without it the recorder reads it.
+int64_t issued(const CollectiveInfo& info, int64_t now_ns);
 int64_t issued(const CollectiveInfo& info);
+void started(int64_t ticket, int64_t now_ns);
 void started(int64_t ticket);
+void ended(int64_t ticket, State state, int64_t now_ns);
 void ended(int64_t ticket, State state);
 
 // Where dump() writes, and this process's rank (for the file name and the JSON).

@@ -5,13 +5,17 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <memory>
+#include <regex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace dtrain::comm {
@@ -76,6 +80,42 @@ TEST(FlightRecorder, DumpsToTheRunFolderOnlyWhenOneIsSet) {
   EXPECT_EQ(text.str().rfind("{\"rank\":3,", 0), 0u) << text.str();
   EXPECT_NE(text.str().find("\"reason\":\"a \\\"quoted\\\" reason\""), std::string::npos)
       << text.str();
+}
+
+// Slots are written without a lock: a dump taken while another thread records keeps only
+// whole entries (each entry's numel is 1000 + its seq, so a torn one shows), and an entry
+// being rewritten is left out rather than mixed with its successor.
+TEST(FlightRecorder, ADumpDuringRecordingHoldsOnlyWholeEntries) {
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (int64_t seq = 1; !stop.load(); seq = seq % 100000 + 1) {
+      const int64_t t = flight::issued(info(seq));
+      flight::started(t);
+      flight::ended(t, flight::State::kCompleted);
+    }
+  });
+  int64_t entries = 0, torn = 0;
+  const std::regex entry(
+      "\"seq\":([0-9]+),\"op\":\"all_reduce\",\"dtype\":\"fp32\",\"numel\":([0-9]+),"
+      "\"backend\":\"gloo\",\"ranks\":\\[0,1\\]");
+  for (int d = 0; d < 2000; ++d) {
+    const std::string json = flight::to_json("concurrent");
+    const size_t records = count(json, "\"seq\":");
+    for (auto it = std::sregex_iterator(json.begin(), json.end(), entry);
+         it != std::sregex_iterator(); ++it) {
+      ++entries;
+      if (std::stoll((*it)[2]) != 1000 + std::stoll((*it)[1])) ++torn;
+    }
+    ASSERT_EQ(records,
+              static_cast<size_t>(std::distance(
+                  std::sregex_iterator(json.begin(), json.end(), entry), std::sregex_iterator())))
+        << "an entry with mixed fields: " << json;
+    ASSERT_LE(records, 4u) << json;
+  }
+  stop = true;
+  writer.join();
+  EXPECT_EQ(torn, 0) << "of " << entries << " entries";
+  EXPECT_GT(entries, 0);
 }
 
 // What one collective's three records cost (issue, start, end), for docs/benchmarks.md.

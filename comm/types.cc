@@ -1,5 +1,8 @@
 #include "comm/types.h"
 
+#include <mutex>
+#include <set>
+
 #include "core/error.h"
 
 namespace dtrain::comm {
@@ -16,6 +19,13 @@ const char* to_string(ReduceOp op) {
       return "min";
   }
   return "?";
+}
+
+const char* interned_name(const std::string& name) {
+  static std::mutex mu;
+  static auto* names = new std::set<std::string>();  // node-based: c_str() stays put; never freed
+  std::lock_guard<std::mutex> lock(mu);
+  return names->insert(name).first->c_str();
 }
 
 Backend parse_backend(const std::string& name) {

@@ -50,10 +50,23 @@ std::exception_ptr backend_failure(const CollectiveInfo& info, const std::string
 
 namespace detail {
 
-WorkState::WorkState(CollectiveInfo info, std::chrono::milliseconds timeout)
-    : info_(std::move(info)), timeout_(timeout), traced_(trace::enabled()) {
-  if (traced_) enqueued_ = std::chrono::steady_clock::now();
+namespace {
+
+int64_t ns_of(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
+
+}  // namespace
+
+// One clock reading per event (issue, start, end) serves the Work, the step timeline and the
+// flight recorder: at a few KiB a reading is a tenth of what the collective itself costs.
+WorkState::WorkState(CollectiveInfo info, std::chrono::milliseconds timeout)
+    : info_(std::move(info)),
+      timeout_(timeout),
+      traced_(trace::enabled()),
+      enqueued_(std::chrono::steady_clock::now()) {}
+
+int64_t WorkState::enqueued_ns() const { return ns_of(enqueued_); }
 
 void WorkState::record_trace() {
   auto us = [](std::chrono::steady_clock::time_point t) {
@@ -64,14 +77,14 @@ void WorkState::record_trace() {
   const int64_t started =
       started_ == std::chrono::steady_clock::time_point{} ? enqueued : us(started_);
   const int64_t finished = us(finished_);
-  const int track =
-      trace::track("comm " + std::to_string(info_.comm_id) + " (" + info_.backend + ")");
+  const int track = trace::track("comm " + std::to_string(info_.comm_id) + " (" +
+                                 std::string(info_.backend) + ")");
   const int64_t bytes = info_.numel * static_cast<int64_t>(c10::elementSize(info_.dtype));
-  std::string name = info_.op + " #" + std::to_string(info_.seq);
+  std::string name = std::string(info_.op) + " #" + std::to_string(info_.seq);
   if (!info_.label.empty()) name = info_.label + ": " + name;
   trace::complete(
       name, "comm", track, started, finished,
-      "\"op\":\"" + info_.op + "\",\"dtype\":\"" + dtype_name(info_.dtype) +
+      "\"op\":\"" + std::string(info_.op) + "\",\"dtype\":\"" + dtype_name(info_.dtype) +
           "\",\"elements\":" + std::to_string(info_.numel) + ",\"bytes\":" + std::to_string(bytes) +
           ",\"queued_us\":" + std::to_string(started - enqueued) +
           ",\"enqueued_ts\":" + std::to_string(enqueued) + ",\"seq\":" + std::to_string(info_.seq));
@@ -79,21 +92,23 @@ void WorkState::record_trace() {
 }
 
 void WorkState::mark_started() {
+  const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    started_ = std::chrono::steady_clock::now();
+    started_ = now;
   }
-  flight::started(flight_ticket);
+  flight::started(flight_ticket, ns_of(now));
 }
 
 void WorkState::finish() {
+  const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    finished_ = std::chrono::steady_clock::now();
+    finished_ = now;
     done_ = true;
   }
   // Before waking the waiters: a trainer that waits for its last collective finds it recorded.
-  flight::ended(flight_ticket, flight::State::kCompleted);
+  flight::ended(flight_ticket, flight::State::kCompleted, ns_of(now));
   if (traced_) record_trace();
   completed_.store(true, std::memory_order_release);
   cv_.notify_all();
@@ -101,14 +116,16 @@ void WorkState::finish() {
 
 void WorkState::fail(std::exception_ptr error) {
   bool late;
+  const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!error_) error_ = std::move(error);
-    finished_ = std::chrono::steady_clock::now();
+    finished_ = now;
     done_ = true;
     late = timed_out_;
   }
-  flight::ended(flight_ticket, late ? flight::State::kTimedOut : flight::State::kFailed);
+  flight::ended(flight_ticket, late ? flight::State::kTimedOut : flight::State::kFailed,
+                ns_of(now));
   completed_.store(true, std::memory_order_release);
   cv_.notify_all();
 }

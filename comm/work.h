@@ -20,17 +20,21 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace dtrain::comm {
 
 // What a collective was, for messages and statistics.
 struct CollectiveInfo {
-  std::string op;   // "all_reduce", "reduce_scatter", ...
-  int64_t seq = 0;  // 1-based count of collectives issued on this communicator
+  // `op` and `backend` view strings that live as long as the process (literals, or
+  // comm::interned_name's), so a Work, the flight recorder and a late message may keep them
+  // without a copy per collective.
+  std::string_view op;  // "all_reduce", "reduce_scatter", ...
+  int64_t seq = 0;      // 1-based count of collectives issued on this communicator
   c10::ScalarType dtype = c10::kFloat;
   int64_t numel = 0;
-  std::string backend;
+  std::string_view backend;
   int rank = 0;  // this process's rank in the communicator
   // Members, as world ranks (the communicator's list, shared by all its collectives).
   std::shared_ptr<const std::vector<int>> ranks;
@@ -78,6 +82,8 @@ class WorkState {
 
   const CollectiveInfo& info() const { return info_; }
   std::chrono::milliseconds default_timeout() const { return timeout_; }
+  // When it was issued (this state's construction): the steady clock's nanoseconds.
+  int64_t enqueued_ns() const;
   // Seconds the backend spent executing the collective (0 until completed).
   double busy_seconds() const;
   // Backends that time the op on the device (NCCL: CUDA events) report it here; it replaces
@@ -111,7 +117,7 @@ class WorkState {
   double device_seconds_ = -1;
   // Submitted while the step timeline was recording: finish() records the op.
   bool traced_ = false;
-  std::chrono::steady_clock::time_point enqueued_{};
+  std::chrono::steady_clock::time_point enqueued_;
   void record_trace();
 };
 

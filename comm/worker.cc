@@ -27,7 +27,7 @@ void OrderedWorker::post(Task task) {
     DTRAIN_CHECK_AS(CommError, !shared_->stop,
                     "a communicator's worker thread was used after it shut down (at process "
                     "exit?); create communicators before, and use them while, the program runs");
-    shared_->queue.push_back(std::move(task));
+    shared_->queue.push(std::move(task));
     shared_->queued.fetch_add(1, std::memory_order_release);
     wake = shared_->sleeping;
   }
@@ -76,8 +76,7 @@ void OrderedWorker::loop(std::shared_ptr<Shared> s) {
       s->sleeping = false;
     }
     if (s->queue.empty()) break;
-    auto task = std::move(s->queue.front());
-    s->queue.pop_front();
+    Task task = s->queue.pop();
     s->queued.fetch_sub(1, std::memory_order_relaxed);
     lock.unlock();
     task();        // tasks report their own failures through their WorkState

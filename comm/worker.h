@@ -17,7 +17,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -25,6 +24,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace dtrain::comm {
 
@@ -110,6 +110,38 @@ class Task {
   const Ops* ops_ = nullptr;
 };
 
+// The worker's FIFO: a ring of Tasks that grows by doubling and never shrinks, so a steady
+// stream of collectives allocates nothing (std::deque allocates a block every few Tasks and
+// frees it as they are taken, on the two threads in turn).
+class TaskQueue {
+ public:
+  bool empty() const { return count_ == 0; }
+  size_t size() const { return count_; }
+  void push(Task task) {
+    if (count_ == ring_.size()) grow();
+    ring_[(head_ + count_) & (ring_.size() - 1)] = std::move(task);
+    ++count_;
+  }
+  Task pop() {
+    Task task = std::move(ring_[head_]);
+    head_ = (head_ + 1) & (ring_.size() - 1);
+    --count_;
+    return task;
+  }
+
+ private:
+  void grow() {
+    std::vector<Task> bigger(ring_.empty() ? 64 : 2 * ring_.size());
+    for (size_t i = 0; i < count_; ++i)
+      bigger[i] = std::move(ring_[(head_ + i) & (ring_.size() - 1)]);
+    ring_.swap(bigger);
+    head_ = 0;
+  }
+
+  std::vector<Task> ring_;  // size 0 or a power of two
+  size_t head_ = 0, count_ = 0;
+};
+
 class OrderedWorker {
  public:
   OrderedWorker();
@@ -134,7 +166,7 @@ class OrderedWorker {
     std::mutex mu;
     std::condition_variable cv;
     std::condition_variable idle_cv;
-    std::deque<Task> queue;
+    TaskQueue queue;
     std::atomic<size_t> queued{0};  // queue.size(), for polling without the lock
     bool stop = false;
     bool running = true;
