@@ -38,24 +38,33 @@ int64_t steady_ns() {
 }
 
 // One collective's record. Every field is a relaxed atomic: the issuing thread, the backend's
-// thread and a dump (from another thread, at any moment) touch a slot without a lock. A slot
-// is published by its ticket, stored last at issue; a dump takes an entry only when it reads
-// the same ticket before and after the fields (a slot being rewritten is left out).
+// thread and a dump (from another thread, at any moment) touch a slot without a lock.
+//   - Issue claims the slot by moving its ticket from an older one to -2 (compare-exchange:
+//     of two issuers that the ring brought to one slot, the later wins and the earlier records
+//     nothing), writes the fields, and publishes the ticket last.
+//   - A dump takes an entry only when it reads the same ticket before and after the fields,
+//     so a slot being rewritten is left out, never mixed with its successor.
+//   - The state carries its ticket (`stamp`), so a start or end that arrives after the ring
+//     moved on cannot relabel the newer entry.
 // Times are steady-clock nanoseconds (0: not yet), the readings the Work takes anyway; a dump
 // converts them to wall-clock microseconds.
+constexpr int64_t stamp_of(int64_t ticket, State state) {
+  return ticket * 8 + static_cast<int64_t>(state);
+}
+
 struct Slot {
   std::atomic<int64_t> ticket{-1};  // which collective holds the slot; -1: none, -2: writing
   std::atomic<int64_t> comm_id{0};
   std::atomic<int64_t> seq{0};
-  std::atomic<const char*> op{""};  // CollectiveInfo's views: process-lifetime strings
-  std::atomic<size_t> op_size{0};
+  // CollectiveInfo's views, of NUL-terminated process-lifetime strings: a pointer alone, so
+  // even a torn read could not run past one.
+  std::atomic<const char*> op{""};
   std::atomic<int> dtype{static_cast<int>(c10::kFloat)};
   std::atomic<int64_t> numel{0};
   std::atomic<const char*> backend{""};
-  std::atomic<size_t> backend_size{0};
   std::atomic<const std::vector<int>*> ranks{nullptr};  // kept alive by Recorder::keep_
   std::atomic<int64_t> issued_ns{0}, started_ns{0}, ended_ns{0};
-  std::atomic<int> state{static_cast<int>(State::kIssued)};
+  std::atomic<int64_t> stamp{-8};  // ticket * 8 + State (-8: ticket -1, none)
 };
 
 const char* name_of(State s) {
@@ -87,24 +96,28 @@ class Recorder {
 
   int64_t issued(const CollectiveInfo& info, int64_t now_ns) {
     if (!on()) return -1;
+    const std::vector<int>* ranks = keep(info.ranks);  // may lock: outside the slot's window
     const int64_t ticket = next_.fetch_add(1, std::memory_order_relaxed);
     Slot& e = ring_[static_cast<size_t>(ticket) % size_];
     constexpr auto kRelaxed = std::memory_order_relaxed;
-    e.ticket.store(-2, kRelaxed);
+    int64_t held = e.ticket.load(kRelaxed);
+    do {
+      // Being written (an issuer the ring lapped while it was preempted), or already taken by
+      // a later collective: this one goes unrecorded rather than mixed with another.
+      if (held == -2 || held >= ticket) return -1;
+    } while (!e.ticket.compare_exchange_weak(held, -2, kRelaxed));
     std::atomic_thread_fence(std::memory_order_release);
     e.comm_id.store(info.comm_id, kRelaxed);
     e.seq.store(info.seq, kRelaxed);
     e.op.store(info.op.data(), kRelaxed);
-    e.op_size.store(info.op.size(), kRelaxed);
     e.dtype.store(static_cast<int>(info.dtype), kRelaxed);
     e.numel.store(info.numel, kRelaxed);
     e.backend.store(info.backend.data(), kRelaxed);
-    e.backend_size.store(info.backend.size(), kRelaxed);
-    e.ranks.store(keep(info.ranks), kRelaxed);
+    e.ranks.store(ranks, kRelaxed);
     e.issued_ns.store(now_ns, kRelaxed);
     e.started_ns.store(0, kRelaxed);
     e.ended_ns.store(0, kRelaxed);
-    e.state.store(static_cast<int>(State::kIssued), kRelaxed);
+    e.stamp.store(stamp_of(ticket, State::kIssued), kRelaxed);
     e.ticket.store(ticket, std::memory_order_release);
     return ticket;
   }
@@ -112,11 +125,16 @@ class Recorder {
   void update(int64_t ticket, State state, int64_t now_ns) {
     if (ticket < 0 || !on()) return;
     Slot& e = ring_[static_cast<size_t>(ticket) % size_];
-    // Overwritten: the ring has moved on. (A slot retaken between this check and the stores
-    // below, 2048 collectives later, would show one wrong time in a dump: a debugging record.)
-    if (e.ticket.load(std::memory_order_acquire) != ticket) return;
+    // Overwritten: the ring has moved on. (A slot retaken between this check and the time's
+    // store, 2048 collectives later, would show one wrong time in a dump; its state, which
+    // carries the ticket, stays the newer entry's.)
+    int64_t stamp = e.stamp.load(std::memory_order_acquire);
+    if (stamp / 8 != ticket || e.ticket.load(std::memory_order_acquire) != ticket) return;
     (state == State::kStarted ? e.started_ns : e.ended_ns).store(now_ns, std::memory_order_relaxed);
-    e.state.store(static_cast<int>(state), std::memory_order_release);
+    while (stamp / 8 == ticket &&
+           !e.stamp.compare_exchange_weak(stamp, stamp_of(ticket, state), std::memory_order_release,
+                                          std::memory_order_acquire)) {
+    }
   }
 
   std::string json(const std::string& reason, int rank) {
@@ -133,17 +151,18 @@ class Recorder {
       const Slot& e = ring_[static_cast<size_t>(t) % size_];
       constexpr auto kRelaxed = std::memory_order_relaxed;
       if (e.ticket.load(std::memory_order_acquire) != t) continue;
-      const int state = e.state.load(std::memory_order_acquire);
+      const int64_t stamp = e.stamp.load(std::memory_order_acquire);
       const int64_t comm_id = e.comm_id.load(kRelaxed), seq = e.seq.load(kRelaxed);
-      const std::string_view op(e.op.load(kRelaxed), e.op_size.load(kRelaxed));
+      const char* op = e.op.load(kRelaxed);
       const auto dtype = static_cast<c10::ScalarType>(e.dtype.load(kRelaxed));
       const int64_t numel = e.numel.load(kRelaxed);
-      const std::string_view backend(e.backend.load(kRelaxed), e.backend_size.load(kRelaxed));
+      const char* backend = e.backend.load(kRelaxed);
       const std::vector<int>* ranks = e.ranks.load(kRelaxed);
       const int64_t issued = e.issued_ns.load(kRelaxed), started = e.started_ns.load(kRelaxed),
                     ended = e.ended_ns.load(kRelaxed);
       std::atomic_thread_fence(std::memory_order_acquire);
-      if (e.ticket.load(kRelaxed) != t) continue;  // rewritten while read
+      if (e.ticket.load(kRelaxed) != t || stamp / 8 != t) continue;  // rewritten while read
+      const auto state = static_cast<State>(stamp % 8);
       os << (any ? "," : "") << "\n{\"comm\":" << comm_id << ",\"seq\":" << seq << ",\"op\":\""
          << op << "\",\"dtype\":\"" << dtype_name(dtype) << "\",\"numel\":" << numel
          << ",\"backend\":\"" << backend << "\",\"ranks\":[";
@@ -160,16 +179,24 @@ class Recorder {
   }
 
  private:
-  // The member list a slot points to, kept for the process's life (communicators share one
-  // per communicator, so this holds a few). The issuing thread remembers the last one.
+  // The member list a slot points to, kept for the process's life (a communicator's
+  // collectives share one, so this holds one per communicator). Each issuing thread remembers
+  // the last few it kept (HYBRID_SHARD's thread alternates two communicators), so issuing
+  // takes the lock only for a communicator's first collectives.
   const std::vector<int>* keep(const std::shared_ptr<const std::vector<int>>& ranks) {
     if (!ranks) return nullptr;
-    thread_local const std::vector<int>* last = nullptr;
-    if (ranks.get() == last) return last;
-    std::lock_guard<std::mutex> lock(keep_mu_);
-    keep_.insert(ranks);
-    last = ranks.get();
-    return last;
+    constexpr size_t kRemembered = 8;
+    thread_local const std::vector<int>* kept[kRemembered] = {};
+    thread_local size_t next = 0;
+    for (const std::vector<int>* k : kept) {
+      if (k == ranks.get()) return k;
+    }
+    {
+      std::lock_guard<std::mutex> lock(keep_mu_);
+      keep_.insert(ranks);
+    }
+    kept[next++ % kRemembered] = ranks.get();
+    return ranks.get();
   }
 
   size_t size_ = 0;

@@ -119,7 +119,8 @@ void WorkState::fail(std::exception_ptr error) {
   const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!error_) error_ = std::move(error);
+    if (done_) return;  // completed (or failed) already: its outcome stands
+    error_ = std::move(error);
     finished_ = now;
     done_ = true;
     late = timed_out_;
