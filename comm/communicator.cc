@@ -59,9 +59,8 @@ void Communicator::Health::mark(const std::string& why) {
     abandoned.swap(pending);
   }
   for (auto& weak : abandoned) {
-    // A finished op stays finished: only those still in flight are abandoned.
-    auto state = weak.lock();
-    if (state && !state->is_completed()) state->fail(abandoned_error(*state, why));
+    // fail() leaves an op that finished meanwhile as it is: only those in flight are abandoned.
+    if (auto state = weak.lock()) state->fail(abandoned_error(*state, why));
   }
 }
 

@@ -171,8 +171,7 @@ class Recorder {
         for (size_t i = 0; i < ranks->size(); ++i) os << (i ? "," : "") << (*ranks)[i];
       }
       os << "],\"issued_us\":" << wall(issued) << ",\"started_us\":" << wall(started)
-         << ",\"ended_us\":" << wall(ended) << ",\"state\":\"" << name_of(static_cast<State>(state))
-         << "\"}";
+         << ",\"ended_us\":" << wall(ended) << ",\"state\":\"" << name_of(state) << "\"}";
     }
     os << "]}\n";
     return os.str();

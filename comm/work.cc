@@ -69,10 +69,7 @@ WorkState::WorkState(CollectiveInfo info, std::chrono::milliseconds timeout)
 int64_t WorkState::enqueued_ns() const { return ns_of(enqueued_); }
 
 void WorkState::record_trace() {
-  auto us = [](std::chrono::steady_clock::time_point t) {
-    return trace::to_us(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
-  };
+  auto us = [](std::chrono::steady_clock::time_point t) { return trace::to_us(ns_of(t)); };
   const int64_t enqueued = us(enqueued_);
   const int64_t started =
       started_ == std::chrono::steady_clock::time_point{} ? enqueued : us(started_);

@@ -27,9 +27,9 @@ namespace dtrain::comm {
 
 // What a collective was, for messages and statistics.
 struct CollectiveInfo {
-  // `op` and `backend` view strings that live as long as the process (literals, or
-  // comm::interned_name's), so a Work, the flight recorder and a late message may keep them
-  // without a copy per collective.
+  // `op` and `backend` view NUL-terminated strings that live as long as the process
+  // (literals, or comm::interned_name's), so a Work, the flight recorder (which keeps the
+  // pointer alone) and a late message may keep them without a copy per collective.
   std::string_view op;  // "all_reduce", "reduce_scatter", ...
   int64_t seq = 0;      // 1-based count of collectives issued on this communicator
   c10::ScalarType dtype = c10::kFloat;

@@ -116,7 +116,6 @@ class Task {
 class TaskQueue {
  public:
   bool empty() const { return count_ == 0; }
-  size_t size() const { return count_; }
   void push(Task task) {
     if (count_ == ring_.size()) grow();
     ring_[(head_ + count_) & (ring_.size() - 1)] = std::move(task);
