@@ -31,7 +31,8 @@
 // step through these layers.
 //
 // A user's module: a torch::nn::ModuleHolder (TORCH_MODULE) whose forward takes one tensor,
-// Batch::inputs, and returns one tensor, the `output` the loss function receives. Under DDP
+// Batch::inputs, and returns one tensor, the `output` the loss function receives. It is moved
+// to the config's `device` first, where the batches go. Under DDP
 // rank 0's initial parameters are broadcast, under FSDP they are synced too
 // (sync_module_states), so ranks may construct the module from different seeds. Under FSDP
 // the module's auto-wrap points (sharding/fsdp.h) decide the units; without any, the whole
@@ -188,6 +189,9 @@ TrainResult train(M module, std::unique_ptr<BatchSource> data, LossFn loss, cons
                   "custom");
   DTRAIN_CHECK_AS(ConfigError, data != nullptr && loss != nullptr,
                   "framework::train: the data source and the loss function must not be null");
+  // The config's device is the run's: the batches go there, so the module goes there too
+  // (a module left on the CPU under `device: cuda` would fail inside its first forward).
+  module->to(torch_device(config.device));
   int64_t n = 0;
   for (const auto& p : module->parameters()) n += p.numel();
   if (description.empty()) description = "custom";
