@@ -159,14 +159,14 @@ std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64
           ? "limit_all_gathers " + std::to_string(c.parallel.limit_all_gathers) +
                 " units and the root in param_dtype, taken from and returned to the pool"
           : "");
+  std::string note;
   if (mm.activations_other_recompute) {
     const double alt = *mm.activations_other_recompute;
-    row("activations", e.activations,
-        alt < e.activations ? "with model.recompute: full " + format_bytes(alt)
-                            : "without recompute " + format_bytes(alt));
-  } else {
-    row("activations", e.activations);
+    note = alt < e.activations ? "with model.recompute: full " + format_bytes(alt)
+                               : "without recompute " + format_bytes(alt);
   }
+  if (!mm.activations_note.empty()) note += (note.empty() ? "" : "; ") + mm.activations_note;
+  row("activations", e.activations, note);
   row("buffers", 0, "the built-in models have none");
   row("construction peak", e.construction,
       c.parallel.strategy != ParallelStrategy::kFsdp ? "the full fp32 model"

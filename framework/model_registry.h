@@ -56,6 +56,8 @@ struct ModelMemory {
   double activations = 0;
   // The same with recompute turned the other way (none <-> full), when the model has it.
   std::optional<double> activations_other_recompute;
+  // What else the activations depend on, for --estimate ("attention: the explicit softmax").
+  std::string activations_note;
   // Whether FSDP builds it deferred (placeholders, one unit initialized at a time).
   bool deferred_under_fsdp = false;
 };

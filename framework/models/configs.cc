@@ -30,7 +30,8 @@ TransformerLMOptions TransformerLMSettings::options() const {
       .n_heads(n_heads)
       .d_ff(d_ff)
       .tie_weights(tie_weights)
-      .recompute_every(recompute_every);
+      .recompute_every(recompute_every)
+      .attention(attention);
 }
 
 MLPOptions MLPSettings::options() const {
@@ -110,6 +111,7 @@ std::unique_ptr<ModelSettings> read_transformer(ConfigSection& s) {
   s.read("tie_weights", m->tie_weights);
   m->recompute_every = read_recompute(s);
   s.read("deferred_init", m->deferred_init);
+  s.read_choice("attention", m->attention);
   for (auto [key, v] : {std::pair<const char*, int64_t>{"seq_len", m->seq_len},
                         {"d_model", m->d_model},
                         {"n_layers", m->n_layers},
@@ -124,18 +126,23 @@ std::unique_ptr<ModelSettings> read_transformer(ConfigSection& s) {
 }
 
 // Bytes saved for backward per micro-batch: ~16 d_model-wide values per block in the compute
-// dtype, the fused attention's log-sum-exp (one fp32 value per head; no T x T
-// probabilities), and the logits with their fp32 loss copies and gradients (16 bytes per
-// vocabulary entry besides the logits themselves). A recomputed block (i % K == 0) keeps
-// its input only (the residual stream: the compute dtype under FSDP, fp32 under autocast). The peak
-// holds the kept blocks' activations at the start of backward, or, while the last recomputed block
-// (K (r - 1)) runs again, its own and those of the (K - 1)(r - 1) kept blocks below it. Within 1%
-// of a measured fp32 step (memory_estimate_test).
+// dtype, the attention's own (the fused kernel's log-sum-exp, one fp32 value per head and
+// token; the explicit one's T x T probabilities, in fp32 and in a 16-bit compute dtype, per
+// head: framework/models/attention.h says which the run uses), and the logits with their fp32 loss
+// copies and gradients (16 bytes per vocabulary entry besides the logits themselves). A recomputed
+// block (i % K == 0) keeps its input only (the residual stream: the compute dtype under FSDP, fp32
+// under autocast). The peak holds the kept blocks' activations at the start of backward, or, while
+// the last recomputed block (K (r - 1)) runs again, its own and those of the (K - 1)(r - 1) kept
+// blocks below it. Within 1% of a measured fp32 step (memory_estimate_test).
 double transformer_activations(const RunConfig& c, const TransformerLMSettings& m,
                                int64_t recompute_every) {
   const double cb = compute_bytes(c);
   const double d = static_cast<double>(m.d_model), t = static_cast<double>(m.seq_len);
-  const double block = 16 * d * cb + static_cast<double>(m.n_heads) * 4;
+  const AttentionKernel kernel =
+      resolve_attention(m.attention, torch_device(c.device), c.precision.mixed.param_dtype,
+                        m.seq_len, m.d_model / m.n_heads);
+  const double attention = kernel == AttentionKernel::kFused ? 4 : t * (4 + (cb != 4 ? cb : 0));
+  const double block = 16 * d * cb + static_cast<double>(m.n_heads) * attention;
   double live_blocks = static_cast<double>(m.n_layers), kept_inputs = 0;
   if (recompute_every > 0) {
     const int64_t r = (m.n_layers - 1) / recompute_every + 1;
@@ -158,6 +165,12 @@ ModelMemory transformer_memory(const RunConfig& c) {
   e.root = static_cast<double>(e.parameters) - e.largest_unit * static_cast<double>(m.n_layers);
   e.activations = transformer_activations(c, m, m.recompute_every);
   e.activations_other_recompute = transformer_activations(c, m, m.recompute_every == 0 ? 1 : 0);
+  const AttentionKernel kernel =
+      resolve_attention(m.attention, torch_device(c.device), c.precision.mixed.param_dtype,
+                        m.seq_len, m.d_model / m.n_heads);
+  e.activations_note = kernel == AttentionKernel::kFused
+                           ? "attention: the fused kernel"
+                           : "attention: the explicit softmax, T x T probabilities kept";
   e.deferred_under_fsdp = m.deferred_init;
   return e;
 }

@@ -12,6 +12,7 @@
 
 #include "framework/config.h"
 #include "framework/model_registry.h"
+#include "framework/models/attention.h"
 
 namespace dtrain::framework {
 
@@ -31,6 +32,8 @@ struct TransformerLMOptions {
   // Parameters are placeholders (no memory) until param_init() fills them: under FSDP
   // (FSDPOptions::param_init) one unit at a time, otherwise with sharding::materialize.
   TORCH_ARG(bool, deferred_init) = false;
+  // Which kernel the attention runs (framework/models/attention.h): auto follows the rule.
+  TORCH_ARG(AttentionSetting, attention) = AttentionSetting::kAuto;
 };
 
 // Parameters of a TransformerLM with these options (for sizing configs and benchmarks).
@@ -51,6 +54,7 @@ struct TransformerLMSettings : ModelSettingsOf<TransformerLMSettings> {
   // unit is initialized as it is sharded, so no rank holds the whole model; false builds it
   // whole first. The same initial values either way.
   bool deferred_init = true;
+  AttentionSetting attention = AttentionSetting::kAuto;  // model.attention
   TransformerLMOptions options() const;
 };
 ModelSpec transformer_lm_config();

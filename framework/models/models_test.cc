@@ -1,6 +1,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "framework/hardware.h"
+#include "framework/models/attention.h"
 #include "framework/models/mlp.h"
 #include "framework/models/transformer_lm.h"
 
@@ -22,8 +24,8 @@ TEST(TransformerLM, ShapesParameterCountAndTiedHead) {
   EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{3, 10, 50}));
 }
 
-// The fused attention (ATen's scaled_dot_product_attention) against the explicit one of earlier
-// releases: outputs and input gradients within fp32 rounding, and within bf16 rounding in bf16.
+// The fused attention (ATen's scaled_dot_product_attention) against the explicit one: outputs
+// and input gradients within fp32 rounding, and within bf16 rounding in bf16.
 TEST(TransformerLM, FusedAttentionMatchesTheExplicitOne) {
   for (auto dtype : {at::kFloat, at::kBFloat16}) {
     SCOPED_TRACE(c10::toString(dtype));
@@ -33,8 +35,8 @@ TEST(TransformerLM, FusedAttentionMatchesTheExplicitOne) {
       a.push_back(at::randn({2, 4, 256, 48}).to(dtype).requires_grad_());
       b.push_back(a.back().detach().clone().requires_grad_());
     }
-    at::Tensor fused = causal_attention(a[0], a[1], a[2], /*fused=*/true);
-    at::Tensor plain = causal_attention(b[0], b[1], b[2], /*fused=*/false);
+    at::Tensor fused = causal_attention(a[0], a[1], a[2], AttentionKernel::kFused);
+    at::Tensor plain = causal_attention(b[0], b[1], b[2], AttentionKernel::kExplicit);
     const at::Tensor g = at::randn(fused.sizes()).to(dtype);
     fused.backward(g);
     plain.backward(g);
@@ -49,6 +51,57 @@ TEST(TransformerLM, FusedAttentionMatchesTheExplicitOne) {
     // The first position attends to itself only: its output is its value.
     EXPECT_LT(rel(fused.select(2, 0), a[2].select(2, 0)), tol);
   }
+}
+
+// The kernel rule (framework/models/attention.h): fused on CUDA, in fp32 and in a 16-bit dtype
+// the CPU emulates; explicit up to seq_len 256 in one it computes natively. A pinned setting
+// wins.
+TEST(TransformerLM, AttentionKernelFollowsTheRule) {
+  const bool bf16 = low_precision_support(c10::kCPU).bf16;
+  const bool fp16 = low_precision_support(c10::kCPU).fp16;
+  using K = AttentionKernel;
+  const auto expect = [](bool native, int64_t t, int64_t /*d*/) {
+    return native && t <= 256 ? K::kExplicit : K::kFused;
+  };
+  for (int64_t t : {16, 64, 128, 129, 256, 257, 512, 1024}) {
+    for (int64_t d : {8, 32, 47, 48, 64, 128}) {
+      SCOPED_TRACE("T " + std::to_string(t) + " D " + std::to_string(d));
+      EXPECT_EQ(choose_attention(c10::kCPU, at::kFloat, t, d).kernel, K::kFused);
+      EXPECT_EQ(choose_attention(c10::kCUDA, at::kBFloat16, t, d).kernel, K::kFused);
+      EXPECT_EQ(choose_attention(c10::kCPU, at::kBFloat16, t, d).kernel, expect(bf16, t, d));
+      EXPECT_EQ(choose_attention(c10::kCPU, at::kHalf, t, d).kernel, expect(fp16, t, d));
+      EXPECT_EQ(resolve_attention(AttentionSetting::kAuto, c10::kCPU, at::kBFloat16, t, d),
+                expect(bf16, t, d));
+      EXPECT_EQ(resolve_attention(AttentionSetting::kFused, c10::kCPU, at::kBFloat16, t, d),
+                K::kFused);
+      EXPECT_EQ(resolve_attention(AttentionSetting::kExplicit, c10::kCUDA, at::kFloat, t, d),
+                K::kExplicit);
+    }
+  }
+  EXPECT_NE(choose_attention(c10::kCPU, at::kBFloat16, 64, 48).why.find("seq_len 64"),
+            std::string::npos);
+}
+
+// The model runs the kernel its setting names: pinned fused and pinned explicit give the same
+// logits within bf16 rounding, and a pinned model runs what it is told whatever the rule says
+// (the explicit one keeps the T x T probabilities, so its saved activations differ).
+TEST(TransformerLM, AttentionSettingPinsTheKernel) {
+  auto make = [](AttentionSetting s) {
+    at::manual_seed(3);
+    return TransformerLM(TransformerLMOptions()
+                             .vocab_size(30)
+                             .seq_len(16)
+                             .d_model(32)
+                             .n_layers(2)
+                             .n_heads(4)
+                             .d_ff(64)
+                             .attention(s));
+  };
+  TransformerLM fused = make(AttentionSetting::kFused), plain = make(AttentionSetting::kExplicit);
+  const at::Tensor tokens = at::randint(0, 30, {2, 16});
+  const at::Tensor a = fused->forward(tokens), b = plain->forward(tokens);
+  EXPECT_LT((a - b).abs().max().item<double>(), 1e-5);
+  EXPECT_FALSE(at::equal(a, b)) << "both settings ran the same kernel";
 }
 
 TEST(TransformerLM, IsCausal) {

@@ -16,8 +16,9 @@
 
 namespace dtrain::framework {
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_heads)
-    : n_heads_(n_heads) {
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_heads,
+                                                 AttentionSetting attention)
+    : n_heads_(n_heads), attention_(attention) {
   DTRAIN_CHECK_AS(ConfigError, d_model % n_heads == 0, "d_model ", d_model,
                   " must be divisible by n_heads ", n_heads);
   qkv = register_module("qkv", torch::nn::Linear(d_model, 3 * d_model));
@@ -25,8 +26,8 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(int64_t d_model, int64_t n_head
 }
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            bool fused) {
-  if (fused) {
+                            AttentionKernel kernel) {
+  if (kernel == AttentionKernel::kFused) {
     return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                             /*is_causal=*/true);
   }
@@ -43,13 +44,16 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_heads_, D = C / H;
   auto parts = at::linear(x, qkv->weight, qkv->bias).split(C, /*dim=*/2);
   auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
-  at::Tensor y = causal_attention(heads(parts[0]), heads(parts[1]), heads(parts[2]));
+  const at::Tensor q = heads(parts[0]);
+  at::Tensor y =
+      causal_attention(q, heads(parts[1]), heads(parts[2]),
+                       resolve_attention(attention_, q.device().type(), q.scalar_type(), T, D));
   return at::linear(y.transpose(1, 2).contiguous().view({B, T, C}), proj->weight, proj->bias);
 }
 
-BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff) {
+BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff, AttentionSetting attention) {
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
-  attn = register_module("attn", CausalSelfAttention(d_model, n_heads));
+  attn = register_module("attn", CausalSelfAttention(d_model, n_heads, attention));
   ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
   fc = register_module("fc", torch::nn::Linear(d_model, d_ff));
   fc_proj = register_module("fc_proj", torch::nn::Linear(d_ff, d_model));
@@ -81,7 +85,7 @@ TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o
   built(*pos_emb);
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.n_layers(); ++i) {
-    BlockUnit block(o.d_model(), o.n_heads(), o.d_ff());
+    BlockUnit block(o.d_model(), o.n_heads(), o.d_ff(), o.attention());
     block->recompute = o.recompute_every() > 0 && i % o.recompute_every() == 0;
     built(*block);
     blocks->push_back(block);
@@ -159,6 +163,14 @@ void build_transformer_lm(const BuildContext& ctx, BuiltModel& out) {
     lm->to(ctx.device);
   }
   const double n = static_cast<double>(transformer_lm_parameter_count(o));
+  const int64_t head_dim = o.d_model() / o.n_heads();
+  const c10::ScalarType dtype = c.precision.mixed.param_dtype;
+  if (o.attention() == AttentionSetting::kAuto) {
+    logging::info("attention: ", choose_attention(ctx.device, dtype, o.seq_len(), head_dim).why,
+                  " (model.attention: fused or explicit pins one)");
+  } else {
+    logging::info("attention: the ", name_of(o.attention()), " kernel (model.attention)");
+  }
   logging::info("model: TransformerLM, ", n / 1e6, "M parameters",
                 m.recompute_every == 0 ? std::string()
                 : m.recompute_every == 1

@@ -1,10 +1,11 @@
 // TransformerLM: a GPT-style decoder-only language model over byte tokens.
 //
 // token + learned position embedding -> n_layers x [x + attn(ln1(x)); x + mlp(ln2(x))]
-// -> final LayerNorm -> head. Attention is causal multi-head self-attention through ATen's
-// scaled_dot_product_attention (is_causal): flash-attention kernels on the CPU and on CUDA,
-// which accumulate the softmax in fp32 whatever the input dtype and keep only its log-sum-exp
-// for backward, never the T x T probabilities (causal_attention below). The MLP is
+// -> final LayerNorm -> head. Attention is causal multi-head self-attention, through ATen's
+// scaled_dot_product_attention (is_causal: flash kernels that accumulate the softmax in fp32
+// and keep only its log-sum-exp for backward) or the explicit fp32 softmax, whichever is
+// faster for the device, dtype and shape (causal_attention below, framework/models/attention.h;
+// model.attention pins one). The MLP is
 // Linear -> GELU(tanh) -> Linear. With tie_weights the head reuses the token embedding
 // (logits = x @ tok_emb^T): one parameter, registered once, so DDP and optimizers see it once.
 // No dropout: runs are deterministic for a seed. Initialization follows GPT-2: N(0, 0.02),
@@ -33,28 +34,32 @@
 
 namespace dtrain::framework {
 
-// Causal attention of q, k, v [B, H, T, D] -> [B, H, T, D]. fused (the model's):
+// Causal attention of q, k, v [B, H, T, D] -> [B, H, T, D]. kFused:
 // at::scaled_dot_product_attention(is_causal = true), as Python's F.scaled_dot_product_attention.
-// Otherwise the explicit matmul -> mask -> fp32 softmax -> matmul of earlier releases, kept to
-// compare with (models_test, bench/attention_bench): the two agree within rounding.
+// kExplicit: matmul -> mask -> fp32 softmax -> matmul, op for op as bench/reference/model.py's
+// explicit path. The two agree within rounding (models_test); which one is faster depends on
+// the device, dtype and shape (framework/models/attention.h).
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            bool fused = true);
+                            AttentionKernel kernel = AttentionKernel::kFused);
 
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
-  CausalSelfAttentionImpl(int64_t d_model, int64_t n_heads);
+  CausalSelfAttentionImpl(int64_t d_model, int64_t n_heads,
+                          AttentionSetting attention = AttentionSetting::kAuto);
   at::Tensor forward(const at::Tensor& x);
 
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
 
  private:
   int64_t n_heads_;
+  AttentionSetting attention_;
 };
 TORCH_MODULE(CausalSelfAttention);
 
 class BlockImpl : public torch::nn::Module {
  public:
-  BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff);
+  BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff,
+            AttentionSetting attention = AttentionSetting::kAuto);
   // With `recompute`, through sharding::recompute: only x is kept for backward.
   at::Tensor forward(const at::Tensor& x);
   bool recompute = false;
