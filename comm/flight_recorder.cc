@@ -216,6 +216,8 @@ int g_rank = 0;
 
 int g_pipe[2] = {-1, -1};
 int g_done[2] = {-1, -1};  // the dumping thread's reply to a crashing one
+// Marks a signal in the pipe that another handler took (dump_on_signal): dump, then go on.
+constexpr unsigned char kGoesOn = 0x80;
 
 void on_signal(int sig) {
   const int saved = errno;
@@ -286,6 +288,14 @@ std::string dump(const std::string& reason) {
   return path;
 }
 
+void dump_on_signal(int sig) {
+  if (g_pipe[1] < 0) return;
+  const int saved = errno;
+  const unsigned char s = static_cast<unsigned char>(sig | kGoesOn);
+  [[maybe_unused]] ssize_t n = ::write(g_pipe[1], &s, 1);
+  errno = saved;
+}
+
 void install_signal_dumps() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -294,9 +304,18 @@ void install_signal_dumps() {
       unsigned char sig = 0;
       while (::read(g_pipe[0], &sig, 1) == 1 || errno == EINTR) {
         if (sig == 0) continue;
+        if (sig & kGoesOn) {  // another handler's signal (dump_on_signal): the rank goes on
+          const int s = sig & ~kGoesOn;
+          dump(std::string(s == SIGTERM   ? "SIGTERM"
+                           : s == SIGUSR1 ? "SIGUSR1"
+                                          : "SIGINT") +
+               " (the run saves a checkpoint and stops)");
+          sig = 0;
+          continue;
+        }
         dump(sig == SIGTERM   ? "SIGTERM"
              : sig == SIGABRT ? "SIGABRT (the process aborted)"
-                              : "SIGUSR1 (on demand)");
+                              : "SIGUSR2 (on demand)");
         if (sig == SIGTERM) {
           ::signal(SIGTERM, SIG_DFL);
           ::raise(SIGTERM);
@@ -311,7 +330,7 @@ void install_signal_dumps() {
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);
     sa.sa_flags = SA_RESTART;
-    ::sigaction(SIGUSR1, &sa, nullptr);
+    ::sigaction(SIGUSR2, &sa, nullptr);
     ::sigaction(SIGTERM, &sa, nullptr);
     ::sigaction(SIGABRT, &sa, nullptr);
   });

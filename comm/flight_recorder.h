@@ -7,7 +7,7 @@
 //
 // dump() writes it as JSON (flight_rank<k>.json in the folder set by set_dump_dir). dtrain-train
 // dumps on a collective's timeout or failure, on SIGTERM (what dtrain-launch sends when
-// another rank failed), on an abort, and on SIGUSR1 (on demand; the rank goes on). scripts/flight
+// another rank failed), on an abort, and on SIGUSR2 (on demand; the rank goes on). scripts/flight
 // reads every rank's dump and names the rank that fell behind and the first collective where ranks
 // disagree or one is missing (docs/reliability.md).
 //
@@ -46,10 +46,14 @@ std::string to_json(const std::string& reason);
 // failed. Not async-signal-safe: signal handlers go through install_signal_dumps().
 std::string dump(const std::string& reason);
 
-// SIGUSR1 dumps and the rank goes on; SIGTERM dumps, then ends the process as SIGTERM would
+// SIGUSR2 dumps and the rank goes on; SIGTERM dumps, then ends the process as SIGTERM would
 // have; SIGABRT (an uncaught exception in a backend's thread, say) dumps within 2 s if it
 // can, then aborts. A thread of this process does the dumping (the handlers only write to a
-// pipe).
+// pipe). (SIGUSR1 is Slurm's warning before a preemption: framework/preemption.h.)
 void install_signal_dumps();
+
+// For another signal handler (async-signal-safe): dump, naming `sig`, and go on. A no-op
+// before install_signal_dumps().
+void dump_on_signal(int sig);
 
 }  // namespace dtrain::comm::flight

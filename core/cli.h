@@ -16,6 +16,7 @@
 #include <torch/csrc/api/include/torch/version.h>
 #endif
 
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <new>
@@ -38,11 +39,38 @@ inline void setup(CLI::App& app, const std::string& program) {
   app.set_version_flag("--version", version_line(program));
 }
 
+// dtrain-launch's options, which a program it starts does not take: an error naming one of
+// them says where it belongs.
+inline const char* launcher_option(const std::string& arg) {
+  static const char* const kOptions[] = {
+      "--nproc-per-node", "--nproc_per_node", "--nnodes",      "--node-rank",   "--node_rank",
+      "--master-addr",    "--master_addr",    "--master-port", "--master_port", "--max-restarts",
+      "--max_restarts",   "--run-id",         "--rdzv-id",     "--agent-port",  "--join-timeout",
+      "--grace-period",   "--preempt-timeout"};
+  const std::string name = arg.substr(0, arg.find('='));
+  for (const char* o : kOptions) {
+    if (name == o) return o;
+  }
+  return nullptr;
+}
+
 // Parses argv; exits 0 after --help or --version, 2 (with CLI11's message) on a usage error.
 inline void parse(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    std::string program = argc > 0 ? argv[0] : "the program";
+    program = program.substr(program.find_last_of('/') + 1);
+    for (int i = 1; i < argc; ++i) {
+      if (const char* o = launcher_option(argv[i])) {
+        std::fprintf(stderr,
+                     "%s: %s is an option of dtrain-launch, which starts the ranks, not of %s: "
+                     "put it before the program, e.g.\n  dtrain-launch %s 2 -- %s --config "
+                     "run.yaml\n",
+                     program.c_str(), o, program.c_str(), o, program.c_str());
+        std::exit(2);
+      }
+    }
     const int code = app.exit(e);
     std::exit(code == 0 ? 0 : 2);
   }
@@ -56,6 +84,11 @@ inline bool debugging() {
 // The exit code of a rank that stops only because another rank failed (a peer closed its
 // connection mid-collective, or a start-up check failed elsewhere).
 inline constexpr int kConsequenceExitCode = 3;
+
+// The exit code of a run that stopped on SIGTERM or SIGUSR1 after saving a checkpoint
+// (framework/preemption.h): EX_TEMPFAIL of sysexits.h, "a temporary failure; retry". dtrain-launch
+// ends with it too, and never restarts the ranks for it: requeue the job, which resumes.
+inline constexpr int kRequeueExitCode = 75;
 
 struct Failure {
   int code;

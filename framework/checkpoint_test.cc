@@ -314,11 +314,22 @@ TEST(Resume, TheScaleCollapseGuardStopsAResumedRunWhereItWould) {
   EXPECT_NE(resumed.output.find(collapse), std::string::npos) << resumed.output;
 }
 
+// Another model's checkpoint: one config error (exit 2) naming the first parameter that
+// differs and how many do, before anything is read; not "no intact checkpoint", and the
+// checkpoint is not set aside as damaged.
 TEST(Integrity, AnotherModelsCheckpointIsRefusedNamingTheTensorAndNothingLoads) {
   const std::string dir = one_checkpoint("other_model");
-  expect_refused(
-      dir, "--set model.d_model=32",
-      {"tok_emb.weight", "has shape [256, 64] but the model's is [256, 32]", "Nothing was loaded"});
+  Result r = run(train_cmd("configs/tiny/ddp_fp32.yaml", 2, dir, "--set model.d_model=32"));
+  EXPECT_EQ(r.code, 2) << r.output;
+  for (const char* n : {"holds another model than this run's",
+                        "'tok_emb.weight' is [256, 64] there and [256, 32] here",
+                        "parameter(s) of another shape", "model.* settings"}) {
+    EXPECT_NE(r.output.find(n), std::string::npos) << n << "\n" << r.output;
+  }
+  for (const char* never : {"resumed from", "no intact checkpoint", "damaged"}) {
+    EXPECT_EQ(r.output.find(never), std::string::npos) << never << "\n" << r.output;
+  }
+  EXPECT_EQ(Checkpointer::newest_complete(dir).value_or(""), dir + "/step_00000020");
 }
 
 TEST(Integrity, AFullDiskGivesAClearErrorAndKeepsThePreviousCheckpoint) {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <set>
@@ -368,6 +369,21 @@ void read_data(Section s, DataConfig& d) {
       }
     }
     if (!first_file.empty()) read_token_meta(s, "path", first_file, d);
+    // The type of a .bin file's tokens is never guessed: uint16 read as uint32 (or the
+    // reverse) trains on garbage without an error. dtrain-prepare records it in meta.json,
+    // Megatron in its .idx file, nanoGPT in its code; an .npy file in its own header.
+    const bool any_bin = [&] {
+      for (const auto& f : glob_files(d.path)) {
+        if (f.size() >= 4 && f.compare(f.size() - 4, 4, ".bin") == 0) return true;
+      }
+      return false;
+    }();
+    s.check(!any_bin || !d.token_meta.empty() || s.has("dtype"), "path",
+            "'" + d.path +
+                "' holds .bin token files whose token type nothing records (no meta.json from "
+                "dtrain-prepare beside them): set data.dtype to the type they were written with "
+                "(uint16 for nanoGPT's prepare.py and vocabularies up to 65536, uint32 above), or "
+                "prepare them with dtrain-prepare, which records it");
   }
   if (d.source == DataSource::kCorpus) {
     s.check(!std::filesystem::is_directory(d.path), "path",
@@ -556,8 +572,20 @@ void read_checkpoint(Section s, CheckpointConfig& c) {
   s.read("keep", c.keep);
   s.read("resume", c.resume);
   s.read_choice("format", c.format);
+  s.read("async", c.async);
+  if (s.is_word("on_signal", "off")) {
+    c.on_signal_s = 0;
+  } else {
+    s.read("on_signal", c.on_signal_s);
+  }
+  s.read("on_interrupt", c.on_interrupt);
+  s.read("allow_data_change", c.allow_data_change);
   s.check(c.every_steps >= 0, "every_steps", "must be >= 0 (0: only at the end)");
   s.check(c.keep >= 1, "keep", "must be >= 1");
+  s.check(c.on_signal_s >= 0, "on_signal",
+          "must be the seconds a save on SIGTERM or SIGUSR1 may take (> 0), or off");
+  s.check(!c.on_interrupt || c.on_signal_s > 0, "on_interrupt",
+          "saves within checkpoint.on_signal's time, which is off: give on_signal seconds");
   s.finish();
 }
 
@@ -610,6 +638,35 @@ void check_model_against(const ModelSpec& spec, RunConfig& cfg, Section& top) {
       cfg.data.tokenizer_vocab_size > 0) {
     const TokenShape t = spec.tokens(*cfg.model.settings);
     const int64_t want = cfg.data.tokenizer_vocab_size;
+    if (!t.pretrained.empty()) {
+      // The checkpoint fixes the vocabulary, and so the tokenizer: tokens of another one would
+      // train on ids that mean other words, whatever the sizes.
+      const std::filesystem::path theirs = std::filesystem::path(t.pretrained) / "tokenizer.model";
+      const std::filesystem::path ours =
+          std::filesystem::path(cfg.data.token_meta).parent_path() / "tokenizer.model";
+      auto bytes = [](const std::filesystem::path& p) {
+        std::ifstream f(p, std::ios::binary);
+        return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      };
+      const bool both = std::filesystem::exists(theirs) && std::filesystem::exists(ours);
+      const std::string how =
+          std::filesystem::exists(theirs)
+              ? "prepare the text with the checkpoint's tokenizer: dtrain-prepare "
+                "--tokenizer-model " +
+                    theirs.string() + " --out <folder> <text files>"
+              : "prepare the text with the tokenizer the checkpoint was trained with "
+                "(dtrain-prepare --tokenizer-model <its .model file>)";
+      top.section("data").check(
+          t.vocab_size == want && (!both || bytes(theirs) == bytes(ours)), "path",
+          "these tokens come from another tokenizer than model.pretrained's checkpoint: " +
+              (t.vocab_size != want
+                   ? "the checkpoint's vocabulary is " + std::to_string(t.vocab_size) + " (" +
+                         t.pretrained + "/config.json), the tokens' " + std::to_string(want) +
+                         " (" + cfg.data.token_meta + ")"
+                   : "their tokenizer.model files differ (" + theirs.string() + ", " +
+                         ours.string() + ")") +
+              ". Its ids would stand for other pieces of text. To fix it, " + how);
+    }
     top.section("model").check(
         t.vocab_size >= want, "vocab_size",
         std::to_string(t.vocab_size) + " is smaller than the tokenizer's vocabulary of " +

@@ -224,6 +224,17 @@ struct CheckpointConfig {
   int64_t keep = 2;
   std::string resume = "auto";  // auto | never | <path of a step_* directory>
   CheckpointFormat format = CheckpointFormat::kAuto;
+  // The step waits only while the state is copied into staging buffers; the files are written,
+  // checksummed and fsynced on a thread while training goes on (PyTorch DCP's async_save).
+  bool async = false;
+  // SIGTERM or SIGUSR1 (what Slurm and Kubernetes send before a kill): every rank finishes its
+  // step, they agree, save within this many seconds and exit with kRequeueExitCode. 0: off
+  // (the signal ends the run unsaved, as before).
+  double on_signal_s = 120;
+  // Ctrl-C (SIGINT) saves the same way too; false: Ctrl-C ends the run unsaved.
+  bool on_interrupt = false;
+  // A resume onto data (or a tokenizer) other than the checkpoint's is refused unless true.
+  bool allow_data_change = false;
 };
 
 struct LoggingConfig {

@@ -262,16 +262,23 @@ TEST(Config, TokenFilesAreADataSourceWithTheirOwnChecks) {
   const char* base = std::getenv("TEST_TMPDIR");
   const std::string dir = std::string(base ? base : "/tmp") + "/config_tokens";
   std::system(("mkdir -p " + dir + " && : > " + dir + "/a.bin && : > " + dir + "/b.npy").c_str());
-  // A .bin or .npy path selects token files; a glob matches many.
-  RunConfig c = parse_config(kGood, "run.yaml", {"data.path=" + dir + "/*.bin"});
+  // A .bin or .npy path selects token files; a glob matches many. A .bin file's token type is
+  // never guessed: without dtrain-prepare's meta.json, data.dtype must say it.
+  expect_yaml_error(kGood, {"data.path", "whose token type nothing records", "set data.dtype"},
+                    {"data.path=" + dir + "/*.bin"});
+  RunConfig c =
+      parse_config(kGood, "run.yaml", {"data.path=" + dir + "/*.bin", "data.dtype=uint16"});
   EXPECT_EQ(c.data.source, DataSource::kTokens);
   EXPECT_EQ(c.data.dtype, "uint16");
+  c = parse_config(kGood, "run.yaml", {"data.path=" + dir + "/b.npy"});  // .npy says its own
+  EXPECT_EQ(c.data.source, DataSource::kTokens);
   c = parse_config(kGood, "run.yaml",
                    {"data.source=tokens", "data.path=" + dir + "/a.bin", "data.dtype=uint32",
                     "data.val_path=" + dir + "/b.npy"});
   EXPECT_EQ(c.data.dtype, "uint32");
   EXPECT_EQ(c.data.val_path, dir + "/b.npy");
-  c = parse_config(kGood, "run.yaml", {"data.path=" + dir + "/a.bin", "data.val_fraction=0.05"});
+  c = parse_config(kGood, "run.yaml",
+                   {"data.path=" + dir + "/a.bin", "data.dtype=uint16", "data.val_fraction=0.05"});
   EXPECT_EQ(c.data.val_fraction, 0.05);
   expect_yaml_error(kGood, {"data.val_fraction", "must be in [0, 1)"},
                     {"data.path=" + dir + "/a.bin", "data.val_fraction=1"});
@@ -291,7 +298,7 @@ TEST(Config, TokenFilesAreADataSourceWithTheirOwnChecks) {
   expect_yaml_error(kGood, {"data.path", "is required with data.source: tokens"},
                     {"data.source=tokens"});
   expect_yaml_error(mlp_good(), {"data.source", "model.type: mlp"},
-                    {"data.path=" + dir + "/a.bin"});
+                    {"data.path=" + dir + "/a.bin", "data.dtype=uint16"});
 }
 
 TEST(ConfigError, UnknownKeyNamesPathLineAndSuggestion) {

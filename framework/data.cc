@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -26,6 +28,21 @@ at::Generator generator(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 
   uint64_t s = seed * 0x9E3779B97F4A7C15ULL ^ (a + 0x632BE59BD9B4E019ULL) * 0xBF58476D1CE4E5B9ULL ^
                (b + 1) * 0x94D049BB133111EBULL ^ (c + 7) * 0xD6E8FEB86659FD93ULL;
   return at::make_generator<at::CPUGeneratorImpl>(s);
+}
+
+// FNV-1a, 64 bits: a stable hash of the data's content for its fingerprint (not a checksum
+// against damage: the checkpoints' own files have xxh64).
+constexpr uint64_t kFnvOffset = 0xcbf29ce484222325ULL;
+uint64_t fnv1a(const void* data, size_t n, uint64_t h = kFnvOffset) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ULL;
+  return h;
+}
+
+std::string hex64(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(v));
+  return buf;
 }
 
 }  // namespace
@@ -78,6 +95,9 @@ ByteCorpusSource::ByteCorpusSource(const std::string& path, int64_t seq_len, int
         tokens_ = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte)
                       .to(at::kLong);
         description_ = "corpus " + path + " (" + std::to_string(bytes.size() / 1024) + " KiB)";
+        fingerprint_ = "corpus of " + std::to_string(bytes.size()) + " bytes, fnv64 " +
+                       hex64(fnv1a(bytes.data(), bytes.size())) + ", data.seed " +
+                       std::to_string(seed);
         // The last eval_samples windows are held out for validation.
         const int64_t windows = (tokens_.numel() - 1) / seq_len;
         DTRAIN_CHECK_AS(ConfigError, windows > eval_samples, "data.path: corpus '", path,
@@ -306,6 +326,22 @@ TokenFileSource::TokenFileSource(const std::string& pattern, const std::string& 
         val_windows_ = val_.empty() ? held_out : total_windows(val_);
         return DistributedSampler(windows - held_out, world_size, rank, seed);
       }()) {
+  // Each file's size and its first and last 64 KiB: a 100 GB dataset is fingerprinted at once.
+  auto files_hash = [](const std::vector<File>& files, uint64_t h) {
+    constexpr size_t kSample = 64 << 10;
+    for (const File& f : files) {
+      const size_t bytes = static_cast<size_t>(f.count) * static_cast<size_t>(f.item);
+      h = fnv1a(&bytes, sizeof(bytes), h);
+      h = fnv1a(f.tokens, std::min(bytes, kSample), h);
+      if (bytes > kSample) h = fnv1a(f.tokens + bytes - kSample, kSample, h);
+    }
+    return h;
+  };
+  fingerprint_ = "tokens: " + std::to_string(train_.size()) + " training file(s) of " +
+                 std::to_string(total_tokens(train_)) + " tokens, " + std::to_string(val_.size()) +
+                 " validation file(s), fnv64 " +
+                 hex64(files_hash(val_, files_hash(train_, kFnvOffset))) + ", data.seed " +
+                 std::to_string(seed);
   const int64_t tokens = total_tokens(train_);
   description_ =
       "tokens " + pattern + " (" + std::to_string(train_.size()) + " file(s), " +
@@ -433,6 +469,50 @@ Batch SyntheticClassificationSource::next(int64_t step, int64_t micro) {
 Batch SyntheticClassificationSource::validation(int rank, int world) {
   at::Tensor x = at::randn({eval_samples_, in_features_}, generator(seed_, kValidationStream));
   return share({x, at::matmul(x, teacher_).argmax(1)}, rank, world);
+}
+
+std::string SyntheticLMSource::fingerprint() const {
+  return "synthetic tokens: vocabulary " + std::to_string(vocab_) + ", data.seed " +
+         std::to_string(seed_);
+}
+
+std::string SyntheticClassificationSource::fingerprint() const {
+  return "synthetic classification: " + std::to_string(in_features_) + " features, " +
+         std::to_string(classes_) + " classes, data.seed " + std::to_string(seed_);
+}
+
+std::string tokenizer_fingerprint(const std::string& token_meta) {
+  if (token_meta.empty()) return "";
+  std::ifstream f(token_meta);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  // dtrain-prepare writes one "key": value per line; its tokenizer, its model file, its vocabulary.
+  auto value_of = [&](const std::string& key) {
+    const size_t at = text.find("\"" + key + "\":");
+    if (at == std::string::npos) return std::string();
+    size_t begin = text.find_first_not_of(" ", at + key.size() + 3);
+    size_t end = text.find_first_of(",\n", begin);
+    std::string v = text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    if (v.size() >= 2 && v.front() == '"' && v.back() == '"') v = v.substr(1, v.size() - 2);
+    return v;
+  };
+  const std::string name = value_of("tokenizer"), file = value_of("tokenizer_file"),
+                    vocab = value_of("vocab_size");
+  if (name.empty()) return "";
+  std::string out = name + " tokenizer, vocabulary " + vocab;
+  if (!file.empty()) {
+    const std::filesystem::path beside =
+        std::filesystem::path(token_meta).parent_path() / std::filesystem::path(file).filename();
+    for (const std::filesystem::path& p : {beside, std::filesystem::path(file)}) {
+      std::ifstream m(p, std::ios::binary);
+      if (!m) continue;
+      const std::string bytes((std::istreambuf_iterator<char>(m)),
+                              std::istreambuf_iterator<char>());
+      out += ", model file of " + std::to_string(bytes.size()) + " bytes, fnv64 " +
+             hex64(fnv1a(bytes.data(), bytes.size()));
+      break;
+    }
+  }
+  return out;
 }
 
 }  // namespace dtrain::framework

@@ -67,7 +67,17 @@ class BatchSource {
   virtual int64_t items_per_sample() const = 0;
   // What the data is, for the run's first log line ("corpus GPL-3 (35 KB)").
   virtual std::string describe() const { return "custom data"; }
+  // What tells this data from other data, for a checkpoint to record and a resume to compare:
+  // the content's size and a hash (of the whole corpus; of each token file's size and its first
+  // and last 64 KiB), and the order's seed. Equal for the same data under another path. Empty:
+  // not known (a user's source), so never compared.
+  virtual std::string fingerprint() const { return ""; }
 };
+
+// The tokenizer dtrain-prepare's meta.json (at `token_meta`) names: its kind, vocabulary and
+// a hash of its model file when that file is found (beside meta.json, or where it says).
+// Empty when `token_meta` is empty or names no tokenizer.
+std::string tokenizer_fingerprint(const std::string& token_meta);
 
 class ByteCorpusSource : public BatchSource {
  public:
@@ -78,12 +88,13 @@ class ByteCorpusSource : public BatchSource {
   Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return seq_len_; }
   std::string describe() const override { return description_; }
+  std::string fingerprint() const override { return fingerprint_; }
   int64_t num_samples() const { return sampler_.num_samples(); }
 
  private:
   Batch windows(const std::vector<int64_t>& starts) const;
 
-  std::string description_;
+  std::string description_, fingerprint_;
   at::Tensor tokens_;  // int64 bytes
   int64_t seq_len_, batch_size_, micro_batches_, eval_samples_;
   DistributedSampler sampler_;
@@ -114,6 +125,7 @@ class TokenFileSource : public BatchSource {
   Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return seq_len_; }
   std::string describe() const override { return description_; }
+  std::string fingerprint() const override { return fingerprint_; }
   int64_t num_samples() const { return sampler_.num_samples(); }
 
   struct File {
@@ -130,7 +142,7 @@ class TokenFileSource : public BatchSource {
  private:
   // Windows by their index over `files`' windows in order.
   Batch windows(const std::vector<File>& files, const std::vector<int64_t>& ids) const;
-  std::string description_;
+  std::string description_, fingerprint_;
   std::vector<File> train_, val_;
   int64_t vocab_, seq_len_, batch_size_, micro_batches_, eval_samples_;
   int64_t val_first_ = 0;    // the first validation window (in val_, or held out of train_)
@@ -146,6 +158,7 @@ class SyntheticLMSource : public BatchSource {
   Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return seq_len_; }
   std::string describe() const override { return "synthetic tokens"; }
+  std::string fingerprint() const override;
 
  private:
   int64_t vocab_, seq_len_, batch_size_, eval_samples_;
@@ -161,6 +174,7 @@ class SyntheticClassificationSource : public BatchSource {
   Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return 1; }
   std::string describe() const override { return "synthetic classification"; }
+  std::string fingerprint() const override;
 
  private:
   int64_t in_features_, classes_, batch_size_, eval_samples_;

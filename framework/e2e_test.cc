@@ -239,8 +239,11 @@ TEST(EndToEnd, TokenFilesOfACorpusTrainBitwiseAsTheCorpus) {
   ASSERT_EQ(corpus.first.size(), 3u);
   for (const std::string& path : {bin, npy}) {
     SCOPED_TRACE(path);
+    // A .bin file records no token type (no meta.json here): data.dtype says it.
     const auto got = trajectory("configs/tiny/ddp_fp32.yaml",
-                                "--set data.source=tokens --set data.path=" + path, "tokens_file");
+                                "--set data.source=tokens --set data.path=" + path +
+                                    (path == bin ? " --set data.dtype=uint16" : ""),
+                                "tokens_file");
     EXPECT_EQ(got.first, corpus.first);
     EXPECT_EQ(got.second, corpus.second) << "the final parameters differ";
   }

@@ -29,7 +29,7 @@ std::string format_bytes(double bytes) {
 }
 
 double MemoryEstimate::peak() const {
-  return std::max(steady() + compute + activations, construction);
+  return std::max(steady() + compute + activations + checkpoint_staging, construction);
 }
 
 std::string MemoryEstimate::describe() const {
@@ -87,6 +87,13 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
     }
     e.optimizer = opt_per_param * p;
     e.compute = mp.is_low_precision() ? cb * p : 0;  // autocast's weight cache
+  }
+  if (c.checkpoint.async && !c.checkpoint.dir.empty()) {
+    // What this rank writes: its shards (sharded), or the whole model and optimizer state
+    // (a full checkpoint: rank 0, the largest).
+    const bool sharded = c.parallel.strategy == ParallelStrategy::kFsdp &&
+                         c.checkpoint.format != CheckpointFormat::kFull;
+    e.checkpoint_staging = sharded ? e.parameters + e.optimizer : (4 + opt_per_param) * p;
   }
   return e;
 }
@@ -168,6 +175,10 @@ std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64
   if (!mm.activations_note.empty()) note += (note.empty() ? "" : "; ") + mm.activations_note;
   row("activations", e.activations, note);
   row("buffers", 0, "the built-in models have none");
+  if (e.checkpoint_staging > 0) {
+    row("checkpoint staging", e.checkpoint_staging,
+        "checkpoint.async: the host copy of what this rank writes, reused by every save");
+  }
   row("construction peak", e.construction,
       c.parallel.strategy != ParallelStrategy::kFsdp ? "the full fp32 model"
       : mm.deferred_under_fsdp

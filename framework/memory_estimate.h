@@ -37,6 +37,8 @@ namespace dtrain::framework {
 struct MemoryEstimate {
   double parameters = 0, gradients = 0, optimizer = 0, compute = 0, activations = 0;
   double construction = 0;  // transient peak while the model is built and sharded
+  // checkpoint.async: the host copy of what this rank writes, kept between saves.
+  double checkpoint_staging = 0;
   int64_t parameter_count = 0;
   double steady() const { return parameters + gradients + optimizer; }
   // The larger of the training peak and the construction peak, in bytes.

@@ -44,6 +44,9 @@ enum class ModelData {
 struct TokenShape {
   int64_t vocab_size = 0;
   int64_t seq_len = 0;
+  // A checkpoint the model starts from, which fixes the vocabulary (and the tokenizer the
+  // tokens must come from); empty: none.
+  std::string pretrained;
 };
 
 // The model's side of the memory estimate, for one config.

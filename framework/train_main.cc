@@ -115,15 +115,22 @@ int main(int argc, char** argv) {
   // A file-size limit (RLIMIT_FSIZE) must fail the write with EFBIG, which the checkpoint
   // reports, not kill the process with SIGXFSZ.
   std::signal(SIGXFSZ, SIG_IGN);
+  // Slurm's --signal warning (SIGUSR1) would end the process by default: ignored unless
+  // checkpoint.on_signal takes it (framework/preemption.h).
+  std::signal(SIGUSR1, SIG_IGN);
   // Count tensor bytes from the start, for the peak-memory report (framework/memory.h).
   dtrain::framework::TrackedCpuMemory::install();
   start_test_child();
-  // SIGUSR1 dumps the flight recorder; SIGTERM (dtrain-launch ending the job) dumps it first.
+  // SIGUSR2 dumps the flight recorder; SIGTERM (dtrain-launch ending the job) dumps it first
+  // (with checkpoint.on_signal, the trainer then takes SIGTERM and SIGUSR1:
+  // framework/preemption.h).
   dtrain::comm::flight::install_signal_dumps();
   try {
     auto config = dtrain::framework::load_config(config_path, overrides);
     std::shared_ptr<dtrain::comm::Communicator> comm = dtrain::framework::connect(config);
-    dtrain::framework::train(config, comm);
+    const dtrain::framework::TrainResult result = dtrain::framework::train(config, comm);
+    // Stopped on SIGTERM or SIGUSR1 with a checkpoint saved: the code that asks for a requeue.
+    if (result.preempted_by != 0) quit(dtrain::framework::kRequeueExitCode, "");
     if (comm) comm->barrier().wait();
     comm.reset();
     return 0;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -392,6 +393,11 @@ void Trainer::setup() {
       comm_ ? ", backend " + comm_->backend() : std::string(), ", precision ",
       name_of(c_.precision.policy), " ", c_.precision.mixed.to_string(), ", loss scaling ",
       sc.enabled ? "on" : "off");
+  checkpointer_.set_job(job_record());
+  if (checkpointer_.enabled() && c_.checkpoint.on_signal_s > 0) {
+    preemption::install(c_.checkpoint.on_interrupt);
+    stop_ = std::make_unique<StopAgreement>(comm_);
+  }
   restore();
   metrics_.emplace(c_, rank_, first_step_,
                    JsonObject()
@@ -405,13 +411,34 @@ void Trainer::setup() {
     // The restored model's validation loss: the same number, at any world size, as the run
     // that wrote the checkpoint logged at this step.
     const double v = validation_loss();
-    logging::info("step ", first_step_, " (restored) val_loss ", logging::fixed(v, 6),
-                  perplexity_text(v));
+    logging::info(
+        "step ", first_step_,
+        checkpointer_.data_changed() ? " (restored, on this run's other data)" : " (restored)",
+        " val_loss ", logging::fixed(v, 6), perplexity_text(v));
     JsonObject row;
     row.integer("step", first_step_).number("val_loss", v);
     if (language_model()) row.number("val_ppl", std::exp(v), "%.6g");
-    metrics_->write(row.boolean("restored", true));
+    row.boolean("restored", true);
+    if (checkpointer_.data_changed()) row.boolean("data_changed", true);
+    metrics_->write(row);
   }
+}
+
+// What this run trains on, for the checkpoint (framework/checkpoint/checkpointer.h set_job).
+std::map<std::string, std::string> Trainer::job_record() const {
+  std::map<std::string, std::string> job;
+  job["data"] = data_->fingerprint();
+  job["data_what"] = data_->describe();
+  if (c_.data.source == DataSource::kTokens) {
+    job["tokenizer"] = tokenizer_fingerprint(c_.data.token_meta);
+  }
+  job["model"] = (task_.description.empty() ? std::string("custom model") : task_.description) +
+                 " (model.type " + c_.model.type + ")";
+  job["mesh"] = std::to_string(world_) + " rank(s), " + name_of(c_.parallel.strategy);
+  for (auto it = job.begin(); it != job.end();) {
+    it = it->second.empty() ? job.erase(it) : std::next(it);
+  }
+  return job;
 }
 
 void Trainer::restore() {
@@ -710,13 +737,62 @@ void Trainer::show_progress(int64_t step, bool logged) {
                 logging::fixed(rate, rate < 10 ? 2 : 1), " step/s, ", eta, " left");
 }
 
-void Trainer::save_checkpoint(const StepStats& s) {
+void Trainer::save_checkpoint(const StepStats& s, bool background) {
   const auto t = Clock::now();
+  background = background && c_.checkpoint.async;
   const std::string path = checkpointer_.save(
       checkpoint_parts(),
-      TrainerProgress{s.step, result_.skipped_steps, s.lr, collapse_.skips(), nonfinite_.run()});
+      TrainerProgress{s.step, result_.skipped_steps, s.lr, collapse_.skips(), nonfinite_.run()},
+      background);
   if (tty_) std::fprintf(stderr, "\r\033[K");
-  logging::info("checkpoint ", path, " written in ", logging::fixed(seconds_since(t), 2), " s");
+  if (background) {
+    logging::info("checkpoint ", path, " staged in ", logging::fixed(seconds_since(t), 2),
+                  " s; written in the background (checkpoint.async)");
+  } else {
+    logging::info("checkpoint ", path, " written in ", logging::fixed(seconds_since(t), 2), " s");
+  }
+}
+
+// Every rank agreed to stop after this step: a checkpoint within checkpoint.on_signal seconds
+// (or the previous complete one stands), then the caller exits with kRequeueExitCode.
+void Trainer::stop_on_signal(int sig, const StepStats& s, bool saved_already) {
+  const double limit = c_.checkpoint.on_signal_s;
+  if (tty_) std::fprintf(stderr, "\r\033[K");
+  logging::warn(preemption::signal_name(sig), " received: saving a checkpoint at step ", s.step,
+                " (within ", limit, " s, checkpoint.on_signal), then exiting with code ",
+                kRequeueExitCode, " for the job to be requeued");
+  // A save that outlives the limit would be killed half-written anyway: the previous complete
+  // checkpoint stands, and the exit says so.
+  std::atomic<bool> saved{false};
+  std::thread watchdog([&saved, limit, step = s.step] {
+    const auto deadline =
+        Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(limit * 1000));
+    while (!saved && Clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (saved) return;
+    logging::error("the checkpoint of step ", step, " did not finish within ", limit,
+                   " s (checkpoint.on_signal): exiting without it; the newest complete one "
+                   "stands");
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(kRequeueExitCode);
+  });
+  try {
+    if (saved_already) {  // this step's own save, maybe still being written: finished
+      checkpointer_.finish();
+      if (comm_ && world_ > 1) comm_->barrier().wait();
+    } else {
+      save_checkpoint(s, /*background=*/false);
+    }
+  } catch (...) {
+    saved = true;
+    watchdog.join();
+    throw;
+  }
+  saved = true;
+  watchdog.join();
+  stop_->drain();
+  result_.preempted_by = sig;
 }
 
 TrainResult Trainer::train() {
@@ -748,7 +824,14 @@ TrainResult Trainer::train() {
     if (evaluate) val_loss = validation_loss();
     if (logged) log_step(*s, val_loss);
     show_progress(step, logged);
-    if (due) save_checkpoint(*s);
+    if (due) save_checkpoint(*s, /*background=*/!last);
+    if (stop_) {
+      if (const std::optional<int> sig = stop_->poll()) {
+        if (!s) s = settle();
+        stop_on_signal(*sig, *s, /*saved=*/due);
+        break;
+      }
+    }
     if (kill_at_ && step == kill_at_->step && rank_ == kill_at_->rank) {
       logging::warn("DTRAIN_TEST_KILL_AT_STEP: rank ", rank_, " kills itself after step ",
                     step - 1);
@@ -760,7 +843,16 @@ TrainResult Trainer::train() {
     }
   }
   if (tty_) std::fprintf(stderr, "\n");
+  checkpointer_.finish();  // a save still being written (checkpoint.async)
   if (trace_on) write_trace(c_, comm_.get(), rank_, world_);
+  if (result_.preempted_by != 0) {
+    result_.steps = step_;
+    logging::info("stopped after step ", step_, " of ", c_.train.steps, " on ",
+                  preemption::signal_name(result_.preempted_by),
+                  ", checkpoint saved: resume with "
+                  "the same command (checkpoint.resume: auto)");
+    return result_;
+  }
   report();
   return result_;
 }

@@ -45,6 +45,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -62,6 +63,7 @@
 #include "framework/data.h"
 #include "framework/guards.h"
 #include "framework/metrics.h"
+#include "framework/preemption.h"
 #include "framework/strategy.h"
 #include "framework/task.h"
 
@@ -69,6 +71,9 @@ namespace dtrain::framework {
 
 struct TrainResult {
   int64_t steps = 0;
+  // A signal (framework/preemption.h) stopped the run after `steps`, saved: exit with
+  // kRequeueExitCode. 0: it ran to train.steps.
+  int preempted_by = 0;
   int64_t skipped_steps = 0;
   double first_loss = 0;  // mean over ranks, first logged step
   double last_loss = 0;   // mean over ranks, last step
@@ -141,7 +146,10 @@ class Trainer {
   void log_step(const StepStats& s, std::optional<double> val_loss);
   bool language_model() const;
   std::string perplexity_text(double val_loss) const;
-  void save_checkpoint(const StepStats& s);
+  void save_checkpoint(const StepStats& s, bool background = true);
+  // The agreed stop on a signal: saves within checkpoint.on_signal and marks the result.
+  void stop_on_signal(int sig, const StepStats& s, bool saved_already);
+  std::map<std::string, std::string> job_record() const;
   void show_progress(int64_t step, bool logged);
   void report();
 
@@ -163,6 +171,7 @@ class Trainer {
   ScaleCollapseGuard collapse_;
   NonFiniteLossGuard nonfinite_;
   std::optional<faults::StepRank> kill_at_, nan_from_, stop_at_, slow_;
+  std::unique_ptr<StopAgreement> stop_;  // checkpoint.on_signal: when to stop, agreed
 
   int64_t step_ = 0;        // steps done
   int64_t first_step_ = 0;  // where this process started (a restored step, or 0)

@@ -49,7 +49,7 @@ void on_signal(int sig) {
 sigset_t forwarded_signals() {
   sigset_t set;
   sigemptyset(&set);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&set, sig);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) sigaddset(&set, sig);
   return set;
 }
 
@@ -273,7 +273,7 @@ pid_t spawn(const LaunchOptions& o, Rank& r, int restart_count, int port) {
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != launcher_pid) ::_exit(127);
-    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE}) ::signal(sig, SIG_DFL);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGUSR1}) ::signal(sig, SIG_DFL);
     ::sigprocmask(SIG_SETMASK, &previous, nullptr);
     // Ranks run in their own process groups, outside the terminal's foreground group: a
     // read from the terminal would stop them (SIGTTIN). They get no stdin.
@@ -318,7 +318,8 @@ int exit_code_of(int status) {
 }
 
 // kStopped: another node's rank failed (launcher/agent.h); kLost: a node was lost.
-enum class Outcome { kSuccess, kRankFailed, kInterrupted, kStopped, kLost };
+// kRequeue: the ranks stopped on a signal with a checkpoint saved (cli::kRequeueExitCode).
+enum class Outcome { kSuccess, kRankFailed, kInterrupted, kStopped, kLost, kRequeue };
 
 struct Result {
   Outcome outcome = Outcome::kSuccess;
@@ -342,11 +343,10 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
   Clock::time_point drain_until{};
   Rank* consequence = nullptr;  // the first rank that stopped because another failed
   Clock::time_point consequence_until{};
-  auto start_termination = [&](int sig) {
+  auto start_termination = [&](int sig, double grace_s) {
     if (!terminating) {
       terminating = true;
-      kill_at =
-          Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.grace_period_s * 1000));
+      kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace_s * 1000));
     }
     signal_all(ranks, sig);
   };
@@ -374,6 +374,26 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
         r.exit_code = exit_code_of(status);
         ::kill(-r.pid, SIGKILL);  // leftovers in the rank's process group
         g_guardian.remove(r.pid);
+        if (r.exit_code == cli::kRequeueExitCode &&
+            (result.outcome == Outcome::kSuccess || result.outcome == Outcome::kInterrupted ||
+             result.outcome == Outcome::kRequeue)) {
+          // Stopped on a signal with its checkpoint saved: not a failure. Every rank stops at
+          // the same step; one that has not within --preempt-timeout is ended.
+          if (result.outcome != Outcome::kRequeue) {
+            std::cerr << "[dtrain-launch] rank " << r.global_rank
+                      << " stopped on a signal with a checkpoint saved (exit code "
+                      << cli::kRequeueExitCode << "); the job can be requeued" << std::endl;
+          }
+          const bool interrupted = result.interrupted;
+          result = {Outcome::kRequeue, cli::kRequeueExitCode, -1};
+          result.interrupted = interrupted;
+          if (!terminating) {
+            terminating = true;
+            kill_at = Clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(o.preempt_timeout_s * 1000));
+          }
+          continue;
+        }
         // A rank killed by SIGPIPE wrote to a dead peer's socket: a symptom, like a rank that
         // exited with an error, so any other signal in the same sweep is the one reported.
         auto weight = [](int code) {
@@ -411,7 +431,7 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
                               std::to_string(r.exit_code) + ")"
                         : "exited with code " + std::to_string(r.exit_code))
                 << "; terminating the other ranks" << std::endl;
-      start_termination(SIGTERM);
+      start_termination(SIGTERM, o.grace_period_s);
       consequence = nullptr;
       if (agent != nullptr) agent->report_failure(restart_count, r.global_rank, r.exit_code);
     }
@@ -471,11 +491,11 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
       if (e.kind == AgentEvent::kStop && result.outcome == Outcome::kSuccess) {
         std::cerr << "[dtrain-launch] " << e.why << "; stopping this node's ranks" << std::endl;
         result = {Outcome::kStopped, 0, -1};
-        start_termination(SIGTERM);
+        start_termination(SIGTERM, o.grace_period_s);
       } else if (e.kind == AgentEvent::kLost) {
         std::cerr << "[dtrain-launch] " << e.why << "; stopping this node's ranks" << std::endl;
         if (result.outcome != Outcome::kInterrupted) result.outcome = Outcome::kLost;
-        start_termination(SIGTERM);
+        start_termination(SIGTERM, o.grace_period_s);
       }
     }
     if (n <= 0) continue;
@@ -485,13 +505,23 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
       if (i == 0) {
         unsigned char sig = 0;
         if (::read(g_signal_pipe[0], &sig, 1) == 1) {
+          if (sig == SIGUSR1) {
+            // Slurm's --signal warning: forwarded, and the ranks decide (with
+            // checkpoint.on_signal they save and stop; otherwise they go on).
+            std::cerr << "[dtrain-launch] received SIGUSR1; forwarding it to every rank"
+                      << std::endl;
+            signal_all(ranks, SIGUSR1);
+            continue;
+          }
           std::cerr << "[dtrain-launch] received signal " << int(sig)
                     << "; forwarding it to every rank" << std::endl;
-          if (result.outcome != Outcome::kRankFailed) {
+          if (result.outcome != Outcome::kRankFailed && result.outcome != Outcome::kRequeue) {
             result = {Outcome::kInterrupted, 128 + sig, -1};
           }
           result.interrupted = true;
-          start_termination(sig);
+          // SIGTERM is a scheduler's notice: the ranks may save first (checkpoint.on_signal).
+          start_termination(sig, sig == SIGTERM ? std::max(o.grace_period_s, o.preempt_timeout_s)
+                                                : o.grace_period_s);
         }
         continue;
       }
@@ -560,6 +590,10 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
                  "0 for the others (default 600)");
   app.add_option("--grace-period,--grace_period", o.grace_period_s,
                  "seconds between SIGTERM and SIGKILL when ending the group");
+  app.add_option("--preempt-timeout", o.preempt_timeout_s,
+                 "seconds the ranks get to save and stop after this launcher is sent SIGTERM "
+                 "(a scheduler's notice; with checkpoint.on_signal they save a checkpoint), "
+                 "before SIGKILL (default 180)");
   std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 parses from the back
   try {
     app.parse(reversed);
@@ -610,6 +644,9 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
   DTRAIN_CHECK_AS(UsageError, static_cast<int64_t>(o.nproc_per_node) * o.nnodes <= INT32_MAX,
                   "--nproc-per-node ", o.nproc_per_node, " times --nnodes ", o.nnodes,
                   " is more ranks than a job can have (", INT32_MAX, ")\n", usage());
+  DTRAIN_CHECK_AS(UsageError, o.preempt_timeout_s >= 0 && o.preempt_timeout_s <= kMaxGracePeriodS,
+                  "--preempt-timeout must be a number of seconds in [0, ", kMaxGracePeriodS,
+                  "], got ", o.preempt_timeout_s, "\n", usage());
   DTRAIN_CHECK_AS(UsageError, o.grace_period_s >= 0 && o.grace_period_s <= kMaxGracePeriodS,
                   "--grace-period must be a number of seconds in [0, ", kMaxGracePeriodS, "], got ",
                   o.grace_period_s, "\n", usage());
@@ -668,7 +705,7 @@ int run_job(const LaunchOptions& options, int port) {
   for (int attempt = 0;;) {
     const Result r = run_group(options, attempt, port, agent.get());
     NodeEnd mine;
-    if (r.interrupted || r.outcome == Outcome::kInterrupted) {
+    if (r.interrupted || r.outcome == Outcome::kInterrupted || r.outcome == Outcome::kRequeue) {
       mine = {NodeEnd::kInterrupted, -1, r.code};
     } else if (r.outcome == Outcome::kRankFailed) {
       mine = {NodeEnd::kFailed, r.failed_rank, r.code};
@@ -722,7 +759,7 @@ int run(const LaunchOptions& given) {
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(sig, &sa, nullptr);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGUSR1}) ::sigaction(sig, &sa, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
   // Node 0 serves the store: its port is reserved before anyone starts (later nodes cannot
@@ -740,6 +777,7 @@ int run(const LaunchOptions& given) {
   for (int attempt = 0;; ++attempt) {
     Result r = run_group(options, attempt, port, nullptr);
     if (r.outcome == Outcome::kSuccess) return 0;
+    if (r.outcome == Outcome::kRequeue) return cli::kRequeueExitCode;
     if (r.outcome == Outcome::kInterrupted || r.interrupted) return r.code;
     if (attempt >= options.max_restarts) {
       if (options.max_restarts > 0) {

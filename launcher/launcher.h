@@ -45,6 +45,8 @@ struct LaunchOptions {
   double join_timeout_s = 600;
   std::string backend;  // empty: leave DTRAIN_BACKEND alone
   double grace_period_s = 10.0;
+  // After this launcher gets SIGTERM: the ranks' time to save and stop before SIGKILL.
+  double preempt_timeout_s = 180.0;
   // The rendezvous refuses ranks whose run id or DTRAIN_JOB_TOKEN differ (comm/rendezvous.h).
   // With --nnodes 1 both default to fresh random values per launch (a token from the
   // environment is kept); a multi-node job passes the same --run-id (and token) to every node.

@@ -665,12 +665,15 @@ std::vector<FSDPState::UnitLayout> FSDPState::layouts() const {
   return out;
 }
 
-std::vector<at::Tensor> FSDPState::flat_shards(const std::vector<at::Tensor>& parts) const {
+std::vector<at::Tensor> FSDPState::flat_shards(const std::vector<at::Tensor>& parts,
+                                               const std::vector<at::Tensor>& into) const {
   std::vector<std::vector<at::Tensor>> by_unit(units_.size());
   for (size_t u = 0; u < units_.size(); ++u) by_unit[u].resize(units_[u]->params().size());
   for (size_t k = 0; k < order_.size(); ++k) by_unit[order_[k].first][order_[k].second] = parts[k];
   std::vector<at::Tensor> out;
-  for (size_t u = 0; u < units_.size(); ++u) out.push_back(units_[u]->flat_of(by_unit[u]));
+  for (size_t u = 0; u < units_.size(); ++u) {
+    out.push_back(units_[u]->flat_of(by_unit[u], u < into.size() ? into[u] : at::Tensor()));
+  }
   return out;
 }
 

@@ -166,7 +166,9 @@ class FSDPState : public GradientSync {
     std::vector<Entry> params;
   };
   std::vector<UnitLayout> layouts() const;
-  std::vector<at::Tensor> flat_shards(const std::vector<at::Tensor>& parts) const;
+  // `into[u]`, when given, is unit u's buffer to write in place (FlatUnit::flat_of).
+  std::vector<at::Tensor> flat_shards(const std::vector<at::Tensor>& parts,
+                                      const std::vector<at::Tensor>& into = {}) const;
   // Elements [begin, begin + count) of parameter `param` (in its unit's order) of unit `unit`.
   using PartReader =
       std::function<at::Tensor(int64_t unit, int64_t param, int64_t begin, int64_t count)>;

@@ -445,13 +445,21 @@ at::Tensor FlatUnit::gather(const at::Tensor& flat) const {
   return full;
 }
 
-at::Tensor FlatUnit::flat_of(const std::vector<at::Tensor>& parts) const {
+at::Tensor FlatUnit::flat_of(const std::vector<at::Tensor>& parts, at::Tensor into) const {
   c10::NoGradGuard no_grad;
-  at::Tensor flat = at::zeros({shard_size_}, shard_.options());
+  const bool reuse = into.defined() && into.numel() == shard_size_ && into.dim() == 1 &&
+                     into.scalar_type() == shard_.scalar_type() &&
+                     into.device() == shard_.device() && into.is_contiguous();
+  at::Tensor flat = reuse ? into : at::zeros({shard_size_}, shard_.options());
   for (size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
-    if (!parts[i].defined() || p.master.numel() == 0) continue;
-    flat.narrow(0, p.master_at, p.master.numel()).copy_(parts[i].reshape({-1}));
+    if (p.master.numel() == 0) continue;
+    at::Tensor slot = flat.narrow(0, p.master_at, p.master.numel());
+    if (parts[i].defined()) {
+      slot.copy_(parts[i].reshape({-1}));
+    } else if (reuse) {
+      slot.zero_();
+    }
   }
   return flat;
 }

@@ -155,7 +155,10 @@ class FlatUnit {
   // State dicts handle per-parameter quantities held like the masters (the masters
   // themselves, an optimizer's state): one 1-D tensor per param, this rank's part.
   // flat_of: those parts as this rank's flat [S] (padding and undefined parts are zeros).
-  at::Tensor flat_of(const std::vector<at::Tensor>& parts) const;
+  // `into`, when it is a [S] tensor of the shard's dtype on the shard's device that an earlier
+  // flat_of returned (a checkpoint's staging buffer), is written in place: only the parts'
+  // elements, the rest being zeros already.
+  at::Tensor flat_of(const std::vector<at::Tensor>& parts, at::Tensor into = {}) const;
   // gather: every rank's flat [S] of a quantity, as the unit's parameters flattened and
   // concatenated (collective over the shard group; numel() elements).
   at::Tensor gather(const at::Tensor& flat) const;

@@ -6,7 +6,7 @@
   skip      rank 1 never issues the world communicator's collective #20: the ranks fall out of
             step (Gloo aborts the process that receives a larger message); scripts/flight
             names rank 1, which skipped it.
-  sigusr1   kill -USR1 to rank 0 of a running job: it dumps and trains on to the end.
+  sigusr2   kill -USR2 to rank 0 of a running job: it dumps and trains on to the end.
   slow      rank 1 computes 40 ms longer per step: every logging interval names it as the
             slowest, and its compute time exceeds the others' by over half the 40 ms (a busy
             machine's noise took 28 ms of it once).
@@ -106,7 +106,7 @@ def main():
           "verdict: rank 1 at fault" in report,
           f"skip: scripts/flight names rank 1, which skipped #20 (exit {code})", log + report)
 
-    # sigusr1: a dump on demand, and the job goes on.
+    # sigusr2: a dump on demand, and the job goes on.
     out = f"{work}/usr1"
     os.makedirs(out)
     p = job(args, out, {"DTRAIN_TEST_SLOW_RANK": "100:0"}, steps=30)
@@ -119,7 +119,7 @@ def main():
         time.sleep(0.2)
     time.sleep(0.5)
     if pid is not None:
-        os.kill(pid, signal.SIGUSR1)
+        os.kill(pid, signal.SIGUSR2)
     dumped = None
     while time.time() < deadline and dumped is None:
         time.sleep(0.1)
@@ -128,9 +128,9 @@ def main():
                 dumped = json.load(f)
     code, log = finish(p)
     check(pid is not None and code == 0 and dumped is not None and
-          dumped["reason"] == "SIGUSR1 (on demand)" and len(dumped["entries"]) > 0 and
+          dumped["reason"] == "SIGUSR2 (on demand)" and len(dumped["entries"]) > 0 and
           "done: 30 steps" in log,
-          f"sigusr1: rank 0 dumped {len(dumped['entries']) if dumped else 0} collectives "
+          f"sigusr2: rank 0 dumped {len(dumped['entries']) if dumped else 0} collectives "
           f"on demand and the job trained to the end (exit {code})", log)
 
     # slow: the straggler report.

@@ -29,8 +29,12 @@ ap.add_argument("--launcher", required=True)
 ap.add_argument("--trainer", required=True)
 args = ap.parse_args()
 failures = []
-LICENSES = sorted(glob.glob("/usr/share/common-licenses/*"))
-LICENSES = [f for f in LICENSES if os.path.isfile(f)]
+LICENSES, _seen = [], set()
+for _f in sorted(glob.glob("/usr/share/common-licenses/*")):
+    # dtrain-prepare reads a file once, under its first name (GFDL is a link to GFDL-1.3).
+    if os.path.isfile(_f) and os.path.realpath(_f) not in _seen:
+        _seen.add(os.path.realpath(_f))
+        LICENSES.append(_f)
 
 
 def check(cond, what):
@@ -104,7 +108,9 @@ with tempfile.TemporaryDirectory() as tmp:
     same = all(np.array_equal(shards_of(small, os.path.basename(f)),
                               shards_of(sp_dir, os.path.basename(f))) for f in LICENSES)
     check(same, "the pieces hold the same tokens as whole files")
-    ids = shards_of(sp_dir, "GPL-3")[:60].tolist()
+    gpl3 = next(os.path.basename(f) for f in LICENSES
+                if os.path.realpath(f) == os.path.realpath("/usr/share/common-licenses/GPL-3"))
+    ids = shards_of(sp_dir, gpl3)[:60].tolist()
     r = run([args.prepare, "--decode", sp_dir, *map(str, ids)])
     # spm_decode: one line of ids per line of text (the end-of-sentence ids are the breaks).
     lines, line = [], []
@@ -136,12 +142,65 @@ with tempfile.TemporaryDirectory() as tmp:
              LICENSES[0]])
     check(r.returncode == 2 and LICENSES[0] in r.stderr and "SentencePiece" in r.stderr,
           f"a tokenizer model that is not one ({r.stderr.strip()[:120]})")
-    twin = os.path.join(tmp, "twin")
-    os.makedirs(twin)
-    shutil.copy(LICENSES[0], twin)
-    r = run([args.prepare, "--out", os.path.join(tmp, "x"), "--tokenizer", "bytes", LICENSES[0],
-             os.path.join(twin, os.path.basename(LICENSES[0]))])
-    check(r.returncode == 2 and "same file name" in r.stderr, "two inputs of the same name")
+    # Two inputs of the same name in two folders: shards named from their paths, both kept.
+    twin_root = os.path.join(tmp, "corpora")
+    for sub in ("a", "b"):
+        os.makedirs(os.path.join(twin_root, sub))
+        shutil.copy(LICENSES[0], os.path.join(twin_root, sub, "notes.txt"))
+    with open(os.path.join(twin_root, "b", "notes.txt"), "a") as f:
+        f.write("one more line\n")
+    twins = os.path.join(tmp, "twins")
+    r = run([args.prepare, "--out", twins, "--tokenizer", "bytes",
+             os.path.join(twin_root, "a", "notes.txt"), os.path.join(twin_root, "b", "notes.txt")])
+    a_ids, b_ids = shards_of(twins, "a_notes"), shards_of(twins, "b_notes")
+    check(r.returncode == 0 and a_ids is not None and b_ids is not None and
+          bytes(b_ids.astype(np.uint8).tolist()) ==
+          open(os.path.join(twin_root, "b", "notes.txt"), "rb").read(),
+          f"two inputs of the same name: shards a_notes-*, b_notes-* ({sorted(os.listdir(twins))})")
+    # The same file twice (here through a link): read once.
+    link = os.path.join(tmp, "link.txt")
+    os.symlink(LICENSES[0], link)
+    once = os.path.join(tmp, "once")
+    r = run([args.prepare, "--out", once, "--tokenizer", "bytes", LICENSES[0], link])
+    check(r.returncode == 0 and "read once" in r.stderr and
+          len(glob.glob(os.path.join(once, "*.bin"))) == 1, "the same file twice is read once")
+
+    # gzip is read decompressed; other compressed and binary files are refused by content,
+    # before any work, and a failure leaves the output folder as it was.
+    gz = os.path.join(tmp, "GPL-3.gz")
+    subprocess.run(f"gzip -c /usr/share/common-licenses/GPL-3 > {gz}", shell=True, check=True)
+    gz_out = os.path.join(tmp, "gz")
+    r = run([args.prepare, "--out", gz_out, "--tokenizer", "bytes", gz])
+    got = shards_of(gz_out, "GPL-3")
+    check(r.returncode == 0 and got is not None and
+          bytes(got.astype(np.uint8).tolist()) == open("/usr/share/common-licenses/GPL-3", "rb").read(),
+          "a .gz input is read decompressed: its shard holds the text's bytes")
+    before = sorted(os.listdir(gz_out)), open(os.path.join(gz_out, "meta.json")).read()
+    xz = os.path.join(tmp, "GPL-3.xz")
+    subprocess.run(f"xz -c /usr/share/common-licenses/GPL-3 > {xz}", shell=True, check=True)
+    binary = os.path.join(tmp, "data.bin.txt")
+    with open(binary, "wb") as f:
+        f.write(bytes(range(256)) * 64)
+    for bad, needle in ((xz, "compressed with xz"), (binary, "is not text")):
+        r = run([args.prepare, "--out", gz_out, "--vocab-size", "300", LICENSES[0], bad])
+        after = sorted(os.listdir(gz_out)), open(os.path.join(gz_out, "meta.json")).read()
+        check(r.returncode == 2 and bad in r.stderr and needle in r.stderr and
+              "training a" not in r.stderr and after == before and
+              not [d for d in os.listdir(tmp) if ".preparing." in d],
+              f"{os.path.basename(bad)} refused before any work, the output folder as it was "
+              f"({r.stderr.strip()[:140]})")
+    # A vocabulary too small for the text's characters: said in dtrain-prepare's options.
+    r = run([args.prepare, "--out", os.path.join(tmp, "small_vocab"), "--vocab-size", "64",
+             "/usr/share/common-licenses/GPL-3"])
+    check(r.returncode == 2 and "--vocab-size 64 is too small" in r.stderr and
+          "character_coverage" not in r.stderr and not os.path.exists(os.path.join(tmp, "small_vocab")),
+          f"a vocabulary too small is said in dtrain-prepare's terms ({r.stderr.strip()[-160:]})")
+    foreign = os.path.join(tmp, "foreign")
+    os.makedirs(foreign)
+    open(os.path.join(foreign, "mine.txt"), "w").write("keep me")
+    r = run([args.prepare, "--out", foreign, "--tokenizer", "bytes", LICENSES[0]])
+    check(r.returncode == 2 and "did not write" in r.stderr and
+          os.listdir(foreign) == ["mine.txt"], "an output folder of other files is refused")
 
     # configs/llama_tokens.yaml on the prepared tokens, 2 ranks.
     def train(*sets, steps=30):
@@ -157,6 +216,22 @@ with tempfile.TemporaryDirectory() as tmp:
             argv += ["--set", s]
         r = run(argv, timeout=600)
         return r.returncode, r.stdout + r.stderr
+
+    # A pretrained checkpoint (vocabulary 515) and tokens of another tokenizer (2048): the
+    # message names that problem and its fix, not model.vocab_size.
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf_dir = os.path.join(tmp, "pretrained")
+    LlamaForCausalLM(LlamaConfig(vocab_size=515, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=4,
+                                 max_position_embeddings=64)).save_pretrained(hf_dir)
+    rc, log = train(f"model.pretrained={hf_dir}", "model.vocab_size=null",
+                    "model.hidden_size=null", "model.intermediate_size=null",
+                    "model.num_hidden_layers=null", "model.num_attention_heads=null",
+                    "model.num_key_value_heads=null", "model.max_position_embeddings=null",
+                    "model.tie_word_embeddings=null", steps=2)
+    check(rc == 2 and "these tokens come from another tokenizer than model.pretrained's" in log and
+          "vocabulary is 515" in log and "set model.vocab_size" not in log,
+          "pretrained vocabulary 515, tokens of 2048: the other tokenizer is named, and the fix")
 
     for strategy in ["ddp", "fsdp"]:
         for policy in ["bf16", "fp16"]:

@@ -8,6 +8,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "amp/grad_scaler.h"
 #include "amp/numerics.h"
@@ -88,17 +90,28 @@ class AgreedCheckpointError : public CheckpointError {
  public:
   using CheckpointError::CheckpointError;
 };
+// The same for a checkpoint of another job (other data, tokenizer or model): a config error,
+// which no older checkpoint of the same folder would cure.
+class AgreedConfigError : public ConfigError {
+ public:
+  using ConfigError::ConfigError;
+};
 
-// Collective: every rank says whether reading failed (`error`, empty when not). When any did,
-// every rank throws the first failing rank's message, so each one reports the damaged file
-// rather than a connection its peer closed.
-void agree(const CheckpointParts& p, const std::string& error) {
+// Collective: every rank says whether reading failed (`error`, empty when not), and whether
+// for a checkpoint of another job (`other_job`) rather than a damaged one. When any failed,
+// every rank throws the first failing rank's message (another job's before a damaged file's),
+// so each one reports the cause rather than a connection its peer closed.
+void agree(const CheckpointParts& p, const std::string& error, bool other_job = false) {
+  const int64_t code = error.empty() ? 0 : other_job ? 2 : 1;
   if (!p.comm || p.comm->size() == 1) {
-    if (!error.empty()) throw AgreedCheckpointError(error);
+    if (code == 2) throw AgreedConfigError(error);
+    if (code == 1) throw AgreedCheckpointError(error);
     return;
   }
-  const std::vector<int64_t> failed = gather_values(p, {error.empty() ? 0 : 1});
-  const auto it = std::find(failed.begin(), failed.end(), 1);
+  const std::vector<int64_t> failed = gather_values(p, {code});
+  auto it = std::find(failed.begin(), failed.end(), 2);
+  const bool config = it != failed.end();
+  if (!config) it = std::find(failed.begin(), failed.end(), 1);
   if (it == failed.end()) return;
   const int first = static_cast<int>(it - failed.begin());
   const auto opts = at::TensorOptions(at::kLong).device(p.comm->device());
@@ -110,6 +123,7 @@ void agree(const CheckpointParts& p, const std::string& error) {
   p.comm->broadcast(text, first).wait();
   text = text.cpu();
   std::string message(static_cast<const char*>(text.data_ptr()), text.numel());
+  if (config) throw AgreedConfigError(message);  // the same on every rank: said once
   if (p.comm->rank() != first) message += " (found by rank " + std::to_string(first) + ")";
   throw AgreedCheckpointError(message);
 }
@@ -321,15 +335,102 @@ void prepare_step_dir(const std::string& root, const std::string& dir) {
   DTRAIN_CHECK_AS(CheckpointError, !ec, "checkpoint.dir: cannot create '", dir,
                   "': ", ec.message());
   fs::remove(fs::path(dir) / "COMPLETE", ec);
+  // A killed writer's temporary files, and the lists of files a crashed save left (a stale
+  // list would vouch for files being rewritten).
   for (const auto& e : fs::directory_iterator(dir, ec)) {
-    if (e.path().filename().string().find(".tmp.") != std::string::npos) fs::remove(e.path(), ec);
+    const std::string name = e.path().filename().string();
+    if (name.find(".tmp.") != std::string::npos || name.rfind("files_", 0) == 0) {
+      fs::remove(e.path(), ec);
+    }
   }
   ckpt::sync_dir(dir);
   ckpt::sync_dir(root);
 }
 
+// Tensors copied out of the training state into buffers of their own (Checkpointer::save's
+// staging), so that files can be written while training changes the originals. Each buffer
+// is kept by its key and reused by the next save of the same shape; a CUDA tensor goes to
+// pinned memory without blocking, and finish() waits for those copies once. Without buffers
+// (a save written before training goes on), CPU tensors are used as they are.
+class Stager {
+ public:
+  explicit Stager(std::map<std::string, at::Tensor>* buffers) : buffers_(buffers) {}
+
+  at::Tensor tensor(const std::string& key, const at::Tensor& t) {
+    if (!t.defined()) return t;
+    if (buffers_ == nullptr) return t.is_cpu() ? t : t.cpu();
+    at::Tensor& b = (*buffers_)[key];
+    if (b.defined() && b.unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) {  // adopted
+      bytes_ += b.nbytes();
+      return b;
+    }
+    if (!b.defined() || b.sizes() != t.sizes() || b.scalar_type() != t.scalar_type() ||
+        !b.is_contiguous()) {
+      b = at::empty(t.sizes(), t.options().device(c10::kCPU).pinned_memory(t.is_cuda()));
+    }
+    if (t.is_cuda()) {
+      b.copy_(t, /*non_blocking=*/true);
+      cuda_ = true;
+    } else {
+      b.copy_(t);
+    }
+    bytes_ += b.nbytes();
+    return b;
+  }
+
+  // Every tensor inside `v` (dicts and lists, to any depth) staged under `key`'s path.
+  c10::IValue value(const std::string& key, const c10::IValue& v) {
+    if (v.isTensor()) return tensor(key, v.toTensor());
+    if (v.isGenericDict()) {
+      const auto d = v.toGenericDict();
+      c10::impl::GenericDict out(d.keyType(), d.valueType());
+      for (const auto& kv : d) {
+        const c10::IValue& k = kv.key();
+        const std::string name = k.isString() ? k.toStringRef()
+                                 : k.isInt()  ? std::to_string(k.toInt())
+                                              : std::string("?");
+        out.insert(k, value(key + "/" + name, kv.value()));
+      }
+      return out;
+    }
+    if (v.isList()) {
+      const auto l = v.toList();
+      c10::impl::GenericList out(l.elementType());
+      for (size_t i = 0; i < l.size(); ++i)
+        out.push_back(value(key + "[" + std::to_string(i) + "]", l.get(i)));
+      return out;
+    }
+    return v;
+  }
+
+  // The buffer kept for `key` (undefined when none, or when nothing is kept: a save written
+  // before training goes on), for code that writes its staged copy in place.
+  at::Tensor buffer(const std::string& key) const {
+    if (buffers_ == nullptr) return {};
+    auto it = buffers_->find(key);
+    return it == buffers_->end() ? at::Tensor() : it->second;
+  }
+  // `t`, made for this checkpoint alone (no one else writes it), kept as `key`'s buffer.
+  at::Tensor adopt(const std::string& key, const at::Tensor& t) {
+    if (buffers_ != nullptr && t.is_cpu()) (*buffers_)[key] = t;
+    return t;
+  }
+
+  // Waits for the copies from the GPU.
+  void finish() {
+    if (cuda_)
+      at::detail::getCUDAHooks().deviceSynchronize(at::detail::getCUDAHooks().current_device());
+  }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  std::map<std::string, at::Tensor>* buffers_;
+  bool cuda_ = false;
+  int64_t bytes_ = 0;
+};
+
 // Every rank: its RNG states and its numerics history (rank_<r>.pt).
-FileInfo write_rank_state(const CheckpointParts& p, const std::string& dir, int rank) {
+c10::IValue rank_state(const CheckpointParts& p) {
   auto d = tensor_dict();
   d.insert("rng_cpu", rng_state_of(c10::Device(c10::kCPU)));
   c10::impl::GenericList cuda(c10::AnyType::get());
@@ -345,7 +446,7 @@ FileInfo write_rank_state(const CheckpointParts& p, const std::string& dir, int 
     }
     d.insert("scale_history", at::tensor(flat, at::kDouble).reshape({-1, 2}));
   }
-  return ckpt::write_pickle(dir, rank_file("rank", rank), d);
+  return d;
 }
 
 // The optimizer's state in the model's order (model_parameters), and the keys it has.
@@ -368,16 +469,21 @@ OptimizerExport export_in_model_order(const CheckpointParts& p) {
 
 // Sharded, every rank: its slice of each unit's masters and optimizer state, and its buffers
 // (shard_<r>.pt).
-FileInfo write_shard(const CheckpointParts& p, const OptimizerExport& o, const std::string& dir,
-                     int rank) {
+c10::IValue shard_dict(const CheckpointParts& p, const OptimizerExport& o, Stager& stager,
+                       const std::string& file) {
   auto d = tensor_dict();
   std::vector<at::Tensor> masters;
   for (const auto& m : p.fsdp->all_parameters()) masters.push_back(m.second);
   const auto layouts = p.fsdp->layouts();
+  // Each unit's flat shard is made for the file: written straight into its staging buffer.
   auto put = [&](const std::string& what, const std::vector<at::Tensor>& parts) {
-    auto flats = p.fsdp->flat_shards(parts);
-    for (size_t u = 0; u < flats.size(); ++u)
-      d.insert(layouts[u].name + "|" + what, flats[u].cpu());
+    std::vector<at::Tensor> into;
+    for (const auto& l : layouts) into.push_back(stager.buffer(file + "/" + l.name + "|" + what));
+    auto flats = p.fsdp->flat_shards(parts, into);
+    for (size_t u = 0; u < flats.size(); ++u) {
+      const std::string key = layouts[u].name + "|" + what;
+      d.insert(key, stager.adopt(file + "/" + key, flats[u]));
+    }
   };
   put("params", masters);
   for (const auto& k : o.keys) put(k, key_parts(o.states, k));
@@ -388,17 +494,16 @@ FileInfo write_shard(const CheckpointParts& p, const OptimizerExport& o, const s
   // Buffers are not sharded: every rank writes its own, and a restore takes rank 0's (the
   // values a DDP or FSDP run broadcasts at construction), at any world size.
   for (const auto& item : p.module->named_buffers()) {
-    d.insert(kBufferPrefix + item.key(), item.value().detach().cpu());
+    d.insert(kBufferPrefix + item.key(), item.value().detach());
   }
-  return ckpt::write_pickle(dir, rank_file("shard", rank), d);
+  return d;
 }
 
 // Rank 0's optim.pt in PyTorch's layout: state keyed by the optimizer's parameter index, and
 // each group's parameter names (which a restore matches by). `full_state[k][i]`: key k of
 // model parameter i gathered (FSDP), or empty to take the state as it is.
-FileInfo write_full_optimizer(const CheckpointParts& p, const OptimizerExport& o,
-                              const std::vector<std::vector<at::Tensor>>& full_state,
-                              const std::string& dir) {
+c10::IValue full_optimizer_dict(const CheckpointParts& p, const OptimizerExport& o,
+                                const std::vector<std::vector<at::Tensor>>& full_state) {
   c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
   const auto model = model_parameters(p);
   std::vector<std::string> names(optimizer_parameters(*p.optimizer).size());
@@ -406,33 +511,24 @@ FileInfo write_full_optimizer(const CheckpointParts& p, const OptimizerExport& o
     if (o.slots[i] < 0) continue;
     names[static_cast<size_t>(o.slots[i])] = model[i].first;
     auto entry = tensor_dict();
-    if (o.states[i].count("step")) entry.insert("step", o.states[i].at("step").cpu());
+    if (o.states[i].count("step")) entry.insert("step", o.states[i].at("step"));
     for (size_t k = 0; k < o.keys.size(); ++k) {
       if (!o.states[i].count(o.keys[k])) continue;
-      entry.insert(o.keys[k],
-                   p.fsdp != nullptr ? full_state[k][i].cpu() : o.states[i].at(o.keys[k]).cpu());
+      entry.insert(o.keys[k], p.fsdp != nullptr ? full_state[k][i] : o.states[i].at(o.keys[k]));
     }
     if (entry.size() > 0) state.insert(o.slots[i], entry);
   }
   auto optim = tensor_dict();
   optim.insert("state", state);
   optim.insert("param_groups", optimizer_param_groups(*p.optimizer, names));
-  return ckpt::write_pickle(dir, "optim.pt", optim);
+  return optim;
 }
 
-// Full: the model (model.pt) and optimizer (optim.pt), gathered on every rank under FSDP and
-// written by rank 0, model.pt on a thread while the optimizer state is gathered. Rank 0's
-// files, in order; none on other ranks.
-std::vector<FileInfo> write_full(const CheckpointParts& p, const OptimizerExport& o,
-                                 const std::string& dir, int rank) {
+// Full: the model (model.pt) and optimizer (optim.pt), gathered on every rank under FSDP
+// (collective), for rank 0 to write; none on other ranks.
+std::vector<std::pair<std::string, c10::IValue>> full_dicts(const CheckpointParts& p,
+                                                            const OptimizerExport& o, int rank) {
   auto tensors = model_tensors(p);
-  std::future<FileInfo> model_file;
-  if (rank == 0) {
-    auto model = tensor_dict();
-    for (const auto& t : tensors) model.insert(t.name, t.tensor.cpu());
-    model_file = std::async(std::launch::async,
-                            [&dir, model] { return ckpt::write_pickle(dir, "model.pt", model); });
-  }
   std::vector<std::vector<at::Tensor>> full_state(o.keys.size());
   if (p.fsdp != nullptr) {
     for (size_t k = 0; k < o.keys.size(); ++k) {
@@ -440,30 +536,10 @@ std::vector<FileInfo> write_full(const CheckpointParts& p, const OptimizerExport
     }
   }
   if (rank != 0) return {};
-  std::vector<FileInfo> files;
-  if (p.optimizer != nullptr) files.push_back(write_full_optimizer(p, o, full_state, dir));
-  files.insert(files.begin(), model_file.get());
-  return files;
-}
-
-// Every rank's own files (rank_<r>.pt, shard_<r>.pt), as rank 0 lists them. Collective.
-std::vector<FileInfo> gather_rank_files(const CheckpointParts& p,
-                                        const std::vector<FileInfo>& mine) {
-  std::vector<int64_t> sizes;
-  for (size_t i = 0; i < 2; ++i) {
-    sizes.push_back(i < mine.size() ? static_cast<int64_t>(mine[i].bytes) : -1);
-    sizes.push_back(i < mine.size() ? static_cast<int64_t>(mine[i].checksum) : 0);
-  }
-  const std::vector<int64_t> all = gather_values(p, sizes);
-  std::vector<FileInfo> files;
-  for (int r = 0; r < world_of(p); ++r) {
-    const char* kinds[2] = {"rank", "shard"};
-    for (int i = 0; i < 2; ++i) {
-      if (all[4 * r + 2 * i] < 0) continue;
-      files.push_back({rank_file(kinds[i], r), static_cast<uint64_t>(all[4 * r + 2 * i]),
-                       static_cast<uint64_t>(all[4 * r + 2 * i + 1])});
-    }
-  }
+  auto model = tensor_dict();
+  for (const auto& t : tensors) model.insert(t.name, t.tensor);
+  std::vector<std::pair<std::string, c10::IValue>> files{{"model.pt", model}};
+  if (p.optimizer != nullptr) files.push_back({"optim.pt", full_optimizer_dict(p, o, full_state)});
   return files;
 }
 
@@ -490,6 +566,28 @@ void describe_model(const CheckpointParts& p, bool sharded, ckpt::Meta& m) {
   }
 }
 
+// A rank's list of the files it wrote (files_<r>.txt beside them): one "name bytes xxh64" line
+// each, which rank 0 reads into meta.json.
+std::string files_marker(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "files_%05d.txt", rank);
+  return buf;
+}
+
+std::vector<FileInfo> read_marker(const std::string& dir, int rank) {
+  const std::vector<char> raw = ckpt::read_raw(dir + "/" + files_marker(rank));
+  std::istringstream in(std::string(raw.begin(), raw.end()));
+  std::vector<FileInfo> files;
+  std::string name, hex;
+  uint64_t bytes = 0;
+  while (in >> name >> bytes >> hex) {
+    files.push_back({name, bytes, std::stoull(hex, nullptr, 16)});
+  }
+  DTRAIN_CHECK_AS(CheckpointError, in.eof(), "checkpoint '", dir, "': ", files_marker(rank),
+                  " is malformed");
+  return files;
+}
+
 // Rank 0: keeps the newest `keep` complete checkpoints, and drops incomplete ones (crashed
 // writes) older than the newest complete one.
 void prune(const CheckpointConfig& cc) {
@@ -510,53 +608,170 @@ void prune(const CheckpointConfig& cc) {
 
 }  // namespace
 
-// Every rank's files, then rank 0's metadata (meta.json), then the COMPLETE marker that holds
-// meta.json's checksum: a checkpoint without its marker was never finished.
-std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& progress) {
+// A checkpoint copied out of the training state (Checkpointer::stage): the files this rank
+// writes, each a pickled value whose tensors are staged, and rank 0's metadata, which lacks
+// only the files' sizes and checksums.
+struct Checkpointer::Staged {
+  std::string dir;
+  int rank = 0;
+  int world = 1;
+  std::vector<std::pair<std::string, c10::IValue>> files;
+  ckpt::Meta meta;
+};
+
+// What runs beside training under checkpoint.async: the one save being written, the error it
+// ended with, and the staging buffers every save reuses.
+struct Checkpointer::Async {
+  std::map<std::string, at::Tensor> buffers;
+  std::thread writer;
+  std::string writing;  // the step folder being written
+  std::exception_ptr error;
+  int64_t staged_bytes = 0;
+};
+
+Checkpointer::~Checkpointer() {
+  if (async_ && async_->writer.joinable()) async_->writer.join();
+}
+
+int64_t Checkpointer::staging_bytes() const { return async_ ? async_->staged_bytes : 0; }
+
+// Every rank's files go to the step folder (rank 0 emptied it before anyone wrote), then a
+// list of them (files_<r>.txt); rank 0 waits for every rank's list, then writes meta.json and
+// the COMPLETE marker that holds meta.json's checksum: a checkpoint without its marker was
+// never finished. No collective: this runs on a thread while training uses the communicator.
+void Checkpointer::write(const Staged& s) const {
+  std::vector<FileInfo> mine;
+  // model.pt and optim.pt (the large ones of a full checkpoint) in parallel.
+  std::vector<std::future<FileInfo>> more;
+  for (size_t i = 1; i < s.files.size(); ++i) {
+    more.push_back(std::async(std::launch::async, [&s, i] {
+      return ckpt::write_pickle(s.dir, s.files[i].first, s.files[i].second);
+    }));
+  }
+  if (!s.files.empty())
+    mine.push_back(ckpt::write_pickle(s.dir, s.files[0].first, s.files[0].second));
+  for (auto& f : more) mine.push_back(f.get());
+  std::string list;
+  for (const auto& f : mine)
+    list += f.name + " " + std::to_string(f.bytes) + " " + ckpt::hex(f.checksum) + "\n";
+  ckpt::write_file(s.dir, files_marker(s.rank), std::vector<char>(list.begin(), list.end()));
+  if (s.rank != 0) return;
+  ckpt::Meta m = s.meta;
+  const double timeout_s = config_.parallel.timeout_s > 0 ? config_.parallel.timeout_s : 1800;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  for (int r = 0; r < s.world; ++r) {
+    std::error_code ec;
+    while (!fs::exists(fs::path(s.dir) / files_marker(r), ec)) {
+      DTRAIN_CHECK_AS(CheckpointError, std::chrono::steady_clock::now() < deadline, "checkpoint '",
+                      s.dir, "': rank ", r, " did not finish writing its files within ", timeout_s,
+                      " s (parallel.timeout_s); the checkpoint stays incomplete");
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    for (const auto& f : read_marker(s.dir, r)) m.files[f.name] = f;
+  }
+  const std::string meta_text = ckpt::write_meta(m);
+  const FileInfo meta =
+      ckpt::write_file(s.dir, "meta.json", std::vector<char>(meta_text.begin(), meta_text.end()));
+  const std::string complete = ckpt::write_complete(meta);
+  ckpt::write_file(s.dir, "COMPLETE", std::vector<char>(complete.begin(), complete.end()));
+  std::error_code ec;
+  for (int r = 0; r < s.world; ++r) fs::remove(fs::path(s.dir) / files_marker(r), ec);
+  prune(config_.checkpoint);
+}
+
+// The training state copied out: rank 0 empties the step folder, every rank stages its own
+// files (collective: FSDP gathers what a full checkpoint holds), rank 0 its metadata.
+Checkpointer::Staged Checkpointer::stage(const CheckpointParts& p, const TrainerProgress& progress,
+                                         std::map<std::string, at::Tensor>* buffers) const {
   const auto& cc = config_.checkpoint;
-  const int rank = rank_of(p);
+  Staged s;
+  s.rank = rank_of(p);
+  s.world = world_of(p);
   const bool sharded = p.fsdp != nullptr && cc.format != CheckpointFormat::kFull;
-  const std::string dir = cc.dir + "/" + step_name(progress.step);
-  if (rank == 0) prepare_step_dir(cc.dir, dir);
+  s.dir = cc.dir + "/" + step_name(progress.step);
+  if (s.rank == 0) prepare_step_dir(cc.dir, s.dir);
   barrier(p);
   c10::NoGradGuard no_grad;
-
-  std::vector<FileInfo> mine{write_rank_state(p, dir, rank)};
+  Stager stager(buffers);
+  auto add = [&](const std::string& name, const c10::IValue& v) {
+    s.files.emplace_back(name, stager.value(name, v));
+  };
+  add(rank_file("rank", s.rank), rank_state(p));
   const OptimizerExport optim = export_in_model_order(p);
-  if (sharded) mine.push_back(write_shard(p, optim, dir, rank));
-  std::vector<FileInfo> shared =
-      sharded ? std::vector<FileInfo>{} : write_full(p, optim, dir, rank);
-  if (rank == 0 && p.scaler != nullptr) {
-    shared.push_back(ckpt::write_pickle(dir, "scaler.pt", p.scaler->state_dict()));
+  if (sharded) {
+    const std::string file = rank_file("shard", s.rank);
+    add(file, shard_dict(p, optim, stager, file));
   }
-  const std::vector<FileInfo> ranks_files = gather_rank_files(p, mine);
+  if (!sharded) {
+    for (auto& [name, v] : full_dicts(p, optim, s.rank)) add(name, v);
+  }
+  if (s.rank == 0 && p.scaler != nullptr) add("scaler.pt", p.scaler->state_dict());
   // Each rank's shard rank (HYBRID_SHARD repeats them): which file holds which slice.
   const std::vector<int64_t> shard_ranks =
       gather_values(p, {p.fsdp != nullptr ? p.fsdp->layouts().front().shard_rank : 0});
-  if (rank == 0) {
-    ckpt::Meta m;
+  stager.finish();
+  if (async_) async_->staged_bytes = std::max(async_->staged_bytes, stager.bytes());
+  if (s.rank == 0) {
+    ckpt::Meta& m = s.meta;
     m.strategy = name_of(config_.parallel.strategy);
     m.mode = sharded ? "sharded" : "full";
-    m.world_size = world_of(p);
+    m.world_size = s.world;
     describe_model(p, sharded, m);
     m.optimizer_keys = optim.keys;
     m.shard_ranks = shard_ranks;
-    for (const auto& f : shared) m.files[f.name] = f;
-    for (const auto& f : ranks_files) m.files[f.name] = f;
     m.step = progress.step;
     m.skipped_steps = progress.skipped_steps;
     m.lr = progress.lr;
     m.consecutive_skips = progress.consecutive_skips;
     m.nonfinite_run = progress.nonfinite_run;
-    const std::string meta_text = ckpt::write_meta(m);
-    const FileInfo meta =
-        ckpt::write_file(dir, "meta.json", std::vector<char>(meta_text.begin(), meta_text.end()));
-    const std::string complete = ckpt::write_complete(meta);
-    ckpt::write_file(dir, "COMPLETE", std::vector<char>(complete.begin(), complete.end()));
+    m.job = job_;
   }
-  barrier(p);
-  if (rank == 0) prune(cc);
-  return dir;
+  return s;
+}
+
+double Checkpointer::finish() {
+  if (!async_ || !async_->writer.joinable()) return 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  async_->writer.join();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (async_->error) {
+    std::exception_ptr e = async_->error;
+    async_->error = nullptr;
+    std::rethrow_exception(e);
+  }
+  return waited;
+}
+
+std::string Checkpointer::save(const CheckpointParts& p, const TrainerProgress& progress,
+                               bool background) {
+  if (!config_.checkpoint.async) background = false;
+  if (config_.checkpoint.async && !async_) async_ = std::make_unique<Async>();
+  if (async_ && async_->writer.joinable()) {
+    const std::string previous = async_->writing;
+    const double waited = finish();
+    if (waited >= 0.001) {
+      logging::info("checkpoint ", previous, " was still being written when step_", progress.step,
+                    "'s was due: waited ", logging::fixed(waited, 2), " s for it");
+    }
+  }
+  if (!background) {
+    Staged s = stage(p, progress, nullptr);
+    write(s);
+    barrier(p);
+    return s.dir;
+  }
+  auto staged = std::make_shared<Staged>(stage(p, progress, &async_->buffers));
+  async_->writing = staged->dir;
+  async_->writer = std::thread([this, staged] {
+    try {
+      write(*staged);
+    } catch (...) {
+      async_->error = std::current_exception();
+    }
+  });
+  return staged->dir;
 }
 
 std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
@@ -628,6 +843,11 @@ std::optional<TrainerProgress> Checkpointer::restore_agreed(const CheckpointPart
   try {
     return restore_from(p, dir);
   } catch (const AgreedCheckpointError&) {
+    throw;
+  } catch (const AgreedConfigError&) {
+    throw;
+  } catch (const ConfigError& e) {
+    agree(p, e.what(), /*other_job=*/true);
     throw;
   } catch (const std::exception& e) {
     // Reading failed on this rank: the others learn it in agree(), where they wait before
@@ -882,11 +1102,87 @@ void apply(const CheckpointParts& p, const Params& params, const Loaded& in) {
 
 // COMPLETE -> meta.json (verified) -> every file (verified as it is read) -> checked against
 // the model -> agree() -> applied. Nothing changes until every rank has read its part.
+void Checkpointer::check_same_job(
+    const CheckpointParts& p, const std::string& dir,
+    const std::map<std::string, std::string>& saved_job,
+    const std::vector<std::pair<std::string, std::vector<int64_t>>>& saved_params) {
+  const auto& cc = config_.checkpoint;
+  auto value = [](const std::map<std::string, std::string>& m, const std::string& k) {
+    auto it = m.find(k);
+    return it == m.end() ? std::string() : it->second;
+  };
+  // Data and tokenizer: compared where both runs recorded them.
+  for (const char* key : {"tokenizer", "data"}) {
+    const std::string then = value(saved_job, key), now = value(job_, key);
+    if (then.empty() || now.empty() || then == now) continue;
+    const std::string what_then = value(saved_job, std::string(key) + "_what"),
+                      what_now = value(job_, std::string(key) + "_what");
+    const std::string said =
+        std::string(key) == "data"
+            ? "was trained on other data than this run reads: then " +
+                  (what_then.empty() ? std::string() : what_then + ", ") + then + "; now " +
+                  (what_now.empty() ? std::string() : what_now + ", ") + now
+            : "was trained on tokens of another tokenizer: then " + then + "; now " + now;
+    if (cc.allow_data_change) {
+      data_changed_ = true;
+      if (rank_of(p) == 0) {
+        logging::warn("checkpoint '", dir, "' ", said,
+                      ". Continuing on this run's (checkpoint.allow_data_change: true).");
+      }
+      continue;
+    }
+    DTRAIN_FAIL(ConfigError, config_.source, ": checkpoint '", dir, "' ", said,
+                ". Resume it on the data it was trained on; to continue on this data on purpose, "
+                "set checkpoint.allow_data_change: true; to start afresh, checkpoint.resume: "
+                "never (or another checkpoint.dir).");
+  }
+  // The model: every parameter's name and shape, before any file is read.
+  ckpt::Meta here;
+  describe_model(p, /*sharded=*/false, here);
+  std::map<std::string, std::vector<int64_t>> now, then(saved_params.begin(), saved_params.end());
+  for (const auto& pm : here.parameters) now[pm.name] = pm.shape;
+  std::string first;
+  int differ = 0, missing = 0, extra = 0;
+  auto shape = [](const std::vector<int64_t>& v) {
+    std::string out = "[";
+    for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+    return out + "]";
+  };
+  for (const auto& pm : here.parameters) {  // in the model's order: the first one named
+    const std::string& name = pm.name;
+    const std::vector<int64_t>& s = pm.shape;
+    auto it = then.find(name);
+    if (it == then.end()) {
+      if (missing++ == 0 && first.empty()) {
+        first = "this run's '" + name + "' " + shape(s) + " is not in it";
+      }
+    } else if (it->second != s) {
+      if (differ++ == 0 && first.empty()) {
+        first = "'" + name + "' is " + shape(it->second) + " there and " + shape(s) + " here";
+      }
+    }
+  }
+  for (const auto& [name, s] : saved_params) {
+    if (now.count(name) == 0 && extra++ == 0 && first.empty()) {
+      first = "it holds '" + name + "' " + shape(s) + ", which this model has not";
+    }
+  }
+  if (first.empty()) return;
+  DTRAIN_FAIL(ConfigError, config_.source, ": checkpoint '", dir,
+              "' holds another model than this run's: ", first, " (", differ,
+              " parameter(s) of another shape, ", missing, " missing, ", extra,
+              " extra). Resume it with the model.* settings it was saved with, or start afresh: "
+              "checkpoint.resume: never (or another checkpoint.dir).");
+}
+
 std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts& p,
                                                           const std::string& dir) {
   const int rank = rank_of(p), world = world_of(p);
   const Source src{dir, ckpt::read_meta(dir)};
   const ckpt::Meta& meta = src.meta;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> saved_params;
+  for (const auto& pm : meta.parameters) saved_params.emplace_back(pm.name, pm.shape);
+  check_same_job(p, dir, meta.job, saved_params);
   DTRAIN_CHECK_AS(CheckpointError, meta.mode == "full" || p.fsdp != nullptr, "checkpoint '", dir,
                   "' is sharded (FSDP), but this run's strategy is ",
                   name_of(config_.parallel.strategy),
@@ -929,6 +1225,54 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
   logging::info("resumed from ", dir, " at step ", progress.step, " (", meta.mode, ", written at ",
                 meta.world_size, " rank(s))");
   return progress;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> read_model_tensors(const std::string& dir) {
+  const Source src{dir, ckpt::read_meta(dir)};
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (src.meta.mode == "full") {
+    const auto dict = src.dict("model.pt");
+    for (const auto& kv : dict) {
+      DTRAIN_CHECK_AS(CheckpointError, kv.key().isString() && kv.value().isTensor(), "checkpoint '",
+                      dir, "': model.pt holds something other than named tensors");
+      out.emplace_back(kv.key().toStringRef(), kv.value().toTensor());
+    }
+    return out;
+  }
+  // Sharded: each parameter put together from the shard files as meta.json lays it out.
+  const std::vector<int64_t>& shard_ranks = src.meta.shard_ranks;
+  std::map<int, c10::impl::GenericDict> cache;
+  auto shard_file = [&](int64_t shard_rank) -> const c10::impl::GenericDict& {
+    const auto it = std::find(shard_ranks.begin(), shard_ranks.end(), shard_rank);
+    DTRAIN_CHECK_AS(CheckpointError, it != shard_ranks.end(), "checkpoint '", dir,
+                    "': no shard file holds shard ", shard_rank);
+    const int w = static_cast<int>(it - shard_ranks.begin());
+    if (!cache.count(w)) cache.emplace(w, src.dict(rank_file("shard", w)));
+    return cache.at(w);
+  };
+  for (const ckpt::UnitMeta& unit : src.meta.units) {
+    const auto layout = choice_from_name<sharding::ShardLayout>(unit.layout).value();
+    for (const ckpt::UnitParamMeta& e : unit.params) {
+      const sharding::ParamPlace place{e.offset, e.numel, e.chunk, e.shard_at};
+      at::Tensor full = at::empty({e.numel}, at::kFloat);
+      for (int64_t i = 0; i < e.numel;) {
+        const sharding::Located l = sharding::locate(layout, place, unit.shard_size, i);
+        const int64_t n = std::min(e.numel - i, l.run);
+        const auto& file = shard_file(l.rank);
+        const std::string key = unit.name + "|params";
+        DTRAIN_CHECK_AS(CheckpointError, file.contains(key), "checkpoint '", dir,
+                        "': a shard file lacks '", key, "'");
+        full.narrow(0, i, n).copy_(file.at(key).toTensor().narrow(0, l.pos, n));
+        i += n;
+      }
+      out.emplace_back(e.name, full.reshape(e.shape));
+    }
+  }
+  for (const auto& [key, t] : tensors_of(shard_file(0))) {
+    if (key.rfind(kBufferPrefix, 0) == 0)
+      out.emplace_back(key.substr(sizeof(kBufferPrefix) - 1), t);
+  }
+  return out;
 }
 
 }  // namespace dtrain::framework

@@ -17,8 +17,9 @@
 //                   mode, the parameters (names, shapes, dtypes), the units' layout, every
 //                   file's size and checksum (xxh64), and the trainer's state (step, skipped
 //                   steps, data position, learning rate)
-//   COMPLETE        rank 0, last, after every rank reported its files: meta.json's size and
-//                   checksum. A directory without it is not a checkpoint (a crash mid-write).
+//   COMPLETE        rank 0, last, after every rank listed its files (files_<r>.txt, removed
+//                   then): meta.json's size and checksum. A directory without it is not a
+//                   checkpoint (a crash mid-write).
 // Every file is written to a temporary name, fsynced, renamed, and its directory fsynced. On
 // load every file's size and checksum are verified (a flipped byte or a truncated file is
 // refused, naming the file), and every tensor's name, shape and dtype is checked against the
@@ -28,15 +29,34 @@
 // step plus the state above makes the continuation bitwise equal to an uninterrupted run
 // (fp32, same world size). checkpoint.keep newest complete checkpoints are kept.
 //
+// Asynchronous (checkpoint.async, as PyTorch DCP's async_save): save() blocks only while the
+// state is copied into staging buffers (pinned host memory for GPU tensors, reused by every
+// save); the files are pickled, checksummed, fsynced and committed on a thread while training
+// goes on. The ranks then meet through the files alone (each rank's list of what it wrote),
+// never through the communicator training uses. A save due while the previous one is still
+// writing waits for it (and the log says how long); a crash mid-write leaves the previous
+// complete checkpoint, exactly as a crash of a synchronous save.
+//
+// What the run trains on (set_job: the data's and tokenizer's fingerprints, the model, the
+// mesh) goes into meta.json. A restore refuses, with a ConfigError naming what changed, a
+// checkpoint of other data or another tokenizer (unless checkpoint.allow_data_change) or of
+// another model (names and shapes of its parameters), before anything is read or changed.
+//
 // Collective: every rank calls save() and restore() together. The checkpoint directory must
 // be on a filesystem every rank sees (one node: any; several: a shared one).
 #pragma once
 
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "framework/config.h"
+
+namespace at {
+class Tensor;
+}
 
 namespace torch::nn {
 class Module;
@@ -83,14 +103,37 @@ struct TrainerProgress {
 void save_state_dict(torch::nn::Module& module, const std::string& path);
 void load_state_dict(torch::nn::Module& module, const std::string& path);
 
+// The model's tensors in the checkpoint `dir`, whole and by name, whatever its format: a full
+// checkpoint's model.pt, or a sharded one's parameters put together from every shard file as
+// its meta.json lays them out (fp32) and its buffers. Every file is verified. For a trained
+// model used without its training setup (dtrain-generate).
+std::vector<std::pair<std::string, at::Tensor>> read_model_tensors(const std::string& dir);
+
 class Checkpointer {
  public:
-  // `config` is the run's (dir, format, keep); `source` names the config in messages.
+  // `config` is the run's (dir, format, keep, async); `source` names the config in messages.
   Checkpointer(RunConfig config);
+  ~Checkpointer();  // waits for a save still being written
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
 
   bool enabled() const { return !config_.checkpoint.dir.empty(); }
+  // What the run trains on, by key ("data", "tokenizer", "model", "mesh"), for meta.json and
+  // the checks of restore().
+  void set_job(std::map<std::string, std::string> job) { job_ = std::move(job); }
   // Writes step_<progress.step>/ (collective) and prunes to checkpoint.keep. Returns its path.
-  std::string save(const CheckpointParts& parts, const TrainerProgress& progress);
+  // Under checkpoint.async and with `background`, returns once the state is staged and writes
+  // the files on a thread (after waiting for the previous save); otherwise the checkpoint is
+  // complete on return.
+  std::string save(const CheckpointParts& parts, const TrainerProgress& progress,
+                   bool background = true);
+  // Waits for the save being written, if any; rethrows its failure. Seconds waited.
+  double finish();
+  // Bytes of the staging buffers (checkpoint.async), once a save has staged.
+  int64_t staging_bytes() const;
+  // After restore(): whether the checkpoint was trained on other data or another tokenizer
+  // (resumed so under checkpoint.allow_data_change).
+  bool data_changed() const { return data_changed_; }
   // Loads what `resume` names ("auto": the newest complete checkpoint in checkpoint.dir that
   // reads back intact, warning about any newer damaged one, which is kept; "never"; or a
   // checkpoint directory) into `parts` (collective: rank 0's choice is everyone's, and a file
@@ -107,7 +150,20 @@ class Checkpointer {
   std::optional<TrainerProgress> restore_agreed(const CheckpointParts& parts,
                                                 const std::string& dir);
   std::optional<TrainerProgress> restore_from(const CheckpointParts& parts, const std::string& dir);
+  // The refusals of set_job's comment, from the checkpoint's metadata (the same on every rank).
+  void check_same_job(
+      const CheckpointParts& parts, const std::string& dir,
+      const std::map<std::string, std::string>& saved_job,
+      const std::vector<std::pair<std::string, std::vector<int64_t>>>& saved_params);
+  struct Staged;
+  struct Async;
+  Staged stage(const CheckpointParts& parts, const TrainerProgress& progress,
+               std::map<std::string, at::Tensor>* buffers) const;
+  void write(const Staged& staged) const;
   RunConfig config_;
+  std::map<std::string, std::string> job_;
+  bool data_changed_ = false;
+  std::unique_ptr<Async> async_;
 };
 
 }  // namespace dtrain::framework

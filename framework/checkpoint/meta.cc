@@ -268,6 +268,14 @@ Meta parse_meta(const std::string& text, const std::string& where) {
   }
   if (trainer["nonfinite_run"])
     m.nonfinite_run = r.integer(trainer, "trainer", "nonfinite_run", 0, kMost);
+  const YAML::Node job = root["job"];
+  if (job.IsDefined() && !job.IsNull()) {
+    if (!job.IsMap()) r.fail("job", "expected a mapping");
+    for (const auto& kv : job) {
+      const std::string key = r.scalar<std::string>(kv.first, "job");
+      m.job[key] = r.scalar<std::string>(kv.second, Reader::join("job", key));
+    }
+  }
   return m;
 }
 
@@ -311,6 +319,14 @@ std::string write_meta(const Meta& m) {
       o << "]}";
     }
     o << "],\n";
+  }
+  if (!m.job.empty()) {
+    o << " \"job\": {";
+    size_t k = 0;
+    for (const auto& [key, value] : m.job) {
+      o << (k++ ? ",\n  " : "") << json::quote(key) << ": " << json::quote(value);
+    }
+    o << "},\n";
   }
   o << " \"shard_ranks\": " << ints(m.shard_ranks) << ",\n \"files\": [";
   size_t i = 0;

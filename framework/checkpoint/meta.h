@@ -74,6 +74,10 @@ struct Meta {
   // Absent from checkpoints written before they were saved: 0.
   int64_t consecutive_skips = 0;
   int64_t nonfinite_run = 0;
+  // What the run was trained on, by key (framework/job.h): "data", "tokenizer", "model" and
+  // "mesh", each a description a person can read, which a resume compares with its own. Absent
+  // from checkpoints written before it was recorded: empty.
+  std::map<std::string, std::string> job;
 };
 
 std::string write_meta(const Meta& m);

@@ -40,6 +40,7 @@ Meta sharded_meta() {
   m.lr = 0.1 + 0.2;  // 0.30000000000000004: every digit must survive
   m.consecutive_skips = 2;
   m.nonfinite_run = 1;
+  m.job = {{"data", "corpus \"a.txt\" (12 bytes, xxh64 0123)"}, {"mesh", "3 rank(s)"}};
   return m;
 }
 
@@ -84,6 +85,7 @@ void expect_same(const Meta& a, const Meta& b) {
   EXPECT_EQ(a.lr, b.lr);  // bitwise
   EXPECT_EQ(a.consecutive_skips, b.consecutive_skips);
   EXPECT_EQ(a.nonfinite_run, b.nonfinite_run);
+  EXPECT_EQ(a.job, b.job);
 }
 
 TEST(CheckpointMeta, ParseInvertsWriteForAShardedCheckpoint) {

@@ -340,7 +340,7 @@ ModelSpec transformer_lm_config() {
   s.read = read_transformer;
   s.tokens = [](const ModelSettings& m) {
     const auto& t = dynamic_cast<const TransformerLMSettings&>(m);
-    return TokenShape{t.vocab_size, t.seq_len};
+    return TokenShape{t.vocab_size, t.seq_len, {}};
   };
   s.set_vocab_size = [](ModelSettings& m, int64_t v) {
     dynamic_cast<TransformerLMSettings&>(m).vocab_size = v;
@@ -377,7 +377,7 @@ ModelSpec llama_config() {
   s.read = read_llama;
   s.tokens = [](const ModelSettings& m) {
     const auto& l = dynamic_cast<const LlamaSettings&>(m);
-    return TokenShape{l.options.vocab_size(), l.seq_len};
+    return TokenShape{l.options.vocab_size(), l.seq_len, l.pretrained};
   };
   s.set_vocab_size = [](ModelSettings& m, int64_t v) {
     dynamic_cast<LlamaSettings&>(m).options.vocab_size(v);

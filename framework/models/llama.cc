@@ -97,6 +97,28 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
   return at::linear(y, o_proj->weight);
 }
 
+at::Tensor LlamaAttentionImpl::forward_cached(const at::Tensor& x, KVCache& cache, size_t layer) {
+  const int64_t B = x.size(0), T = x.size(1), H = o_.num_attention_heads(),
+                KV = o_.num_key_value_heads(), D = o_.head_size(), start = cache.length();
+  auto heads = [&](const at::Tensor& t, int64_t n) { return t.view({B, T, n, D}).transpose(1, 2); };
+  at::Tensor q = heads(at::linear(x, q_proj->weight), H);
+  at::Tensor k = heads(at::linear(x, k_proj->weight), KV);
+  at::Tensor v = heads(at::linear(x, v_proj->weight), KV);
+  // The rows of positions [start, start + T): the same values forward() takes for them.
+  auto [cos_all, sin_all] = rotary(start + T, D, o_.rope_theta(), q);
+  const at::Tensor cos = cos_all.narrow(0, start, T), sin = sin_all.narrow(0, start, T);
+  q = q * cos + rotate_half(q) * sin;
+  k = k * cos + rotate_half(k) * sin;
+  auto [keys, values] = cache.append(layer, k, v);
+  if (KV != H) {
+    const int64_t rep = H / KV, L = keys.size(2);
+    keys = keys.unsqueeze(2).expand({B, KV, rep, L, D}).reshape({B, H, L, D});
+    values = values.unsqueeze(2).expand({B, KV, rep, L, D}).reshape({B, H, L, D});
+  }
+  at::Tensor y = cached_attention(q, keys, values).transpose(1, 2).contiguous().view({B, T, H * D});
+  return at::linear(y, o_proj->weight);
+}
+
 LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
   gate_proj = register_module("gate_proj", linear(o.hidden_size(), o.intermediate_size()));
   up_proj = register_module("up_proj", linear(o.hidden_size(), o.intermediate_size()));
@@ -119,6 +141,12 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x) {
   at::Tensor h = x + self_attn->forward(input_layernorm->forward(x));
+  return h + mlp->forward(post_attention_layernorm->forward(h));
+}
+
+at::Tensor LlamaDecoderLayerImpl::forward_cached(const at::Tensor& x, KVCache& cache,
+                                                 size_t layer) {
+  at::Tensor h = x + self_attn->forward_cached(input_layernorm->forward(x), cache, layer);
   return h + mlp->forward(post_attention_layernorm->forward(h));
 }
 
@@ -145,6 +173,16 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
   for (const auto& layer : *layers) {
     x = layer->as<sharding::UnitImpl<LlamaDecoderLayerImpl>>()->forward(x);
   }
+  return norm->forward(x);
+}
+
+at::Tensor LlamaModelImpl::forward_cached(const at::Tensor& tokens, KVCache& cache) {
+  at::Tensor x = embed_tokens->forward(tokens);
+  size_t i = 0;
+  for (const auto& layer : *layers) {
+    x = layer->as<sharding::UnitImpl<LlamaDecoderLayerImpl>>()->forward_cached(x, cache, i++);
+  }
+  cache.advance(tokens.size(1));
   return norm->forward(x);
 }
 
@@ -178,6 +216,13 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) {
   DTRAIN_CHECK_AS(UsageError, tokens.dim() == 2, "Llama: tokens must be [batch, seq], got ",
                   tokens.sizes());
   at::Tensor h = model->forward(tokens);
+  return at::linear(h, o_.tie_word_embeddings() ? model->embed_tokens->weight : lm_head->weight);
+}
+
+at::Tensor LlamaForCausalLMImpl::forward_cached(const at::Tensor& tokens, KVCache& cache) {
+  DTRAIN_CHECK_AS(UsageError, tokens.dim() == 2, "Llama: tokens must be [batch, seq], got ",
+                  tokens.sizes());
+  at::Tensor h = model->forward_cached(tokens, cache);
   return at::linear(h, o_.tie_word_embeddings() ? model->embed_tokens->weight : lm_head->weight);
 }
 

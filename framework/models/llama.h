@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "framework/models/configs.h"
+#include "framework/models/kv_cache.h"
 #include "framework/task.h"
 #include "sharding/deferred_init.h"
 #include "sharding/fsdp.h"
@@ -47,6 +48,9 @@ class LlamaAttentionImpl : public torch::nn::Module {
  public:
   explicit LlamaAttentionImpl(const LlamaOptions& o);
   at::Tensor forward(const at::Tensor& x);
+  // Generation: x at the positions after the cache's (RoPE from there), the rotated keys and
+  // the values appended to layer `layer` (framework/models/kv_cache.h).
+  at::Tensor forward_cached(const at::Tensor& x, KVCache& cache, size_t layer);
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
 
  private:
@@ -66,6 +70,7 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
  public:
   explicit LlamaDecoderLayerImpl(const LlamaOptions& o);
   at::Tensor forward(const at::Tensor& x);
+  at::Tensor forward_cached(const at::Tensor& x, KVCache& cache, size_t layer);
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
@@ -77,6 +82,7 @@ class LlamaModelImpl : public torch::nn::Module {
  public:
   explicit LlamaModelImpl(const LlamaOptions& o);
   at::Tensor forward(const at::Tensor& tokens);  // hidden states after the final norm
+  at::Tensor forward_cached(const at::Tensor& tokens, KVCache& cache);
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   LlamaRMSNorm norm{nullptr};
@@ -88,6 +94,9 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   explicit LlamaForCausalLMImpl(const LlamaOptions& o);
   // tokens [B, T] (int64) -> logits [B, T, vocab_size]
   at::Tensor forward(const at::Tensor& tokens);
+  // Generation: tokens after the cache's positions -> their logits; the cache advances (the
+  // same logits as forward() on the whole sequence, within rounding).
+  at::Tensor forward_cached(const at::Tensor& tokens, KVCache& cache);
   const LlamaOptions& options() const { return o_; }
   // Each parameter from a generator of its own (seeded by one draw at construction and its
   // name), as TransformerLM: the eager constructor applies it, and a deferred build given to

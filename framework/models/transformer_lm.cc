@@ -51,6 +51,16 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   return at::linear(y.transpose(1, 2).contiguous().view({B, T, C}), proj->weight, proj->bias);
 }
 
+at::Tensor CausalSelfAttentionImpl::forward_cached(const at::Tensor& x, KVCache& cache,
+                                                   size_t layer) {
+  const int64_t B = x.size(0), T = x.size(1), C = x.size(2), H = n_heads_, D = C / H;
+  auto parts = at::linear(x, qkv->weight, qkv->bias).split(C, /*dim=*/2);
+  auto heads = [&](const at::Tensor& t) { return t.view({B, T, H, D}).transpose(1, 2); };
+  auto [k, v] = cache.append(layer, heads(parts[1]), heads(parts[2]));
+  at::Tensor y = cached_attention(heads(parts[0]), k, v);
+  return at::linear(y.transpose(1, 2).contiguous().view({B, T, C}), proj->weight, proj->bias);
+}
+
 BlockImpl::BlockImpl(int64_t d_model, int64_t n_heads, int64_t d_ff, AttentionSetting attention) {
   ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d_model})));
   attn = register_module("attn", CausalSelfAttention(d_model, n_heads, attention));
@@ -69,6 +79,12 @@ at::Tensor BlockImpl::forward(const at::Tensor& x) {
   return sharding::recompute(
       [body](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{body(in[0])}; },
       {x}, parameters())[0];
+}
+
+at::Tensor BlockImpl::forward_cached(const at::Tensor& x, KVCache& cache, size_t layer) {
+  at::Tensor h = x + attn->forward_cached(ln1->forward(x), cache, layer);
+  at::Tensor f = at::gelu(at::linear(ln2->forward(h), fc->weight, fc->bias), "tanh");
+  return h + at::linear(f, fc_proj->weight, fc_proj->bias);
 }
 
 TransformerLMImpl::TransformerLMImpl(const TransformerLMOptions& o) : options_(o) {
@@ -143,6 +159,22 @@ at::Tensor TransformerLMImpl::forward(const at::Tensor& tokens) {
   at::Tensor pos = at::arange(T, at::TensorOptions().dtype(at::kLong).device(tokens.device()));
   at::Tensor x = tok_emb->forward(tokens) + pos_emb->forward(pos);
   for (const auto& block : *blocks) x = block->as<sharding::UnitImpl<BlockImpl>>()->forward(x);
+  x = ln_f->forward(x);
+  return at::linear(x, options_.tie_weights() ? tok_emb->weight : head->weight);
+}
+
+at::Tensor TransformerLMImpl::forward_cached(const at::Tensor& tokens, KVCache& cache) {
+  const int64_t T = tokens.size(1), start = cache.length();
+  DTRAIN_CHECK_AS(UsageError, start + T <= options_.seq_len(), "TransformerLM: ", start + T,
+                  " positions exceed seq_len ", options_.seq_len());
+  at::Tensor pos =
+      at::arange(start, start + T, at::TensorOptions().dtype(at::kLong).device(tokens.device()));
+  at::Tensor x = tok_emb->forward(tokens) + pos_emb->forward(pos);
+  size_t layer = 0;
+  for (const auto& block : *blocks) {
+    x = block->as<sharding::UnitImpl<BlockImpl>>()->forward_cached(x, cache, layer++);
+  }
+  cache.advance(T);
   x = ln_f->forward(x);
   return at::linear(x, options_.tie_weights() ? tok_emb->weight : head->weight);
 }

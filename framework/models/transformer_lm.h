@@ -28,6 +28,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "framework/models/configs.h"
+#include "framework/models/kv_cache.h"
 #include "framework/task.h"
 #include "sharding/deferred_init.h"
 #include "sharding/fsdp.h"
@@ -47,6 +48,9 @@ class CausalSelfAttentionImpl : public torch::nn::Module {
   CausalSelfAttentionImpl(int64_t d_model, int64_t n_heads,
                           AttentionSetting attention = AttentionSetting::kAuto);
   at::Tensor forward(const at::Tensor& x);
+  // Generation: x [B, T, C] at the positions after the cache's, its keys and values appended
+  // to layer `layer` of `cache` (framework/models/kv_cache.h).
+  at::Tensor forward_cached(const at::Tensor& x, KVCache& cache, size_t layer);
 
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
 
@@ -62,6 +66,7 @@ class BlockImpl : public torch::nn::Module {
             AttentionSetting attention = AttentionSetting::kAuto);
   // With `recompute`, through sharding::recompute: only x is kept for backward.
   at::Tensor forward(const at::Tensor& x);
+  at::Tensor forward_cached(const at::Tensor& x, KVCache& cache, size_t layer);
   bool recompute = false;
 
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
@@ -79,6 +84,10 @@ class TransformerLMImpl : public torch::nn::Module {
   explicit TransformerLMImpl(const TransformerLMOptions& options);
   // tokens [B, T] (int64, T <= seq_len) -> logits [B, T, vocab_size]
   at::Tensor forward(const at::Tensor& tokens);
+  // Generation: tokens [B, T] that follow the cache's positions -> their logits; the cache
+  // (capacity at most seq_len) advances by T. The same logits as forward() on the whole
+  // sequence, within rounding (the attention runs the explicit softmax).
+  at::Tensor forward_cached(const at::Tensor& tokens, KVCache& cache);
 
   const TransformerLMOptions& options() const { return options_; }
   // The initializer of this model's parameters, by their names in this module (it holds no

@@ -3,6 +3,7 @@
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,7 +13,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <unordered_map>
@@ -51,6 +55,7 @@ class SentencePieceTokenizer final : public Tokenizer {
   }
   std::string name() const override { return "sentencepiece"; }
   int64_t vocab_size() const override { return sp_.GetPieceSize(); }
+  int64_t line_end() const override { return sp_.eos_id(); }
   // Line by line, each followed by the end-of-sentence id (the line break).
   void encode(std::string_view text, std::vector<uint32_t>& out) const override {
     std::vector<int> ids;
@@ -105,13 +110,13 @@ class LineSample final : public sentencepiece::SentenceIterator {
  private:
   void advance() {
     while (true) {
-      if (!in_.is_open() || !std::getline(in_, line_)) {
-        if (in_.is_open()) in_.close();
+      if (!in_ || !in_->next(line_)) {
+        in_.reset();
         if (next_file_ >= files_.size()) {
           done_ = true;
           return;
         }
-        in_.open(files_[next_file_++]);
+        in_ = std::make_unique<LineReader>(files_[next_file_++]);
         continue;
       }
       if (line_.empty() || n_++ % stride_ != 0) continue;
@@ -121,7 +126,7 @@ class LineSample final : public sentencepiece::SentenceIterator {
   std::vector<std::string> files_;
   int64_t stride_;
   size_t next_file_ = 0;
-  std::ifstream in_;
+  std::unique_ptr<LineReader> in_;
   std::string line_;
   int64_t n_ = 0;
   bool done_ = false;
@@ -130,10 +135,27 @@ class LineSample final : public sentencepiece::SentenceIterator {
 int64_t count_lines(const std::vector<std::string>& files) {
   int64_t n = 0;
   for (const auto& f : files) {
-    std::ifstream in(f);
-    for (std::string line; std::getline(in, line);) n += !line.empty();
+    LineReader in(f);
+    for (std::string line; in.next(line);) n += !line.empty();
   }
   return n;
+}
+
+// A whole gzip file, decompressed.
+std::string gunzip(const std::string& path) {
+  gzFile f = gzopen(path.c_str(), "rb");
+  DTRAIN_CHECK_AS(ConfigError, f != nullptr, path, ": cannot open: ", std::strerror(errno));
+  std::string text;
+  char buf[1 << 16];
+  int n;
+  while ((n = gzread(f, buf, sizeof(buf))) > 0) text.append(buf, static_cast<size_t>(n));
+  int err = Z_OK;
+  const char* msg = n < 0 ? gzerror(f, &err) : nullptr;
+  const std::string why = msg != nullptr ? msg : "";
+  gzclose(f);
+  DTRAIN_CHECK_AS(ConfigError, n == 0, path, ": not a valid gzip file (", why,
+                  "): is it truncated? Check it with gzip -t");
+  return text;
 }
 
 // A piece of one input: bytes [begin, end), cut after a newline.
@@ -143,16 +165,17 @@ struct Chunk {
   int64_t begin = 0, end = 0;
 };
 
-std::vector<Chunk> cut(const std::vector<std::string>& inputs, int64_t chunk_bytes,
-                       int64_t& total) {
+std::vector<Chunk> cut(const std::vector<Input>& inputs, int64_t chunk_bytes, int64_t& total) {
   std::vector<Chunk> chunks;
   total = 0;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    std::error_code ec;
-    const int64_t size = static_cast<int64_t>(fs::file_size(inputs[i], ec));
-    DTRAIN_CHECK_AS(ConfigError, !ec, inputs[i], ": cannot read: ", ec.message());
+    const int64_t size = inputs[i].bytes;
     total += size;
-    std::ifstream in(inputs[i], std::ios::binary);
+    if (inputs[i].gzip) {  // read whole, decompressed, by one thread
+      chunks.push_back({i, 0, 0, size});
+      continue;
+    }
+    std::ifstream in(inputs[i].path, std::ios::binary);
     int64_t begin = 0;
     int index = 0;
     while (begin < size || (size == 0 && index == 0)) {
@@ -172,16 +195,60 @@ std::vector<Chunk> cut(const std::vector<std::string>& inputs, int64_t chunk_byt
   return chunks;
 }
 
-// The input's file name (without a .txt extension), and the chunk.
-std::string shard_stem(const std::string& input) {
-  const fs::path p(input);
-  return p.extension() == ".txt" ? p.stem().string() : p.filename().string();
+// A path without its .gz and then .txt extensions.
+std::string without_extensions(std::string name) {
+  for (const char* ext : {".gz", ".txt"}) {
+    const std::string e(ext);
+    if (name.size() > e.size() && name.compare(name.size() - e.size(), e.size(), e) == 0) {
+      name.resize(name.size() - e.size());
+    }
+  }
+  return name;
 }
 
-std::string shard_name(const std::string& input, int index) {
+std::string shard_name(const Input& input, int index) {
   char suffix[16];
   std::snprintf(suffix, sizeof(suffix), "-%04d.bin", index);
-  return shard_stem(input) + suffix;
+  return input.stem + suffix;
+}
+
+// What the first bytes of a file say it is: "" for text (or gzip, which `gzip` says), or the
+// kind of compressed or binary file it is, and the tool that makes text of it.
+std::string compressed_kind(const unsigned char* b, size_t n, bool& gzip) {
+  gzip = n >= 2 && b[0] == 0x1f && b[1] == 0x8b;
+  auto starts = [&](std::initializer_list<unsigned char> magic) {
+    if (n < magic.size()) return false;
+    size_t i = 0;
+    for (unsigned char m : magic) {
+      if (b[i++] != m) return false;
+    }
+    return true;
+  };
+  if (starts({0xfd, '7', 'z', 'X', 'Z', 0x00})) return "compressed with xz: decompress it (xz -d)";
+  if (starts({'B', 'Z', 'h'})) return "compressed with bzip2: decompress it (bunzip2)";
+  if (starts({0x28, 0xb5, 0x2f, 0xfd})) return "compressed with zstd: decompress it (zstd -d)";
+  if (starts({'P', 'K', 0x03, 0x04})) return "a zip archive: extract its text files (unzip)";
+  if (starts({'7', 'z', 0xbc, 0xaf, 0x27, 0x1c})) return "a 7-Zip archive: extract its text files";
+  if (starts({'%', 'P', 'D', 'F'})) return "a PDF: extract its text first (pdftotext)";
+  return "";
+}
+
+// Text: no NUL byte and at most 1% control characters (other than tab, line and page breaks,
+// carriage return, escape and backspace) in `sample`. Else the offset of the first offender.
+std::optional<size_t> not_text_at(const std::string& sample) {
+  size_t control = 0;
+  std::optional<size_t> first;
+  for (size_t i = 0; i < sample.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(sample[i]);
+    if (c == 0) return i;
+    if (c < 0x20 && c != '\t' && c != '\n' && c != '\r' && c != '\f' && c != '\v' && c != 0x1b &&
+        c != '\b') {
+      if (!first) first = i;
+      ++control;
+    }
+  }
+  if (control * 100 > sample.size() && control > 0) return first;
+  return std::nullopt;
 }
 
 template <typename T>
@@ -209,6 +276,173 @@ std::string json_string(const std::string& s) {
 
 }  // namespace
 
+LineReader::LineReader(const std::string& path) : path_(path) {
+  file_ = gzopen(path.c_str(), "rb");  // a plain file is read as it is
+  DTRAIN_CHECK_AS(ConfigError, file_ != nullptr, path, ": cannot open: ", std::strerror(errno));
+  gzbuffer(static_cast<gzFile>(file_), 1 << 17);
+}
+
+LineReader::~LineReader() {
+  if (file_ != nullptr) gzclose(static_cast<gzFile>(file_));
+}
+
+bool LineReader::next(std::string& line) {
+  line.clear();
+  char buf[1 << 14];
+  while (gzgets(static_cast<gzFile>(file_), buf, sizeof(buf)) != nullptr) {
+    line += buf;
+    if (!line.empty() && line.back() == '\n') {
+      line.pop_back();
+      return true;
+    }
+  }
+  return !line.empty();
+}
+
+std::vector<Input> check_inputs(const std::vector<std::string>& files) {
+  std::vector<Input> inputs;
+  std::map<std::string, std::string> seen;  // canonical path -> as given
+  for (const auto& path : files) {
+    std::error_code ec;
+    DTRAIN_CHECK_AS(ConfigError, fs::exists(path, ec), path, ": no such file");
+    DTRAIN_CHECK_AS(ConfigError, fs::is_regular_file(path, ec), path,
+                    ": not a regular file (a folder? give the files in it, or a glob such as "
+                    "'",
+                    path, "/*.txt')");
+    const std::string canonical = fs::weakly_canonical(path, ec).string();
+    if (auto it = seen.find(canonical); it != seen.end()) {
+      // The same file twice (a glob and a name, or a link such as GFDL -> GFDL-1.3): read once,
+      // or its text would count twice.
+      std::fprintf(stderr, "dtrain-prepare: %s is the same file as %s: read once\n", path.c_str(),
+                   it->second.c_str());
+      continue;
+    }
+    seen[canonical] = path;
+    Input in;
+    in.path = path;
+    in.bytes = static_cast<int64_t>(fs::file_size(path, ec));
+    std::ifstream f(path, std::ios::binary);
+    DTRAIN_CHECK_AS(ConfigError, static_cast<bool>(f) && !ec, path, ": cannot read");
+    unsigned char head[16] = {};
+    f.read(reinterpret_cast<char*>(head), sizeof(head));
+    const std::string kind = compressed_kind(head, static_cast<size_t>(f.gcount()), in.gzip);
+    DTRAIN_CHECK_AS(ConfigError, kind.empty(), path, " is ", kind,
+                    " and give dtrain-prepare the text");
+    // The content: the first 64 KiB as dtrain-prepare will read them.
+    std::string sample(64 << 10, '\0');
+    if (in.gzip) {
+      gzFile g = gzopen(path.c_str(), "rb");
+      DTRAIN_CHECK_AS(ConfigError, g != nullptr, path, ": cannot open");
+      const int n = gzread(g, sample.data(), static_cast<unsigned>(sample.size()));
+      gzclose(g);
+      DTRAIN_CHECK_AS(ConfigError, n >= 0, path,
+                      ": starts as gzip but does not decompress: is it truncated? (gzip -t)");
+      sample.resize(static_cast<size_t>(n));
+    } else {
+      f.clear();
+      f.seekg(0);
+      f.read(sample.data(), static_cast<std::streamsize>(sample.size()));
+      sample.resize(static_cast<size_t>(f.gcount()));
+    }
+    if (const auto at = not_text_at(sample)) {
+      DTRAIN_FAIL(
+          ConfigError, path, " is not text", in.gzip ? " once decompressed" : "", ": byte ", *at,
+          " is a ", sample[*at] == '\0' ? "NUL" : "control character", " (0x",
+          [&] {
+            char hex[8];
+            std::snprintf(hex, sizeof(hex), "%02x", static_cast<unsigned char>(sample[*at]));
+            return std::string(hex);
+          }(),
+          "). dtrain-prepare reads text files (UTF-8 or another ASCII-compatible "
+          "encoding), plain or gzip; leave this one out");
+    }
+    inputs.push_back(std::move(in));
+  }
+  // Shard stems: file names where they are unique, else the paths below the shared folders.
+  std::map<std::string, int> count;
+  for (const auto& in : inputs) count[without_extensions(fs::path(in.path).filename().string())]++;
+  fs::path shared;
+  bool first = true;
+  for (const auto& in : inputs) {
+    const fs::path dir = fs::absolute(in.path).parent_path();
+    if (first) {
+      shared = dir;
+      first = false;
+      continue;
+    }
+    fs::path common;
+    auto a = shared.begin(), b = dir.begin();
+    for (; a != shared.end() && b != dir.end() && *a == *b; ++a, ++b) common /= *a;
+    shared = common;
+  }
+  std::set<std::string> taken;
+  for (auto& in : inputs) {
+    const std::string name = without_extensions(fs::path(in.path).filename().string());
+    std::string stem = name;
+    if (count[name] > 1) {
+      stem = without_extensions(fs::absolute(in.path).lexically_relative(shared).string());
+      std::replace(stem.begin(), stem.end(), '/', '_');
+    }
+    for (int k = 2; taken.count(stem); ++k) stem = name + "_" + std::to_string(k);
+    taken.insert(stem);
+    in.stem = stem;
+  }
+  return inputs;
+}
+
+void check_output(const std::string& out_dir) {
+  std::error_code ec;
+  if (!fs::exists(out_dir, ec)) return;
+  DTRAIN_CHECK_AS(ConfigError, fs::is_directory(out_dir, ec), "--out ", out_dir,
+                  " is a file: give a folder (new, empty, or an earlier dtrain-prepare result)");
+  if (fs::is_empty(out_dir, ec)) return;
+  std::ifstream meta(fs::path(out_dir) / "meta.json");
+  const std::string text((std::istreambuf_iterator<char>(meta)), std::istreambuf_iterator<char>());
+  DTRAIN_CHECK_AS(ConfigError, text.find("\"written_by\": \"dtrain-prepare\"") != std::string::npos,
+                  "--out ", out_dir,
+                  " holds files that dtrain-prepare did not write (no meta.json of its own): "
+                  "give a new or empty folder, so that nothing of yours is replaced");
+}
+
+std::string staging_dir(const std::string& out_dir) {
+  const fs::path out = fs::absolute(fs::path(out_dir).lexically_normal());
+  const fs::path parent = out.has_filename() ? out.parent_path() : out.parent_path().parent_path();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  DTRAIN_CHECK_AS(ConfigError, !ec, "--out ", out_dir, ": cannot make its folder ", parent.string(),
+                  ": ", ec.message());
+  const std::string staging =
+      (parent / ("." + out.filename().string() + ".preparing." + std::to_string(::getpid())))
+          .string();
+  fs::remove_all(staging, ec);
+  fs::create_directory(staging, ec);
+  DTRAIN_CHECK_AS(ConfigError, !ec, "--out ", out_dir, ": cannot write in ", parent.string(), ": ",
+                  ec.message());
+  return staging;
+}
+
+void commit_output(const std::string& staging, const std::string& out_dir) {
+  std::error_code ec;
+  const fs::path out(out_dir);
+  const std::string old = staging + ".replaced";
+  const bool had = fs::exists(out, ec);
+  if (had) {
+    fs::rename(out, old, ec);
+    DTRAIN_CHECK_AS(ConfigError, !ec, "--out ", out_dir, ": cannot replace it: ", ec.message());
+  }
+  fs::rename(staging, out, ec);
+  if (ec) {
+    if (had) fs::rename(old, out);
+    DTRAIN_FAIL(ConfigError, "--out ", out_dir, ": cannot put the result in place: ", ec.message());
+  }
+  if (had) fs::remove_all(old, ec);
+}
+
+void discard(const std::string& staging) {
+  std::error_code ec;
+  fs::remove_all(staging, ec);
+}
+
 std::unique_ptr<Tokenizer> bytes_tokenizer() { return std::make_unique<BytesTokenizer>(); }
 
 std::unique_ptr<Tokenizer> load_sentencepiece(const std::string& model_file) {
@@ -235,8 +469,22 @@ void train_sentencepiece(const std::vector<std::string>& inputs, const std::stri
       {"minloglevel", "1"},
   };
   const auto status = sentencepiece::SentencePieceTrainer::Train(args, &sample);
-  DTRAIN_CHECK_AS(ConfigError, status.ok(), "SentencePiece could not train a ", o.model_type,
-                  " tokenizer of ", o.vocab_size, " pieces on the inputs: ", status.ToString());
+  if (!status.ok()) {
+    // SentencePiece names its own options (--character_coverage); say it in dtrain-prepare's.
+    const std::string said = status.ToString();
+    const auto at = said.find("required_chars. ");
+    if (at != std::string::npos) {
+      long long asked = 0, needed = 0;
+      if (std::sscanf(said.c_str() + at + 16, "%lld vs %lld", &asked, &needed) == 2) {
+        DTRAIN_FAIL(ConfigError, "--vocab-size ", asked,
+                    " is too small for these inputs: SentencePiece keeps every distinct "
+                    "character as a piece, and with its special pieces they need ",
+                    needed, ". Give --vocab-size ", needed, " or more");
+      }
+    }
+    DTRAIN_FAIL(ConfigError, "SentencePiece could not train a ", o.model_type, " tokenizer of ",
+                o.vocab_size, " pieces on the inputs (--vocab-size, --model-type): ", said);
+  }
 }
 
 PrepareResult prepare(const Tokenizer& tokenizer, const PrepareOptions& o,
@@ -246,21 +494,15 @@ PrepareResult prepare(const Tokenizer& tokenizer, const PrepareOptions& o,
   fs::create_directories(o.out_dir, ec);
   DTRAIN_CHECK_AS(ConfigError, !ec && fs::is_directory(o.out_dir), o.out_dir,
                   ": cannot make the output folder", ec ? ": " + ec.message() : "");
+  std::set<std::string> stems;
   for (const auto& in : o.inputs) {
-    DTRAIN_CHECK_AS(ConfigError, fs::is_regular_file(in), in, ": not a readable file");
+    DTRAIN_CHECK(!in.stem.empty() && stems.insert(in.stem).second, in.path,
+                 ": its shard name is empty or taken (the inputs come from check_inputs)");
   }
   const auto t0 = std::chrono::steady_clock::now();
   PrepareResult r;
   r.dtype = tokenizer.vocab_size() <= 65536 ? "uint16" : "uint32";
   const std::vector<Chunk> chunks = cut(o.inputs, std::max<int64_t>(1, o.chunk_bytes), r.bytes);
-  // Two inputs with the same name would write the same shards.
-  for (size_t i = 0; i < o.inputs.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      DTRAIN_CHECK_AS(ConfigError, shard_stem(o.inputs[i]) != shard_stem(o.inputs[j]), o.inputs[j],
-                      " and ", o.inputs[i],
-                      " have the same file name, and would write the same shards: rename one");
-    }
-  }
   std::vector<int64_t> tokens_of(chunks.size(), 0);
   std::atomic<size_t> next{0};
   std::mutex mu;
@@ -273,16 +515,21 @@ PrepareResult prepare(const Tokenizer& tokenizer, const PrepareOptions& o,
     for (size_t k = next++; k < chunks.size(); k = next++) {
       const Chunk& c = chunks[k];
       try {
-        std::ifstream in(o.inputs[c.input], std::ios::binary);
-        text.resize(static_cast<size_t>(c.end - c.begin));
-        in.seekg(c.begin);
-        in.read(text.data(), static_cast<std::streamsize>(text.size()));
-        DTRAIN_CHECK(in.gcount() == static_cast<std::streamsize>(text.size()), o.inputs[c.input],
-                     ": could not read bytes ", c.begin, "..", c.end,
-                     " (did it change while being read?)");
+        const Input& input = o.inputs[c.input];
+        if (input.gzip) {
+          text = gunzip(input.path);
+        } else {
+          std::ifstream in(input.path, std::ios::binary);
+          text.resize(static_cast<size_t>(c.end - c.begin));
+          in.seekg(c.begin);
+          in.read(text.data(), static_cast<std::streamsize>(text.size()));
+          DTRAIN_CHECK(in.gcount() == static_cast<std::streamsize>(text.size()), input.path,
+                       ": could not read bytes ", c.begin, "..", c.end,
+                       " (did it change while being read?)");
+        }
         tokens.clear();
         tokenizer.encode(text, tokens);
-        const std::string path = o.out_dir + "/" + shard_name(o.inputs[c.input], c.index);
+        const std::string path = o.out_dir + "/" + shard_name(input, c.index);
         if (r.dtype == "uint16") {
           write_tokens<uint16_t>(path, tokens);
         } else {

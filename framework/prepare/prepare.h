@@ -6,6 +6,13 @@
 //   vocabulary has more than 65536 tokens), plus OUT/meta.json and, for SentencePiece,
 //   OUT/tokenizer.model.
 //
+// Nothing is misread and nothing is left half-done: every input is checked before any work
+// (check_inputs: gzip is read decompressed, other compressed or binary files are refused by
+// their content, each file's shards are named from its path so that two inputs of the same
+// name never collide), the output folder too (check_output), and the result is built in a
+// folder beside it and put in its place whole at the end (staging_dir, commit_output): a
+// failure at any point leaves the output folder as it was.
+//
 // Tokenizers:
 //   - bytes: each byte is a token (vocabulary 256), the text exactly, newlines included;
 //   - sentencepiece: Google's SentencePiece (Debian's libsentencepiece), a model loaded from a
@@ -36,6 +43,9 @@ class Tokenizer {
   virtual void encode(std::string_view text, std::vector<uint32_t>& out) const = 0;
   // Token ids back to text.
   virtual std::string decode(const std::vector<int>& ids) const = 0;
+  // The id encode() puts after each line (SentencePiece's end-of-sentence), or -1 when a line
+  // break is just its own byte.
+  virtual int64_t line_end() const { return -1; }
 };
 
 std::unique_ptr<Tokenizer> bytes_tokenizer();
@@ -64,8 +74,49 @@ struct Progress {
   double seconds = 0;
 };
 
+// An input as dtrain-prepare reads it.
+struct Input {
+  std::string path;
+  bool gzip = false;  // read decompressed
+  int64_t bytes = 0;  // on disk
+  std::string stem;   // its shards' names: <stem>-<chunk>.bin, unique among the inputs
+};
+
+// Every check on the inputs, before any work; ConfigError naming the file (and what to do)
+// for one that is missing, not a regular file, compressed otherwise than with gzip (xz,
+// bzip2, zstd, zip, 7z), or not text: a NUL byte, or more than 1% control characters, in its
+// first 64 KiB (decompressed for gzip). A file given twice (also through a link) is read once,
+// said on stderr. Shard stems are the file names
+// without .txt/.gz, or, where names repeat, the paths below the folders the inputs share
+// ("a/notes.txt", "b/notes.txt" -> "a_notes", "b_notes").
+std::vector<Input> check_inputs(const std::vector<std::string>& files);
+
+// The output folder may be absent, empty, or a dtrain-prepare result (its meta.json says so),
+// which the new one replaces whole; ConfigError for anything else, before any work.
+void check_output(const std::string& out_dir);
+// A new empty folder beside `out_dir` to build the result in.
+std::string staging_dir(const std::string& out_dir);
+// Puts the finished `staging` folder in `out_dir`'s place (an earlier result removed after).
+void commit_output(const std::string& staging, const std::string& out_dir);
+// Removes a staging folder (after a failure).
+void discard(const std::string& staging);
+
+// The lines of a text file, gzip or not (zlib reads both), for the tokenizer's training.
+class LineReader {
+ public:
+  explicit LineReader(const std::string& path);
+  ~LineReader();
+  LineReader(const LineReader&) = delete;
+  LineReader& operator=(const LineReader&) = delete;
+  bool next(std::string& line);  // false at the end
+
+ private:
+  void* file_;  // gzFile
+  std::string path_;
+};
+
 struct PrepareOptions {
-  std::vector<std::string> inputs;  // text files
+  std::vector<Input> inputs;  // from check_inputs
   std::string out_dir;
   int jobs = 1;
   int64_t chunk_bytes = int64_t{32} << 20;
@@ -81,7 +132,8 @@ struct PrepareResult {
 };
 
 // Encodes every input into token shards in out_dir (made if needed; each shard written to a
-// temporary name and renamed) and writes out_dir/meta.json. `tokenizer_file` is the name of
+// temporary name and renamed) and writes out_dir/meta.json. A gzip input is decompressed
+// whole by one thread and written as one shard. `tokenizer_file` is the name of
 // the tokenizer's model in out_dir ("" for bytes), recorded in meta.json.
 PrepareResult prepare(const Tokenizer& tokenizer, const PrepareOptions& options,
                       const std::string& tokenizer_file);

@@ -14,7 +14,9 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -67,10 +69,39 @@ class ProgressBar {
   std::chrono::steady_clock::time_point printed_{};
 };
 
+// The tokenizer of a prepared folder (its meta.json: bytes, or SentencePiece's tokenizer.model
+// beside it) or of a SentencePiece .model file.
+std::unique_ptr<prep::Tokenizer> tokenizer_of(const std::string& where) {
+  if (fs::is_directory(where)) {
+    std::ifstream meta(fs::path(where) / "meta.json");
+    const std::string text((std::istreambuf_iterator<char>(meta)),
+                           std::istreambuf_iterator<char>());
+    if (text.find("\"tokenizer\": \"bytes\"") != std::string::npos) return prep::bytes_tokenizer();
+    return prep::load_sentencepiece((fs::path(where) / "tokenizer.model").string());
+  }
+  return prep::load_sentencepiece(where);
+}
+
+// Text on stdin -> its token ids on stdout, space-separated (what dtrain-generate reads).
+int encode(const std::string& where) {
+  auto tokenizer = tokenizer_of(where);
+  const std::string text((std::istreambuf_iterator<char>(std::cin)),
+                         std::istreambuf_iterator<char>());
+  std::vector<uint32_t> ids;
+  tokenizer->encode(text, ids);
+  // A prompt ends where its text does: no line break after a last line that has none.
+  if (!ids.empty() && (text.empty() || text.back() != '\n') &&
+      static_cast<int64_t>(ids.back()) == tokenizer->line_end()) {
+    ids.pop_back();
+  }
+  std::string out;
+  for (size_t i = 0; i < ids.size(); ++i) out += (i ? " " : "") + std::to_string(ids[i]);
+  std::cout << out << std::endl;
+  return 0;
+}
+
 int decode(const std::string& where, const std::vector<std::string>& ids) {
-  const std::string model =
-      fs::is_directory(where) ? (fs::path(where) / "tokenizer.model").string() : where;
-  auto tokenizer = prep::load_sentencepiece(model);
+  auto tokenizer = tokenizer_of(where);
   std::vector<int> tokens;
   for (const auto& s : ids) {
     if (s == "|") continue;  // the trainer's sample separates its prompt so
@@ -113,9 +144,13 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.001, 1e6));
   app.add_option("--decode", decode_from,
                  "a prepared folder (or .model): print the text of the token ids given");
+  std::string encode_with;
+  app.add_option("--encode", encode_with,
+                 "a prepared folder (or .model): print the token ids of the text on stdin");
   dtrain::cli::parse(app, argc, argv);
   try {
     if (!decode_from.empty()) return decode(decode_from, inputs);
+    if (!encode_with.empty()) return encode(encode_with);
     if (out.empty()) throw dtrain::UsageError("--out: the output folder is required");
     std::vector<std::string> files;
     for (const auto& pattern : inputs) {
@@ -124,52 +159,65 @@ int main(int argc, char** argv) {
       files.insert(files.end(), found.begin(), found.end());
     }
     if (files.empty()) throw dtrain::UsageError("no input files; give text files or globs");
-    fs::create_directories(out);
-    std::unique_ptr<prep::Tokenizer> tok;
-    std::string tokenizer_file;
-    if (tokenizer == "bytes") {
-      tok = prep::bytes_tokenizer();
-    } else {
-      tokenizer_file = "tokenizer.model";
-      const std::string dest = (fs::path(out) / tokenizer_file).string();
-      if (!tokenizer_model.empty()) {
-        prep::load_sentencepiece(tokenizer_model);  // refuses a file that is not one
-        fs::copy_file(tokenizer_model, dest, fs::copy_options::overwrite_existing);
+    // Every check before any work (a tokenizer can train for minutes): the inputs, the output
+    // folder. The result is built beside it and put in its place at the end, whole.
+    const std::vector<prep::Input> checked = prep::check_inputs(files);
+    prep::check_output(out);
+    if (!tokenizer_model.empty()) prep::load_sentencepiece(tokenizer_model);  // refuses a non-model
+    const std::string staging = prep::staging_dir(out);
+    try {
+      std::unique_ptr<prep::Tokenizer> tok;
+      std::string tokenizer_file;
+      if (tokenizer == "bytes") {
+        tok = prep::bytes_tokenizer();
       } else {
-        std::fprintf(stderr,
-                     "dtrain-prepare: training a %lld-piece SentencePiece %s tokenizer on "
-                     "%zu file(s)\n",
-                     static_cast<long long>(vocab_size), model_type.c_str(), files.size());
-        const auto t0 = std::chrono::steady_clock::now();
-        prep::SentencePieceTraining t;
-        t.vocab_size = vocab_size;
-        t.model_type = model_type;
-        t.threads = jobs;
-        prep::train_sentencepiece(files, (fs::path(out) / "tokenizer").string(), t);
-        std::fprintf(stderr, "dtrain-prepare: trained in %.1f s\n",
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        tokenizer_file = "tokenizer.model";
+        const std::string dest = (fs::path(staging) / tokenizer_file).string();
+        if (!tokenizer_model.empty()) {
+          fs::copy_file(tokenizer_model, dest, fs::copy_options::overwrite_existing);
+        } else {
+          std::fprintf(stderr,
+                       "dtrain-prepare: training a %lld-piece SentencePiece %s tokenizer on "
+                       "%zu file(s)\n",
+                       static_cast<long long>(vocab_size), model_type.c_str(), files.size());
+          const auto t0 = std::chrono::steady_clock::now();
+          prep::SentencePieceTraining t;
+          t.vocab_size = vocab_size;
+          t.model_type = model_type;
+          t.threads = jobs;
+          prep::train_sentencepiece(files, (fs::path(staging) / "tokenizer").string(), t);
+          std::fprintf(
+              stderr, "dtrain-prepare: trained in %.1f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
+        tok = prep::load_sentencepiece(dest);
       }
-      tok = prep::load_sentencepiece(dest);
+      ProgressBar bar;
+      prep::PrepareOptions o;
+      o.inputs = checked;
+      o.out_dir = staging;
+      o.jobs = jobs;
+      o.chunk_bytes = static_cast<int64_t>(chunk_mb * 1e6);
+      o.on_progress = [&](const prep::Progress& p) { bar.update(p); };
+      const prep::PrepareResult r = prep::prepare(*tok, o, tokenizer_file);
+      bar.update({r.bytes, r.bytes, r.tokens, r.seconds}, /*last=*/true);
+      prep::commit_output(staging, out);
+      std::printf(
+          "dtrain-prepare: %lld tokens from %s of text in %zu shard(s) of %s in %s/ (%.1f s; "
+          "%.1f MB/s)\n"
+          "train on them with:\n"
+          "  model:\n    vocab_size: auto   # the tokenizer's: %lld (%s); a larger number works "
+          "too\n"
+          "  data:\n    source: tokens\n    path: %s/*.bin   # relative to the folder you run "
+          "dtrain-train in\n    val_fraction: 0.05\n",
+          static_cast<long long>(r.tokens), megabytes(static_cast<double>(r.bytes)).c_str(),
+          r.shards.size(), r.dtype.c_str(), out.c_str(), r.seconds,
+          static_cast<double>(r.bytes) / 1e6 / std::max(r.seconds, 1e-9),
+          static_cast<long long>(tok->vocab_size()), tok->name().c_str(), out.c_str());
+    } catch (...) {
+      prep::discard(staging);  // the output folder stays as it was
+      throw;
     }
-    ProgressBar bar;
-    prep::PrepareOptions o;
-    o.inputs = files;
-    o.out_dir = out;
-    o.jobs = jobs;
-    o.chunk_bytes = static_cast<int64_t>(chunk_mb * 1e6);
-    o.on_progress = [&](const prep::Progress& p) { bar.update(p); };
-    const prep::PrepareResult r = prep::prepare(*tok, o, tokenizer_file);
-    bar.update({r.bytes, r.bytes, r.tokens, r.seconds}, /*last=*/true);
-    std::printf(
-        "dtrain-prepare: %lld tokens from %s of text in %zu shard(s) of %s in %s/ (%.1f s; "
-        "%.1f MB/s)\n"
-        "train on them with:\n"
-        "  model:\n    vocab_size: auto   # the tokenizer's: %lld (%s); a larger number works too\n"
-        "  data:\n    source: tokens\n    path: %s/*.bin\n    val_fraction: 0.05\n",
-        static_cast<long long>(r.tokens), megabytes(static_cast<double>(r.bytes)).c_str(),
-        r.shards.size(), r.dtype.c_str(), out.c_str(), r.seconds,
-        static_cast<double>(r.bytes) / 1e6 / std::max(r.seconds, 1e-9),
-        static_cast<long long>(tok->vocab_size()), tok->name().c_str(), out.c_str());
     return 0;
   } catch (...) {
     auto failure = dtrain::cli::failure_of(std::current_exception());
