@@ -3,6 +3,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -66,7 +67,31 @@ struct ConfigSection::Impl {
 
   [[noreturn]] void fail_at(const std::string& at, const YAML::Mark& m,
                             const std::string& msg) const {
-    DTRAIN_FAIL(ConfigError, origin.where(at, m), ": ", at, ": ", msg);
+    DTRAIN_FAIL(ConfigError, origin.where(at, m), also_from(at, m, msg), ": ", at, ": ", msg);
+  }
+
+  // A check of one key against another of its section ("d_model 190 must be divisible by
+  // n_heads 4", reported at n_heads) names the --set that gave the other one too, so a value
+  // from the command line is never blamed on the file's line alone.
+  std::string also_from(const std::string& at, const YAML::Mark& m, const std::string& msg) const {
+    const std::string section =
+        at.substr(0, at.rfind('.') == std::string::npos ? 0 : at.rfind('.'));
+    std::string out;
+    for (const auto& [key, text] : origin.overrides) {
+      if (key == at || key.rfind(section + ".", 0) != 0 || origin.where(at, m) == text) continue;
+      const std::string name = key.substr(key.rfind('.') + 1);
+      for (size_t pos = msg.find(name); pos != std::string::npos; pos = msg.find(name, pos + 1)) {
+        auto word = [&](size_t i) {
+          return i < msg.size() &&
+                 (std::isalnum(static_cast<unsigned char>(msg[i])) || msg[i] == '_');
+        };
+        if ((pos == 0 || !word(pos - 1)) && !word(pos + name.size())) {
+          out += (out.empty() ? " (with " : ", ") + text;
+          break;
+        }
+      }
+    }
+    return out.empty() ? out : out + ")";
   }
 
   template <typename T>
@@ -314,6 +339,14 @@ void read_token_meta(Section& s, const std::string& key, const std::string& firs
   d.tokenizer_vocab_size = vocab;
 }
 
+// " (relative to the folder dtrain-train runs in, /home/me)" for a relative path.
+std::string relative_note(const std::string& path) {
+  if (path.empty() || path[0] == '/') return "";
+  std::error_code ec;
+  return " (a relative path: relative to the folder dtrain-train runs in, " +
+         std::filesystem::current_path(ec).string() + ", not to the config file)";
+}
+
 void read_data(Section s, DataConfig& d) {
   const bool path_given = s.has("path");
   const bool source_given = s.has("source");
@@ -359,7 +392,12 @@ void read_data(Section s, DataConfig& d) {
          {std::pair<const char*, const std::string&>{"path", d.path}, {"val_path", d.val_path}}) {
       if (pattern.empty()) continue;
       const auto files = glob_files(pattern);
-      s.check(!files.empty(), key, "'" + pattern + "' matches no file");
+      s.check(!files.empty(), key,
+              "'" + pattern + "' matches no file" + relative_note(pattern) +
+                  (key == std::string("path")
+                       ? ". Token files come from dtrain-prepare: dtrain-prepare --out <folder> "
+                         "<text files> writes <folder>/*.bin and prints the data.path to give"
+                       : ""));
       if (&pattern == &d.path) first_file = files.front();
       for (const auto& f : files) {
         s.check(token_file(f), key,
@@ -389,9 +427,9 @@ void read_data(Section s, DataConfig& d) {
     s.check(!std::filesystem::is_directory(d.path), "path",
             "'" + d.path + "' is a directory; give a text file, or use source: synthetic");
     std::ifstream f(d.path);
-    s.check(
-        static_cast<bool>(f), "path",
-        "corpus file '" + d.path + "' cannot be read; give a text file, or use source: synthetic");
+    s.check(static_cast<bool>(f), "path",
+            "corpus file '" + d.path + "' cannot be read" + relative_note(d.path) +
+                "; give a text file, or use source: synthetic");
   }
   s.finish();
 }

@@ -404,10 +404,23 @@ TEST(ConfigError, TheOptimizerInBackwardIsRefusedWhereItCannotStep) {
   const std::string fsdp = replace(in_backward, "strategy: ddp", "strategy: fsdp");
   RunConfig c = parse_config(fsdp, "run.yaml");
   EXPECT_TRUE(c.train.optimizer_in_backward);
-  expect_yaml_error(fsdp, {"run.yaml:10:", "train.optimizer_in_backward", "clip_grad_norm"},
+  // The other key came from the command line: the message names that --set too.
+  expect_yaml_error(fsdp,
+                    {"run.yaml:10 (with --set train.clip_grad_norm=1.0):",
+                     "train.optimizer_in_backward", "clip_grad_norm"},
                     {"train.clip_grad_norm=1.0"});
   expect_yaml_error(replace(fsdp, "policy: bf16", "policy: fp16\n  scaler:\n    enabled: true"),
                     {"run.yaml:10:", "train.optimizer_in_backward", "GradScaler"});
+}
+
+// A check of one key against another, the other given by --set: the --set is named beside the
+// file's line, never the line alone.
+TEST(ConfigError, ACrossKeyCheckNamesTheSetThatGaveTheOtherKey) {
+  expect_yaml_error(kGood, {"(with --set model.d_model=190):", "model.n_heads", "d_model 190"},
+                    {"model.d_model=190"});
+  expect_yaml_error(replace(kGood, "batch_size: 8", "batch_size: 8\n  micro_batches: 2"),
+                    {"(with --set train.batch_size=15):", "train.micro_batches"},
+                    {"train.batch_size=15"});
 }
 
 TEST(Config, Bf16WithAnEnabledScalerWarns) {

@@ -211,7 +211,7 @@ with tempfile.TemporaryDirectory() as tmp:
                 "--set", "train.warmup_steps=5", "--set", "train.eval_every=15",
                 "--set", "logging.every_steps=10", "--set", "logging.progress_bar=false",
                 "--set", f"logging.metrics_file={tmp}/metrics.jsonl", "--set",
-                "logging.sample_tokens=8"]
+                "logging.sample_tokens=8", "--set", "checkpoint.dir="]
         for s in sets:
             argv += ["--set", s]
         r = run(argv, timeout=600)
