@@ -91,6 +91,54 @@ at::Tensor norm_of_grad_norms(const std::vector<at::Tensor>& norms, double norm_
   return total;
 }
 
+at::Tensor norm_of_grad_norms_tp(const std::vector<at::Tensor>& norms, double norm_type,
+                                 comm::Communicator* shards, comm::Communicator* tp,
+                                 const std::vector<bool>& tp_sliced) {
+  c10::NoGradGuard no_grad;
+  DTRAIN_CHECK(tp_sliced.size() == norms.size(), "norm_of_grad_norms_tp: ", tp_sliced.size(),
+               " flags for ", norms.size(), " parameters");
+  if (norms.empty()) return at::zeros({}, at::kFloat);
+  const auto first =
+      std::find_if(norms.begin(), norms.end(), [](const at::Tensor& n) { return n.defined(); });
+  const c10::Device device = first == norms.end() ? c10::Device(c10::kCPU) : first->device();
+  std::vector<at::Tensor> all;
+  for (const auto& n : norms) {
+    all.push_back(n.defined() ? n.to(device, at::kFloat)
+                              : at::zeros({}, at::TensorOptions(device).dtype(at::kFloat)));
+  }
+  at::Tensor per_param = at::stack(all);
+  if (shards != nullptr && shards->size() > 1) {
+    per_param = combine_over_ranks(per_param, norm_type, *shards);
+  }
+  if (tp != nullptr && tp->size() > 1) {
+    std::vector<int64_t> idx;
+    for (size_t i = 0; i < tp_sliced.size(); ++i) {
+      if (tp_sliced[i]) idx.push_back(static_cast<int64_t>(i));
+    }
+    if (!idx.empty()) {
+      at::Tensor index = at::tensor(idx, at::kLong).to(device);
+      at::Tensor sliced = combine_over_ranks(per_param.index_select(0, index), norm_type, *tp);
+      per_param = per_param.index_copy(0, index, sliced);
+    }
+  }
+  return at::linalg_vector_norm(per_param, norm_type);
+}
+
+at::Tensor clip_grad_norm_tp_(const std::vector<at::Tensor>& params, double max_norm,
+                              double norm_type, comm::Communicator* shards, comm::Communicator* tp,
+                              const std::vector<bool>& tp_sliced) {
+  c10::NoGradGuard no_grad;
+  std::vector<at::Tensor> norms;
+  for (const auto& p : params) norms.push_back(local_grad_norm(p, norm_type));
+  at::Tensor total = norm_of_grad_norms_tp(norms, norm_type, shards, tp, tp_sliced);
+  std::vector<at::Tensor> grads = grads_of(params);
+  if (max_norm > 0 && !grads.empty()) {
+    at::Tensor coef = at::clamp((total + 1e-6).reciprocal() * max_norm, std::nullopt, 1.0);
+    at::_foreach_mul_(grads, coef.to(grads.front().device()));
+  }
+  return total;
+}
+
 at::Tensor grad_norm(const std::vector<at::Tensor>& params, double norm_type,
                      comm::Communicator* comm, ShardNorm rule) {
   return total_norm(params, norm_type, comm, rule);

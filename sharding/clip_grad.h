@@ -44,6 +44,17 @@ at::Tensor norm_of_grad_norms(const std::vector<at::Tensor>& norms, double norm_
                               comm::Communicator* comm = nullptr,
                               ShardNorm rule = ShardNorm::kPerParameter);
 
+// Tensor parallelism beside the shards: the parameters `tp_sliced` marks (one flag per entry)
+// are slices over the `tp` group too, so their norms also combine over it (as PyTorch's
+// clip_grad_norm_ over DTensors sharded on a 2-D mesh); the others are whole on every TP rank
+// and count once. Per parameter, then the norm of their stack, as kPerParameter.
+at::Tensor norm_of_grad_norms_tp(const std::vector<at::Tensor>& norms, double norm_type,
+                                 comm::Communicator* shards, comm::Communicator* tp,
+                                 const std::vector<bool>& tp_sliced);
+at::Tensor clip_grad_norm_tp_(const std::vector<at::Tensor>& params, double max_norm,
+                              double norm_type, comm::Communicator* shards, comm::Communicator* tp,
+                              const std::vector<bool>& tp_sliced);
+
 // Clips the gradients of `params` in place; returns the total norm before clipping as a 0-dim
 // fp32 tensor on the first gradient's device, as PyTorch's does: nothing waits for the
 // device unless error_if_nonfinite (which must read the norm to decide).

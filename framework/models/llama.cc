@@ -72,14 +72,17 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& o) : o_(o) {
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
-  const int64_t B = x.size(0), T = x.size(1), H = o_.num_attention_heads(),
-                KV = o_.num_key_value_heads(), D = o_.head_size();
+  // Under tensor parallelism this rank's heads: q_proj's rows say how many; the input enters
+  // the group once for q, k and v (under sequence parallelism: the whole sequence, gathered).
+  const at::Tensor in = tp ? tp->enter(x) : x;
+  const int64_t D = o_.head_size(), B = in.size(0), T = in.size(1), H = q_proj->weight.size(0) / D,
+                KV = k_proj->weight.size(0) / D;
   auto heads = [&](const at::Tensor& t, int64_t n) {
     return t.view({B, T, n, D}).transpose(1, 2);  // [B, n, T, D]
   };
-  at::Tensor q = heads(at::linear(x, q_proj->weight), H);
-  at::Tensor k = heads(at::linear(x, k_proj->weight), KV);
-  at::Tensor v = heads(at::linear(x, v_proj->weight), KV);
+  at::Tensor q = heads(at::linear(in, q_proj->weight), H);
+  at::Tensor k = heads(at::linear(in, k_proj->weight), KV);
+  at::Tensor v = heads(at::linear(in, v_proj->weight), KV);
   auto [cos, sin] = rotary(T, D, o_.rope_theta(), q);
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
@@ -94,7 +97,8 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
   att = att.masked_fill(mask, -std::numeric_limits<float>::infinity());
   att = at::softmax(att, -1, at::kFloat).to(q.scalar_type());
   at::Tensor y = at::matmul(att, v).transpose(1, 2).contiguous().view({B, T, H * D});
-  return at::linear(y, o_proj->weight);
+  y = at::linear(y, o_proj->weight);
+  return tp ? tp->leave(y) : y;
 }
 
 at::Tensor LlamaAttentionImpl::forward_cached(const at::Tensor& x, KVCache& cache, size_t layer) {
@@ -126,8 +130,11 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
-  return at::linear(at::silu(at::linear(x, gate_proj->weight)) * at::linear(x, up_proj->weight),
-                    down_proj->weight);
+  const at::Tensor in = tp ? tp->enter(x) : x;
+  at::Tensor y =
+      at::linear(at::silu(at::linear(in, gate_proj->weight)) * at::linear(in, up_proj->weight),
+                 down_proj->weight);
+  return tp ? tp->leave(y) : y;
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {
@@ -169,7 +176,7 @@ LlamaModelImpl::LlamaModelImpl(const LlamaOptions& o) {
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& tokens) {
-  at::Tensor x = embed_tokens->forward(tokens);
+  at::Tensor x = tp ? tp->embedding(tokens, embed_tokens->weight) : embed_tokens->forward(tokens);
   for (const auto& layer : *layers) {
     x = layer->as<sharding::UnitImpl<LlamaDecoderLayerImpl>>()->forward(x);
   }
@@ -216,12 +223,56 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) {
   DTRAIN_CHECK_AS(UsageError, tokens.dim() == 2, "Llama: tokens must be [batch, seq], got ",
                   tokens.sizes());
   at::Tensor h = model->forward(tokens);
-  return at::linear(h, o_.tie_word_embeddings() ? model->embed_tokens->weight : lm_head->weight);
+  return at::linear(tp_ ? tp_->enter(h) : h, head_weight());
+}
+
+const at::Tensor& LlamaForCausalLMImpl::head_weight() const {
+  return o_.tie_word_embeddings() ? model->embed_tokens->weight : lm_head->weight;
+}
+
+sharding::Plan LlamaForCausalLMImpl::tp_plan() {
+  using sharding::Style;
+  return {{"model.embed_tokens", Style::kVocab},
+          {"model.layers.*.self_attn.q_proj", Style::kColwise},
+          {"model.layers.*.self_attn.k_proj", Style::kColwise},
+          {"model.layers.*.self_attn.v_proj", Style::kColwise},
+          {"model.layers.*.self_attn.o_proj", Style::kRowwise},
+          {"model.layers.*.mlp.gate_proj", Style::kColwise},
+          {"model.layers.*.mlp.up_proj", Style::kColwise},
+          {"model.layers.*.mlp.down_proj", Style::kRowwise},
+          {"lm_head", Style::kColwise}};
+}
+
+std::vector<std::string> LlamaForCausalLMImpl::parallelize(
+    std::shared_ptr<sharding::TensorParallelism> t) {
+  const int64_t n = t->size();
+  for (const auto& [key, value] : std::vector<std::pair<const char*, int64_t>>{
+           {"num_attention_heads", o_.num_attention_heads()},
+           {"num_key_value_heads", o_.num_key_value_heads()},
+           {"intermediate_size", o_.intermediate_size()},
+           {"vocab_size", o_.vocab_size()}}) {
+    DTRAIN_CHECK_AS(ConfigError, value % n == 0, "tensor parallelism over ", n,
+                    " ranks (parallel.tp) cuts model.", key, " ", value,
+                    " into equal parts, and it does not divide by ", n,
+                    ": choose parallel.tp dividing it");
+  }
+  std::vector<std::string> done = t->apply(*this, tp_plan());
+  tp_ = t;
+  model->tp = t;
+  for (const auto& layer : *model->layers) {
+    auto* l = layer->as<sharding::UnitImpl<LlamaDecoderLayerImpl>>();
+    l->self_attn->tp = t;
+    l->mlp->tp = t;
+  }
+  return done;
 }
 
 at::Tensor LlamaForCausalLMImpl::forward_cached(const at::Tensor& tokens, KVCache& cache) {
   DTRAIN_CHECK_AS(UsageError, tokens.dim() == 2, "Llama: tokens must be [batch, seq], got ",
                   tokens.sizes());
+  DTRAIN_CHECK_AS(UsageError, !tp_,
+                  "Llama: generation with a KV cache runs on one process, "
+                  "not under tensor parallelism");
   at::Tensor h = model->forward_cached(tokens, cache);
   return at::linear(h, o_.tie_word_embeddings() ? model->embed_tokens->weight : lm_head->weight);
 }

@@ -30,6 +30,7 @@
 #include "framework/task.h"
 #include "sharding/deferred_init.h"
 #include "sharding/fsdp.h"
+#include "sharding/tensor_parallel_plan.h"
 
 namespace dtrain::framework {
 
@@ -52,6 +53,8 @@ class LlamaAttentionImpl : public torch::nn::Module {
   // the values appended to layer `layer` (framework/models/kv_cache.h).
   at::Tensor forward_cached(const at::Tensor& x, KVCache& cache, size_t layer);
   torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  // Tensor parallelism (LlamaForCausalLMImpl::parallelize): q, k, v hold this rank's heads.
+  std::shared_ptr<const sharding::TensorParallelism> tp;
 
  private:
   LlamaOptions o_;
@@ -63,6 +66,7 @@ class LlamaMLPImpl : public torch::nn::Module {
   explicit LlamaMLPImpl(const LlamaOptions& o);
   at::Tensor forward(const at::Tensor& x);
   torch::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+  std::shared_ptr<const sharding::TensorParallelism> tp;
 };
 TORCH_MODULE(LlamaMLP);
 
@@ -86,6 +90,7 @@ class LlamaModelImpl : public torch::nn::Module {
   torch::nn::Embedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};
   LlamaRMSNorm norm{nullptr};
+  std::shared_ptr<const sharding::TensorParallelism> tp;
 };
 TORCH_MODULE(LlamaModel);
 
@@ -102,12 +107,28 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // name), as TransformerLM: the eager constructor applies it, and a deferred build given to
   // FSDP gets the same bits unit by unit.
   sharding::ParamInit param_init() const;
+
+  // Tensor parallelism, Megatron's layout as PyTorch's parallelize_module takes it: the
+  // embedding vocab-parallel, q/k/v and gate/up colwise, o and down rowwise, the head colwise
+  // (tied: the vocab-sliced embedding), each rank holding num_attention_heads / tp query heads
+  // and num_key_value_heads / tp K/V heads. Its logits are then this rank's vocabulary slice,
+  // for tp->loss (vocabulary-parallel cross-entropy) or tp->gather_vocab.
+  static sharding::Plan tp_plan();
+  // Applies tp_plan (parameters sliced in place, placeholders too) and sets every layer's tp.
+  // ConfigError when the group does not divide the heads, the K/V heads, the MLP's width or the
+  // vocabulary. Returns what was sliced, for the log.
+  std::vector<std::string> parallelize(std::shared_ptr<sharding::TensorParallelism> tp);
+  std::shared_ptr<const sharding::TensorParallelism> tensor_parallel() const { return tp_; }
+  // The head's weight: lm_head's, or the embedding's when tied.
+  const at::Tensor& head_weight() const;
+
   LlamaModel model{nullptr};
   torch::nn::Linear lm_head{nullptr};  // only when !tie_word_embeddings
 
  private:
   LlamaOptions o_;
   uint64_t init_seed_ = 0;
+  std::shared_ptr<const sharding::TensorParallelism> tp_;
 };
 TORCH_MODULE(LlamaForCausalLM);
 

@@ -1,0 +1,183 @@
+#include "sharding/tensor_parallel.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "core/error.h"
+
+namespace dtrain::sharding::tp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool trivial(const CommPtr& g) { return g == nullptr || g->size() == 1; }
+
+// The group travels through autograd's saved data as a raw pointer: the caller keeps the
+// communicator alive for the backward (the mesh owns it for the whole run).
+comm::Communicator* group_of(AutogradContext* ctx) {
+  return reinterpret_cast<comm::Communicator*>(ctx->saved_data["group"].toInt());
+}
+void keep_group(AutogradContext* ctx, const CommPtr& g) {
+  ctx->saved_data["group"] = reinterpret_cast<int64_t>(g.get());
+}
+
+at::Tensor all_reduced(const at::Tensor& x, comm::Communicator* g,
+                       comm::ReduceOp op = comm::ReduceOp::kSum) {
+  at::Tensor y = x.contiguous().clone();
+  g->all_reduce(y, op).wait();
+  return y;
+}
+
+// Along dim 1 (the sequence): moved to dim 0, where the flat collectives cut.
+at::Tensor gathered_seq(const at::Tensor& x, comm::Communicator* g) {
+  at::Tensor in = x.transpose(0, 1).contiguous();
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape[0] *= g->size();
+  at::Tensor out = at::empty(shape, in.options());
+  g->all_gather(in, out).wait();
+  return out.transpose(0, 1);
+}
+
+at::Tensor reduce_scattered_seq(const at::Tensor& x, comm::Communicator* g) {
+  DTRAIN_CHECK_AS(UsageError, x.size(1) % g->size() == 0, "sequence parallelism: a sequence of ",
+                  x.size(1), " tokens does not split over ", g->size(), " tensor-parallel ranks");
+  at::Tensor in = x.transpose(0, 1).contiguous();
+  std::vector<int64_t> shape = in.sizes().vec();
+  shape[0] /= g->size();
+  at::Tensor out = at::empty(shape, in.options());
+  g->reduce_scatter(in, out).wait();
+  return out.transpose(0, 1);
+}
+
+at::Tensor chunk_seq(const at::Tensor& x, comm::Communicator* g) {
+  DTRAIN_CHECK_AS(UsageError, x.size(1) % g->size() == 0, "sequence parallelism: a sequence of ",
+                  x.size(1), " tokens does not split over ", g->size(), " tensor-parallel ranks");
+  const int64_t n = x.size(1) / g->size();
+  return x.narrow(1, g->rank() * n, n).contiguous();
+}
+
+struct CopyToTP : torch::autograd::Function<CopyToTP> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const CommPtr& g) {
+    keep_group(ctx, g);
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_reduced(grads[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFromTP : torch::autograd::Function<ReduceFromTP> {
+  static at::Tensor forward(AutogradContext* /*ctx*/, const at::Tensor& x, const CommPtr& g) {
+    return all_reduced(x, g.get());
+  }
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+struct GatherSeq : torch::autograd::Function<GatherSeq> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const CommPtr& g) {
+    keep_group(ctx, g);
+    return gathered_seq(x, g.get());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {reduce_scattered_seq(grads[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceScatterSeq : torch::autograd::Function<ReduceScatterSeq> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const CommPtr& g) {
+    keep_group(ctx, g);
+    return reduce_scattered_seq(x, g.get());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {gathered_seq(grads[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct SplitSeq : torch::autograd::Function<SplitSeq> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const CommPtr& g) {
+    keep_group(ctx, g);
+    return chunk_seq(x, g.get());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {gathered_seq(grads[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& targets, int64_t vocab_start, const CommPtr& g) {
+    keep_group(ctx, g);
+    const int64_t local = logits.size(-1);
+    at::Tensor x = logits.to(at::kFloat);
+    at::Tensor max = all_reduced(std::get<0>(x.max(-1)), g.get(), comm::ReduceOp::kMax);
+    at::Tensor shifted = x - max.unsqueeze(-1);
+    at::Tensor exp = shifted.exp();
+    at::Tensor sum_exp = all_reduced(exp.sum(-1), g.get());
+    at::Tensor in_range = (targets >= vocab_start) & (targets < vocab_start + local);
+    at::Tensor index = (targets - vocab_start).clamp(0, local - 1);
+    at::Tensor target_logit =
+        shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * in_range.to(at::kFloat);
+    target_logit = all_reduced(target_logit, g.get());
+    at::Tensor loss = (sum_exp.log() - target_logit).mean();
+    ctx->save_for_backward({exp.div_(sum_exp.unsqueeze(-1)), in_range, index});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return loss;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    at::Tensor softmax = saved[0], in_range = saved[1], index = saved[2];
+    const int64_t rows = softmax.size(0);
+    at::Tensor grad = softmax.clone();
+    grad.scatter_add_(-1, index.unsqueeze(-1), -in_range.to(at::kFloat).unsqueeze(-1));
+    grad.mul_(grads[0] / static_cast<double>(rows));
+    return {grad.to(static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt())), at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor copy_to_tp(const at::Tensor& x, const CommPtr& group) {
+  return trivial(group) ? x : CopyToTP::apply(x, group);
+}
+
+at::Tensor reduce_from_tp(const at::Tensor& x, const CommPtr& group) {
+  return trivial(group) ? x : ReduceFromTP::apply(x, group);
+}
+
+at::Tensor gather_seq(const at::Tensor& x, const CommPtr& group) {
+  return trivial(group) ? x : GatherSeq::apply(x, group);
+}
+
+at::Tensor reduce_scatter_seq(const at::Tensor& x, const CommPtr& group) {
+  return trivial(group) ? x : ReduceScatterSeq::apply(x, group);
+}
+
+at::Tensor split_seq(const at::Tensor& x, const CommPtr& group) {
+  return trivial(group) ? x : SplitSeq::apply(x, group);
+}
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
+                                        int64_t vocab_start, const CommPtr& group) {
+  if (trivial(group)) {
+    return at::cross_entropy_loss(logits.to(at::kFloat), targets);
+  }
+  DTRAIN_CHECK_AS(UsageError,
+                  logits.dim() == 2 && targets.dim() == 1 && logits.size(0) == targets.size(0),
+                  "vocab_parallel_cross_entropy: logits [N, V/T] and targets [N], got ",
+                  logits.sizes(), " and ", targets.sizes());
+  return VocabParallelCrossEntropy::apply(logits, targets, vocab_start, group);
+}
+
+at::Tensor vocab_slice_embedding(const at::Tensor& tokens, const at::Tensor& weight,
+                                 int64_t vocab_start) {
+  const int64_t local = weight.size(0);
+  at::Tensor in_range = (tokens >= vocab_start) & (tokens < vocab_start + local);
+  at::Tensor index = (tokens - vocab_start).clamp(0, local - 1);
+  at::Tensor rows = at::embedding(weight, index);
+  return rows * in_range.unsqueeze(-1).to(rows.scalar_type());
+}
+
+}  // namespace dtrain::sharding::tp

@@ -1,0 +1,272 @@
+// Tensor parallelism against one process, on every rank of a real multi-process job: the same
+// weights and data give the same outputs, losses and gradients (within fp32 rounding: the
+// slices' partial sums are added in another order) through each style, the Llama plan, with
+// and without sequence parallelism, and composed with FSDP on a 2-D mesh (4 ranks: shard 2 x
+// tp 2). A wrong gradient through any collective (a missing all-reduce in backward, a wrong
+// slice, a norm weight not summed over the sequence's parts) fails these.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+
+#include "framework/models/llama.h"
+#include "optim/fused.h"
+#include "sharding/clip_grad.h"
+#include "sharding/fsdp.h"
+#include "sharding/mesh.h"
+#include "sharding/tensor_parallel.h"
+#include "sharding/tensor_parallel_plan.h"
+#include "tests/multirank.h"
+
+namespace dtrain::sharding {
+namespace {
+
+using dtrain::framework::LlamaForCausalLM;
+using dtrain::framework::LlamaOptions;
+using dtrain::testing::world;
+using dtrain::testing::world_ptr;
+using Test = dtrain::testing::MultiRankTest;
+
+// max |a - b| / max |b|: relative to the reference's scale.
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = b.abs().max().item<double>();
+  return (a.to(at::kFloat) - b.to(at::kFloat)).abs().max().item<double>() /
+         (scale > 0 ? scale : 1.0);
+}
+
+std::shared_ptr<comm::Communicator> tp_group(int tp) {
+  static std::map<int, std::shared_ptr<DeviceMesh>> meshes;  // splits are collective: once
+  auto& m = meshes[tp];
+  if (!m) m = std::make_shared<DeviceMesh>(world_ptr(), MeshShape{1, world().size() / tp, tp});
+  return m->tp();
+}
+
+// Two Linears, colwise then rowwise (an MLP's pair), through the plan, against the same layers
+// whole: outputs and every gradient (weights' slices, biases, the input), with and without
+// sequence parallelism.
+TEST_F(Test, ColwiseThenRowwiseGiveOneProcessOutputAndGradients) {
+  for (bool sp : {false, true}) {
+    SCOPED_TRACE(sp ? "sequence parallel" : "tensor parallel");
+    const int t = world().size();
+    auto make = [] {
+      at::manual_seed(7);
+      torch::nn::Sequential m(torch::nn::Linear(16, 32), torch::nn::Linear(32, 16));
+      return m;
+    };
+    torch::nn::Sequential whole = make(), sliced = make();
+    auto group = tp_group(t);
+    auto tpz = std::make_shared<TensorParallelism>(group, sp);
+    const auto done = tpz->apply(*sliced, {{"0", Style::kColwise}, {"1", Style::kRowwise}});
+    EXPECT_EQ(done.size(), 3u);  // both weights and the colwise bias (a rowwise bias stays whole)
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(3);
+    at::Tensor x = at::randn({2, 4 * t, 16}, gen);
+    at::Tensor xr = x.clone().requires_grad_(), xt = x.clone().requires_grad_();
+    auto* l0 = sliced[0]->as<torch::nn::Linear>();
+    auto* l1 = sliced[1]->as<torch::nn::Linear>();
+    auto* w0 = whole[0]->as<torch::nn::Linear>();
+    auto* w1 = whole[1]->as<torch::nn::Linear>();
+    at::Tensor ref = w1->forward(at::relu(w0->forward(xr)));
+    // Under sequence parallelism the input and output are this rank's part of the sequence.
+    at::Tensor in = sp ? tp::split_seq(xt, group) : xt;
+    at::Tensor h = at::relu(tpz->linear(in, l0->weight, l0->bias));
+    at::Tensor out = tpz->linear(h, l1->weight, l1->bias);
+    const at::Tensor want = sp ? ref.narrow(1, group->rank() * 4, 4) : ref;
+    EXPECT_LT(rel(out, want), 1e-6);
+    const at::Tensor g = at::randn(ref.sizes(), gen);
+    ref.backward(g);
+    out.backward(sp ? g.narrow(1, group->rank() * 4, 4) : g);
+    // Under sequence parallelism the whole rowwise bias saw this rank's tokens only.
+    EXPECT_EQ(tpz->replicated(), std::vector<std::string>{"1.bias"});
+    tpz->sync_replicated_grads({l1->bias.grad()});
+    const int64_t r = group->rank();
+    EXPECT_LT(rel(l0->weight.grad(), w0->weight.grad().narrow(0, r * 32 / t, 32 / t)), 1e-5);
+    EXPECT_LT(rel(l0->bias.grad(), w0->bias.grad().narrow(0, r * 32 / t, 32 / t)), 1e-5);
+    EXPECT_LT(rel(l1->weight.grad(), w1->weight.grad().narrow(1, r * 32 / t, 32 / t)), 1e-5);
+    EXPECT_LT(rel(l1->bias.grad(), w1->bias.grad()), 1e-5);
+    EXPECT_LT(rel(xt.grad(), xr.grad()), 1e-5);
+  }
+}
+
+// The vocabulary-parallel embedding and cross-entropy (a tied head, logits never gathered)
+// against the whole table: the loss, and the table's gradient slice.
+TEST_F(Test, VocabParallelEmbeddingAndLossGiveOneProcessLossAndGradients) {
+  const int t = world().size();
+  auto group = tp_group(t);
+  at::manual_seed(9);
+  at::Tensor table = at::randn({12 * t, 8});
+  at::Tensor whole = table.clone().requires_grad_();
+  auto tpz = std::make_shared<TensorParallelism>(group, false);
+  torch::nn::Embedding emb(12 * t, 8);
+  {
+    c10::NoGradGuard no_grad;
+    emb->weight.copy_(table);
+  }
+  tpz->apply(*emb.ptr(), {});  // nothing named: whole
+  EXPECT_FALSE(tpz->sliced(emb->weight));
+  torch::nn::Sequential holder(emb);
+  auto tpv = std::make_shared<TensorParallelism>(group, false);
+  tpv->apply(*holder, {{"0", Style::kVocab}});
+  ASSERT_TRUE(tpv->sliced(emb->weight));
+  EXPECT_EQ(emb->weight.size(0), 12);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  at::Tensor tokens = at::randint(0, 12 * t, {3, 5}, gen);
+  at::Tensor targets = at::randint(0, 12 * t, {15}, gen);
+  // Reference: lookup, a tied head, cross-entropy.
+  at::Tensor ref_h = at::embedding(whole, tokens) * 1.5;
+  at::Tensor ref = at::cross_entropy_loss(at::linear(ref_h, whole).reshape({15, -1}), targets);
+  at::Tensor h = tpv->embedding(tokens, emb->weight) * 1.5;
+  at::Tensor local_logits = tpv->linear(h, emb->weight);
+  EXPECT_EQ(local_logits.size(-1), 12);
+  at::Tensor loss = tpv->loss(local_logits.reshape({15, -1}), targets, emb->weight);
+  EXPECT_LT(std::abs(loss.item<double>() - ref.item<double>()), 1e-5 * ref.item<double>());
+  ref.backward();
+  loss.backward();
+  EXPECT_LT(rel(emb->weight.grad(), whole.grad().narrow(0, group->rank() * 12, 12)), 1e-5);
+  // Gathered back, the logits are the whole head's.
+  EXPECT_LT(rel(tpv->gather_vocab(local_logits, emb->weight), at::linear(ref_h, whole)), 1e-6);
+}
+
+LlamaOptions tiny_llama(int t, bool tie) {
+  return LlamaOptions()
+      .vocab_size(16 * t)
+      .hidden_size(32)
+      .intermediate_size(24 * t)
+      .num_hidden_layers(2)
+      .num_attention_heads(2 * t)
+      .num_key_value_heads(t)
+      .max_position_embeddings(32)
+      .tie_word_embeddings(tie);
+}
+
+// The Llama plan against the same Llama whole: the loss (vocabulary-parallel) and every
+// parameter's gradient, gathered from the slices, with tied and untied heads, with and without
+// sequence parallelism; and the plan's gradient norm (summed over the slices, the norms' weights
+// once) equals the whole model's.
+TEST_F(Test, LlamaPlanGivesOneProcessLossAndGradients) {
+  const int t = world().size();
+  auto group = tp_group(t);
+  for (bool tie : {true, false}) {
+    for (bool sp : {false, true}) {
+      SCOPED_TRACE(std::string(tie ? "tied" : "untied") + (sp ? ", sequence parallel" : ""));
+      at::manual_seed(21);
+      LlamaForCausalLM whole(tiny_llama(t, tie));
+      at::manual_seed(21);
+      LlamaForCausalLM sliced(tiny_llama(t, tie));
+      auto tpz = std::make_shared<TensorParallelism>(group, sp);
+      const auto done = sliced->parallelize(tpz);
+      EXPECT_EQ(done.size(), tie ? 15u : 16u) << "14 layer weights, the embedding, the head";
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+      at::Tensor tokens = at::randint(0, 16 * t, {2, 4 * t}, gen);
+      at::Tensor targets = at::randint(0, 16 * t, {2 * 4 * t}, gen);
+      at::Tensor ref = at::cross_entropy_loss(whole->forward(tokens).reshape({8 * t, -1}), targets);
+      at::Tensor logits = sliced->forward(tokens);
+      at::Tensor loss = tpz->loss(logits.reshape({8 * t, -1}), targets, sliced->head_weight());
+      EXPECT_LT(std::abs(loss.item<double>() - ref.item<double>()), 1e-5 * ref.item<double>());
+      ref.backward();
+      loss.backward();
+      std::map<std::string, at::Tensor> want;
+      for (const auto& p : whole->named_parameters()) want[p.key()] = p.value().grad();
+      std::vector<at::Tensor> replicated_grads;
+      for (const auto& name : tpz->replicated()) {
+        replicated_grads.push_back(sliced->named_parameters()[name].grad());
+      }
+      tpz->sync_replicated_grads(replicated_grads);  // sequence parallelism: the norms' weights
+      std::vector<at::Tensor> params;
+      std::vector<bool> flags;
+      for (const auto& p : sliced->named_parameters()) {
+        const at::Tensor full = tpz->full(p.key(), p.value().grad());
+        EXPECT_LT(rel(full, want.at(p.key())), 2e-5) << p.key();
+        params.push_back(p.value());
+        flags.push_back(tpz->sliced(p.key()));
+      }
+      const at::Tensor norm = norm_of_grad_norms_tp(
+          [&] {
+            std::vector<at::Tensor> n;
+            for (const auto& p : params) n.push_back(local_grad_norm(p));
+            return n;
+          }(),
+          2.0, nullptr, group.get(), flags);
+      EXPECT_LT(std::abs(norm.item<double>() - grad_norm(whole->parameters()).item<double>()),
+                1e-5 * norm.item<double>());
+    }
+  }
+}
+
+// FSDP over the data-parallel ranks of a 2-D mesh (shard 2 x tp 2 at 4 ranks), each FSDP rank
+// with its half of the batch, trains as one process with the whole batch: the losses of every
+// step within rounding, clipping by the norm over both dimensions, AdamW; and the parameters at
+// the end, gathered over both.
+TEST_F(Test, FsdpTimesTpTrainsAsOneProcess) {
+  if (world().size() != 4) GTEST_SKIP() << "a 2 x 2 mesh needs 4 ranks";
+  DeviceMesh mesh(world_ptr(), MeshShape{1, 2, 2});
+  at::manual_seed(31);
+  LlamaForCausalLM whole(tiny_llama(2, true));
+  at::manual_seed(31);
+  LlamaForCausalLM sliced(tiny_llama(2, true));
+  auto tpz = std::make_shared<TensorParallelism>(mesh.tp(), /*sequence_parallel=*/true);
+  sliced->parallelize(tpz);
+  FullyShardedDataParallel<LlamaForCausalLM> fsdp(
+      sliced, mesh.dp(),
+      FSDPOptions().sync_module_states(false).auto_wrap(
+          AutoWrapPolicy().module_types({"LlamaDecoderLayer"})));
+  optim::AdamW ref_opt(whole->parameters(), torch::optim::AdamWOptions(1e-2));
+  optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-2));
+  std::vector<bool> sliced_flags;
+  for (const auto& [name, master] : fsdp.state().all_parameters()) {
+    sliced_flags.push_back(tpz->sliced(name));
+  }
+  std::map<std::string, at::Tensor> start;
+  for (const auto& p : whole->named_parameters()) start[p.key()] = p.value().detach().clone();
+  for (int step = 0; step < 4; ++step) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+    at::Tensor tokens = at::randint(0, 32, {4, 8}, gen);
+    at::Tensor targets = at::randint(0, 32, {4, 8}, gen);
+    ref_opt.zero_grad();
+    at::Tensor ref =
+        at::cross_entropy_loss(whole->forward(tokens).reshape({32, -1}), targets.reshape({-1}));
+    ref.backward();
+    const double ref_norm = clip_grad_norm_(whole->parameters(), 0.5);
+    ref_opt.step();
+    // This data-parallel rank's half; the TP ranks of a group take the same.
+    const int64_t d = mesh.dp_rank();
+    opt.zero_grad();
+    at::Tensor logits = fsdp.forward(tokens.narrow(0, 2 * d, 2));
+    at::Tensor loss = tpz->loss(logits.reshape({16, -1}), targets.narrow(0, 2 * d, 2).reshape({-1}),
+                                sliced->head_weight());
+    loss.backward();
+    // The norms' weights saw this rank's part of the sequence: summed over the TP group.
+    std::vector<at::Tensor> grads;
+    for (const auto& [name, master] : fsdp.state().all_parameters()) {
+      if (!tpz->sliced(name)) grads.push_back(master.grad());
+    }
+    tpz->sync_replicated_grads(grads);
+    const at::Tensor norm = clip_grad_norm_tp_(
+        fsdp.parameters(), 0.5, 2.0, fsdp.state().shard_group(), mesh.tp().get(), sliced_flags);
+    opt.step();
+    at::Tensor mean = loss.detach().reshape({1}).clone();
+    mesh.dp()->all_reduce(mean).wait();
+    EXPECT_LT(std::abs(mean.item<double>() / 2 - ref.item<double>()), 2e-5 * ref.item<double>())
+        << "step " << step;
+    EXPECT_LT(std::abs(norm.item<double>() - ref_norm), 2e-5 * ref_norm) << "step " << step;
+  }
+  // Against how far the weights moved: AdamW's normalized steps carry rounding of near-zero
+  // gradients into the weights at lr scale, and a wrong gradient moves them by a step's order.
+  const auto full = fsdp.state().full_parameters();
+  std::map<std::string, at::Tensor> want;
+  for (const auto& p : whole->named_parameters()) want[p.key()] = p.value();
+  for (const auto& [name, local] : full) {
+    const at::Tensor moved = (want.at(name) - start.at(name)).abs().max();
+    const at::Tensor off = (tpz->full(name, local) - want.at(name)).abs().max();
+    EXPECT_LT(off.item<double>(), 2e-3 * moved.item<double>()) << name;
+  }
+}
+
+}  // namespace
+}  // namespace dtrain::sharding
+
+int main(int argc, char** argv) { return dtrain::testing::multirank_main(argc, argv); }
