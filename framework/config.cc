@@ -483,6 +483,8 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.read_list("wrap_modules", p.wrap_modules);
   s.read("wrap_min_params", p.wrap_min_params);
   s.read("hybrid_group_size", p.hybrid_group_size);
+  s.read("tp", p.tp);
+  s.read("sequence_parallel", p.sequence_parallel);
   s.read("timeout_s", p.timeout_s);
   s.check(p.bucket_cap_mb > 0, "bucket_cap_mb",
           "must be > 0, got " + std::to_string(p.bucket_cap_mb));
@@ -490,6 +492,10 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.check(p.wrap_min_params >= 0, "wrap_min_params", "must be >= 0");
   s.check(p.hybrid_group_size >= 0, "hybrid_group_size",
           "must be >= 0 (0: LOCAL_WORLD_SIZE, one node per shard group)");
+  s.check(p.tp >= 1, "tp", "must be >= 1 (ranks per tensor-parallel group; 1: off)");
+  s.check(!p.sequence_parallel || p.tp > 1, "sequence_parallel",
+          "splits the sequence over a tensor-parallel group, and parallel.tp is 1: set "
+          "parallel.tp (2 or more), or remove sequence_parallel");
   s.check(p.timeout_s > 0, "timeout_s", "must be > 0");
   s.finish();
 }
@@ -718,6 +724,22 @@ void check_model_against(const ModelSpec& spec, RunConfig& cfg, Section& top) {
                                "bytes), got " +
                                    std::to_string(t.vocab_size));
   }
+  // After model.vocab_size: auto is resolved.
+  if (cfg.parallel.tp > 1) {
+    Section p = top.section("parallel");
+    p.check(
+        spec.tp_problem != nullptr, "tp",
+        "model.type " + type + " has no tensor-parallel plan (llama has one); set parallel.tp: 1");
+    const std::string problem = spec.tp_problem(*cfg.model.settings, cfg.parallel.tp);
+    p.check(problem.empty(), "tp", problem);
+    if (cfg.parallel.sequence_parallel && spec.data == ModelData::kTokens) {
+      const int64_t seq = spec.tokens(*cfg.model.settings).seq_len;
+      p.check(seq % cfg.parallel.tp == 0, "sequence_parallel",
+              "splits each sequence of model.seq_len " + std::to_string(seq) + " tokens over " +
+                  std::to_string(cfg.parallel.tp) +
+                  " ranks, and it does not divide: choose a seq_len that divides by parallel.tp");
+    }
+  }
   for (const auto& w : cfg.parallel.wrap_modules) {
     auto short_name = [](std::string n) {
       if (auto colon = n.rfind("::"); colon != std::string::npos) n = n.substr(colon + 2);
@@ -793,6 +815,16 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
                 why +
                     "a GradScaler must judge all of it before any step; use bf16 or fp32 "
                     "(precision.scaler off), or remove optimizer_in_backward");
+  }
+  if (cfg.parallel.tp > 1) {
+    Section p = top.section("parallel");
+    p.check(!cfg.train.optimizer_in_backward || !cfg.parallel.sequence_parallel,
+            "sequence_parallel",
+            "under sequence parallelism the norms' gradients are summed over the TP group after "
+            "backward, and train.optimizer_in_backward steps before that; remove one of them");
+    p.check(cfg.model.custom() || cfg.checkpoint.dir.empty(), "tp",
+            "checkpoints of a tensor-parallel run are not written yet; remove checkpoint.dir, "
+            "or train with parallel.tp: 1");
   }
   if (const ModelSpec* spec = find_model(cfg.model.type)) check_model_against(*spec, cfg, top);
   if (cfg.parallel.backend == comm::Backend::kNccl && cfg.device != ComputeDevice::kCuda) {

@@ -183,6 +183,12 @@ struct ParallelConfig {
   std::vector<std::string> wrap_modules;
   int64_t wrap_min_params = 0;
   int64_t hybrid_group_size = 0;  // hybrid_shard: ranks per shard group; 0: LOCAL_WORLD_SIZE
+  // Tensor parallelism (sharding/mesh.h): ranks per TP group, consecutive ranks of one node;
+  // the strategy (ddp or fsdp) runs over the world / tp data-parallel ranks. 1: off.
+  int64_t tp = 1;
+  // Sequence parallelism inside the TP groups: the norms and the residual stream between the
+  // tensor-parallel layers hold 1/tp of the sequence.
+  bool sequence_parallel = false;
   double timeout_s = 300.0;
 };
 

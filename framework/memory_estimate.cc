@@ -48,8 +48,18 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
   const ModelMemory mm = model_spec(c).memory(c);
   e.parameter_count = mm.parameters;
   e.activations = mm.activations;
-  const double largest_unit = mm.largest_unit, root = mm.root;
-  const double p = static_cast<double>(e.parameter_count);
+  // Tensor parallelism: each rank holds 1/tp of every cut layer (the norms, a sliver, are
+  // counted cut too) and the data-parallel strategy runs over world / tp ranks. Activations
+  // per layer by Megatron's formula (Korthikanti et al. 2022, sbh(34 + 5as/h) without TP):
+  // with TP, sbh(10 + 24/t + 5as/(ht)), the norms' and residual's 10 whole; with sequence
+  // parallelism, everything / t. The attention term is taken as cut with the rest.
+  const double t = static_cast<double>(c.parallel.tp);
+  if (t > 1) {
+    world = std::max(1, world / static_cast<int>(c.parallel.tp));
+    e.activations *= c.parallel.sequence_parallel ? 1 / t : (10 + 24 / t) / 34;
+  }
+  const double largest_unit = mm.largest_unit / t, root = mm.root / t;
+  const double p = static_cast<double>(e.parameter_count) / t;
   const double opt_per_param =
       c.train.optimizer == OptimizerType::kAdamW ? 8 : (c.train.momentum > 0 ? 4 : 0);
   e.construction = 4 * p;
@@ -154,6 +164,11 @@ std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64
      << name_of(c.parallel.strategy);
   if (c.parallel.strategy == ParallelStrategy::kFsdp) {
     os << " " << name_of(c.parallel.sharding_strategy);
+  }
+  if (c.parallel.tp > 1) {
+    os << ", tp " << c.parallel.tp
+       << (c.parallel.sequence_parallel ? " with sequence parallel" : "") << " (each rank 1/"
+       << c.parallel.tp << " of every layer; activations by Megatron's formula)";
   }
   os << ", precision " << name_of(c.precision.policy) << ", " << world << " rank(s), " << ranks_here
      << " on this node\nper rank:\n";

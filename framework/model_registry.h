@@ -84,6 +84,9 @@ struct ModelSpec {
   std::function<void(ModelSettings&, int64_t)> set_depth;
   // The model behind its strategy (and kOwn: its data) for this rank.
   std::function<void(const BuildContext&, BuiltModel&)> build;
+  // Why the model cannot be cut over `tp` tensor-parallel ranks (naming the model's keys), or
+  // an empty string; null: the model has no tensor-parallel plan (parallel.tp must be 1).
+  std::function<std::string(const ModelSettings&, int64_t tp)> tp_problem;
 };
 
 // Adds `spec`; a second registration of the same name replaces the first (UsageError when

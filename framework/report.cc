@@ -32,10 +32,13 @@ void log_parameters_agree(Strategy& model, comm::Communicator* comm) {
   std::vector<uint64_t> per_param;
   if (auto* f = model.fsdp()) {
     per_param.resize(f->all_parameters().size());
-    f->visit_full_parameters(
-        [&](size_t k, const std::string&, const at::Tensor& full) { per_param[k] = digest(full); });
+    f->visit_full_parameters([&](size_t k, const std::string& name, const at::Tensor& full) {
+      per_param[k] = digest(model.full_parameter(name, full));
+    });
   } else {
-    for (const auto& t : model.module().parameters()) per_param.push_back(digest(t));
+    for (const auto& p : model.module().named_parameters()) {
+      per_param.push_back(digest(model.full_parameter(p.key(), p.value())));
+    }
   }
   ckpt::Hasher hash;
   hash.update(reinterpret_cast<const char*>(per_param.data()), per_param.size() * sizeof(uint64_t));
@@ -70,8 +73,12 @@ std::vector<int64_t> sample_tokens(Strategy& model, c10::DeviceType device, int6
         at::tensor(std::vector<int64_t>(tokens.begin() + start, tokens.end()), at::kLong)
             .unsqueeze(0)
             .to(device);
-    at::Tensor logits = model.forward(in);
-    tokens.push_back(logits[0][-1].argmax().item<int64_t>());
+    // Under sequence parallelism the sequence splits over the TP group: padded on the right,
+    // which a causal model's earlier positions never see.
+    const int64_t n = in.size(1), multiple = model.sequence_multiple();
+    if (n % multiple != 0) in = at::constant_pad_nd(in, {0, multiple - n % multiple}, 0);
+    at::Tensor logits = model.full_output(model.forward(in));
+    tokens.push_back(logits[0][n - 1].argmax().item<int64_t>());
   }
   return tokens;
 }

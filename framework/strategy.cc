@@ -8,6 +8,7 @@ namespace dtrain::framework {
 
 at::Tensor Strategy::clip_grad_norm(double max_norm) {
   comm::Communicator* shards = fsdp() != nullptr ? fsdp()->shard_group() : nullptr;
+  comm::Communicator* tp = tp_ && tp_->size() > 1 ? tp_->group().get() : nullptr;
   if (in_backward_) {
     DTRAIN_CHECK_AS(UsageError, max_norm <= 0,
                     "clip_grad_norm: the optimizer steps in backward, so the gradients are gone "
@@ -18,10 +19,72 @@ at::Tensor Strategy::clip_grad_norm(double max_norm) {
       norms.push_back(it == stepped_norms_.end() ? at::Tensor() : it->second);
     }
     stepped_norms_.clear();
+    if (tp != nullptr) return sharding::norm_of_grad_norms_tp(norms, 2.0, shards, tp, tp_sliced());
     return sharding::norm_of_grad_norms(norms, 2.0, shards);
+  }
+  if (tp != nullptr) {
+    // Clipping needs the norm over both dimensions; measuring alone clips by nothing.
+    return sharding::clip_grad_norm_tp_(parameters(), max_norm > 0 ? max_norm : 0.0, 2.0, shards,
+                                        tp, tp_sliced());
   }
   if (max_norm > 0) return sharding::clip_grad_norm_tensor_(parameters(), max_norm, 2.0, shards);
   return sharding::grad_norm(parameters(), 2.0, shards);
+}
+
+void Strategy::set_tensor_parallel(std::shared_ptr<sharding::TensorParallelism> tp,
+                                   std::function<at::Tensor()> head) {
+  tp_ = std::move(tp);
+  head_ = std::move(head);
+  tp_sliced_.clear();
+}
+
+const std::vector<bool>& Strategy::tp_sliced() {
+  if (tp_sliced_.empty() && tp_) {
+    if (fsdp() != nullptr) {
+      for (const auto& [name, master] : fsdp()->all_parameters()) {
+        tp_sliced_.push_back(tp_->sliced(name));
+      }
+    } else {
+      for (const auto& p : module().named_parameters()) tp_sliced_.push_back(tp_->sliced(p.key()));
+    }
+  }
+  return tp_sliced_;
+}
+
+void Strategy::finish_backward() {
+  if (!tp_ || !tp_->sequence_parallel()) return;
+  std::vector<at::Tensor> grads;
+  if (fsdp() != nullptr) {
+    for (const auto& [name, master] : fsdp()->all_parameters()) {
+      if (!tp_->sliced(name) && master.grad().defined()) grads.push_back(master.grad());
+    }
+  } else {
+    for (const auto& p : module().named_parameters()) {
+      if (!tp_->sliced(p.key()) && p.value().grad().defined()) grads.push_back(p.value().grad());
+    }
+  }
+  tp_->sync_replicated_grads(grads);
+}
+
+at::Tensor Strategy::full_output(const at::Tensor& out) {
+  return tp_ && head_ ? tp_->gather_vocab(out, head_()) : out;
+}
+
+at::Tensor Strategy::cross_entropy_sum(const at::Tensor& out, const at::Tensor& targets) {
+  at::Tensor flat = out.reshape({-1, out.size(-1)});
+  const at::Tensor t = targets.reshape(-1);
+  if (tp_ && head_ && tp_->size() > 1) {
+    return tp_->loss(flat, t, head_()) * static_cast<double>(t.numel());
+  }
+  return at::cross_entropy_loss(flat.to(at::kFloat), t, {}, at::Reduction::Sum);
+}
+
+int64_t Strategy::sequence_multiple() const {
+  return tp_ && tp_->sequence_parallel() ? tp_->size() : 1;
+}
+
+at::Tensor Strategy::full_parameter(const std::string& name, const at::Tensor& local) {
+  return tp_ ? tp_->full(name, local) : local;
 }
 
 void Strategy::step_in_backward(StepParams step) {

@@ -28,6 +28,7 @@
 #include "sharding/ddp.h"
 #include "sharding/deferred_init.h"
 #include "sharding/fsdp.h"
+#include "sharding/tensor_parallel_plan.h"
 
 namespace dtrain::framework {
 
@@ -64,7 +65,35 @@ class Strategy {
   using StepParams = std::function<void(const std::vector<at::Tensor>& params)>;
   void step_in_backward(StepParams step);
 
+  // Tensor parallelism (parallel.tp > 1; sharding/tensor_parallel_plan.h), applied to the
+  // module before it was wrapped. `head` gives the weight whose logits the model returns: under
+  // the Llama plan a vocabulary slice, so forward() gives this rank's part of the vocabulary.
+  void set_tensor_parallel(std::shared_ptr<sharding::TensorParallelism> tp,
+                           std::function<at::Tensor()> head);
+  const sharding::TensorParallelism* tensor_parallel() const { return tp_.get(); }
+  // After the last micro-batch's backward: under sequence parallelism, the replicated
+  // parameters' gradients (each rank's covers its part of the sequence) summed over the TP
+  // group. Collective over it; nothing otherwise.
+  void finish_backward();
+  // The whole output of forward() (the vocabulary gathered over the TP group), for sampling.
+  at::Tensor full_output(const at::Tensor& out);
+  // The sum of the cross-entropy of `out` [.., V or V/tp] against `targets` over every target:
+  // vocabulary-parallel under tensor parallelism (the logits never gathered).
+  at::Tensor cross_entropy_sum(const at::Tensor& out, const at::Tensor& targets);
+  // Sequences fed to forward() must have a multiple of this many tokens (tp under sequence
+  // parallelism, else 1).
+  int64_t sequence_multiple() const;
+  // A parameter's full value from this rank's part of it, by its name in the module (TP
+  // slices gathered: collective over the TP group); `local` as it is without TP.
+  at::Tensor full_parameter(const std::string& name, const at::Tensor& local);
+
  private:
+  // Per entry of parameters(): whether it is a TP slice.
+  const std::vector<bool>& tp_sliced();
+
+  std::shared_ptr<sharding::TensorParallelism> tp_;
+  std::function<at::Tensor()> head_;
+  std::vector<bool> tp_sliced_;
   bool in_backward_ = false;
   // Each stepped parameter's gradient norm in this step, until clip_grad_norm reads them.
   std::unordered_map<const c10::TensorImpl*, at::Tensor> stepped_norms_;

@@ -15,6 +15,7 @@
 #include "framework/config.h"
 #include "framework/data.h"
 #include "framework/strategy.h"
+#include "sharding/mesh.h"
 
 namespace dtrain::framework {
 
@@ -49,6 +50,9 @@ struct BuildContext {
   c10::DeviceType device = c10::kCPU;
   int64_t micro_batch = 0;  // samples per micro-batch
   uint64_t data_seed = 0;   // data.seed
+  // parallel.tp > 1: the mesh (sharding/mesh.h); the model's strategy runs over mesh->dp()
+  // and its plan over mesh->tp(). Null otherwise.
+  std::shared_ptr<sharding::DeviceMesh> mesh;
 };
 
 // What a model's build fills: the task (strategy maker, loss, description), and for a model

@@ -97,7 +97,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& t,
       torch::optim::SGDOptions(t.lr).momentum(t.momentum).weight_decay(t.weight_decay));
 }
 
-// FSDP's gradients are shards (and may be fp16): the inf verdict must be agreed over ranks.
+// FSDP's gradients are shards (and may be fp16), and TP's slices: the inf verdict must be
+// agreed over ranks.
 std::unique_ptr<amp::GradScaler> make_scaler(const RunConfig& c,
                                              const std::shared_ptr<comm::Communicator>& comm) {
   const auto& sc = c.precision.scaler;
@@ -107,7 +108,8 @@ std::unique_ptr<amp::GradScaler> make_scaler(const RunConfig& c,
                      .backoff_factor(sc.backoff_factor)
                      .growth_interval(sc.growth_interval)
                      .enabled(sc.enabled);
-  if (comm && c.parallel.strategy == ParallelStrategy::kFsdp)
+  // Under tensor parallelism each TP rank holds other slices: the verdict is agreed over all.
+  if (comm && (c.parallel.strategy == ParallelStrategy::kFsdp || c.parallel.tp > 1))
     return std::make_unique<amp::ShardedGradScaler>(comm, o);
   return std::make_unique<amp::GradScaler>(o);
 }
@@ -278,6 +280,46 @@ std::unique_ptr<BatchSource> make_token_source(const RunConfig& c, TokenShape sh
                                              seed);
 }
 
+// The mesh of a tensor-parallel run (parallel.tp > 1), its layout logged; null otherwise.
+std::shared_ptr<sharding::DeviceMesh> make_mesh(const RunConfig& c,
+                                                const std::shared_ptr<comm::Communicator>& comm) {
+  const int tp = static_cast<int>(c.parallel.tp);
+  if (tp == 1) return nullptr;
+  const int world = comm ? comm->size() : 1;
+  DTRAIN_CHECK_AS(
+      ConfigError, world % tp == 0, c.source, ": parallel.tp is ", tp, ", and the job has ", world,
+      " rank(s), which do not split into groups of ", tp,
+      ": the mesh is (data-parallel ranks) x tp = the job's ranks. Start a multiple of ", tp,
+      " ranks (dtrain-launch --nproc-per-node), or set parallel.tp to a divisor of ", world);
+  const int dp = world / tp;
+  sharding::MeshShape shape;
+  shape.tp = tp;
+  const bool hybrid = c.parallel.strategy == ParallelStrategy::kFsdp &&
+                      c.parallel.sharding_strategy == sharding::ShardingStrategy::kHybridShard;
+  if (c.parallel.strategy == ParallelStrategy::kDdp ||
+      (c.parallel.strategy == ParallelStrategy::kFsdp &&
+       c.parallel.sharding_strategy == sharding::ShardingStrategy::kNoShard)) {
+    shape.replicate = dp;
+  } else if (hybrid && c.parallel.hybrid_group_size > 0 && dp % c.parallel.hybrid_group_size == 0) {
+    shape.shard = static_cast<int>(c.parallel.hybrid_group_size);
+    shape.replicate = dp / shape.shard;
+  } else {
+    shape.shard = dp;
+  }
+  auto mesh = std::make_shared<sharding::DeviceMesh>(comm, shape);
+  for (const auto& line : mesh->describe()) logging::info(line);
+  if (c.parallel.sequence_parallel) {
+    logging::info("mesh: sequence parallel inside each tp group (parallel.sequence_parallel)");
+  }
+  const std::string across = mesh->tp_across_nodes();
+  if (!across.empty()) {
+    logging::warn("mesh: tensor-parallel groups span nodes (", across,
+                  "): each layer's all-reduces then cross the network. Start a multiple of "
+                  "parallel.tp ranks on every node (dtrain-launch --nproc-per-node)");
+  }
+  return mesh;
+}
+
 }  // namespace
 
 std::shared_ptr<comm::Communicator> connect(const RunConfig& config) {
@@ -320,14 +362,18 @@ TrainResult train(const RunConfig& c, std::shared_ptr<comm::Communicator> comm) 
   at::manual_seed(static_cast<uint64_t>(c.train.seed));  // identical init; DDP broadcasts anyway
   const int64_t micro_batch = c.train.batch_size / c.train.micro_batches;
   const uint64_t data_seed = static_cast<uint64_t>(c.data.seed);
+  std::shared_ptr<sharding::DeviceMesh> mesh = make_mesh(c, comm);
+  // Data goes by data-parallel rank: the ranks of a TP group take the same batches.
+  const int dp_rank = mesh ? mesh->dp_rank() : rank, dp_size = mesh ? mesh->dp_size() : world;
   BuiltModel built;
-  spec.build(BuildContext{c, comm, rank, world, device, micro_batch, data_seed}, built);
+  spec.build(BuildContext{c, comm, rank, world, device, micro_batch, data_seed, mesh}, built);
   DTRAIN_CHECK(built.task.make_strategy && built.task.loss, "model ", c.model.type,
                ": its build gave no strategy or no loss");
   if (spec.data == ModelData::kTokens) {
     DTRAIN_CHECK(built.data == nullptr, "model ", c.model.type,
                  ": a token model's data comes from the config (data.source), not its build");
-    built.data = make_token_source(c, spec.tokens(*c.model.settings), micro_batch, world, rank);
+    built.data =
+        make_token_source(c, spec.tokens(*c.model.settings), micro_batch, dp_size, dp_rank);
   }
   DTRAIN_CHECK(built.data != nullptr, "model ", c.model.type, ": its build made no data source");
   return Trainer(c, comm, std::move(built.task), std::move(built.data)).train();
@@ -384,12 +430,16 @@ void Trainer::setup() {
   scaler_ = make_scaler(c_, comm_);
   const auto& sc = c_.precision.scaler;
   // DDP unscales and judges the gradients as it writes them back, so unscale_ makes no pass
-  // of its own.
-  if (sc.enabled) model_->use_grad_scaler(scaler_.get());
+  // of its own; under TP the scaler's own pass agrees on the verdict over every rank.
+  if (sc.enabled && c_.parallel.tp == 1) model_->use_grad_scaler(scaler_.get());
   autocast_ = c_.precision.mixed.is_low_precision() && model_->uses_autocast();
   logging::info(
       "run: ", c_.source, ", ", task_.description.empty() ? "custom model" : task_.description,
       " on ", data_->describe(), ", ", world_, " rank(s), strategy ", name_of(c_.parallel.strategy),
+      c_.parallel.tp > 1 ? " over " + std::to_string(world_ / c_.parallel.tp) +
+                               " data-parallel rank(s) x tp " + std::to_string(c_.parallel.tp) +
+                               (c_.parallel.sequence_parallel ? " (sequence parallel)" : "")
+                         : std::string(),
       comm_ ? ", backend " + comm_->backend() : std::string(), ", precision ",
       name_of(c_.precision.policy), " ", c_.precision.mixed.to_string(), ", loss scaling ",
       sc.enabled ? "on" : "off");
@@ -434,7 +484,9 @@ std::map<std::string, std::string> Trainer::job_record() const {
   }
   job["model"] = (task_.description.empty() ? std::string("custom model") : task_.description) +
                  " (model.type " + c_.model.type + ")";
-  job["mesh"] = std::to_string(world_) + " rank(s), " + name_of(c_.parallel.strategy);
+  job["mesh"] = std::to_string(world_) + " rank(s), " + name_of(c_.parallel.strategy) +
+                (c_.parallel.tp > 1 ? ", tp " + std::to_string(c_.parallel.tp) : std::string()) +
+                (c_.parallel.sequence_parallel ? ", sequence parallel" : "");
   for (auto it = job.begin(); it != job.end();) {
     it = it->second.empty() ? job.erase(it) : std::next(it);
   }
@@ -496,7 +548,10 @@ at::Tensor Trainer::forward_loss(const Batch& b) {
 // Mean loss over the validation set, the same number at any world size: every rank evaluates
 // its share; sums and counts are added over the ranks.
 double Trainer::validation_loss() {
-  Batch b = data_->validation(rank_, world_);
+  // By data-parallel rank: a TP group evaluates one share (and adds it tp times, as it adds
+  // its count).
+  const int tp = static_cast<int>(c_.parallel.tp);
+  Batch b = data_->validation(rank_ / tp, world_ / tp);
   b.inputs = b.inputs.to(device_);
   b.targets = b.targets.to(device_);
   c10::NoGradGuard no_grad;
@@ -506,9 +561,7 @@ double Trainer::validation_loss() {
     amp::AutocastGuard ac = autocast();
     at::Tensor out = model_->forward(b.inputs);
     if (task_.per_token_validation) {  // per token: the mean over every target of the set
-      at::Tensor flat = out.to(at::kFloat);
-      flat = flat.reshape({-1, flat.size(-1)});
-      sum = at::cross_entropy_loss(flat, b.targets.reshape(-1), {}, at::Reduction::Sum);
+      sum = model_->cross_entropy_sum(out, b.targets);
       count = static_cast<double>(b.targets.numel());
     } else {
       count = static_cast<double>(b.inputs.size(0));
@@ -573,6 +626,7 @@ Trainer::PendingStep Trainer::run_step() {
   {
     std::optional<trace::Scope> span;
     if (tracing) span.emplace("optimizer", "compute");
+    model_->finish_backward();  // sequence parallelism: the norms' gradients over the TP group
     scaler_->unscale_(*opt_);
     const at::Tensor grad_norm = model_->clip_grad_norm(c_.train.clip_grad_norm);
     // Without loss scaling the scale is 1 and nothing is found: made on the device, so that no
@@ -675,7 +729,8 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
   }
   result_.last_loss = loss;
   const double avg_time = window_time_ / window_steps_;
-  const double tokens_per_s = world_ * c_.train.batch_size * data_->items_per_sample() / avg_time;
+  const double tokens_per_s =
+      world_ / c_.parallel.tp * c_.train.batch_size * data_->items_per_sample() / avg_time;
   JsonObject row;
   const std::string spread = straggler_report(
       comm_.get(), std::max(0.0, window_time_ - window_wait_) / static_cast<double>(window_steps_),

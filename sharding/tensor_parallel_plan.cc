@@ -161,7 +161,7 @@ at::Tensor TensorParallelism::embedding(const at::Tensor& tokens, const at::Tens
     at::Tensor x = at::embedding(weight, tokens);
     return sequence_parallel() ? tp::split_seq(x, group_) : x;
   }
-  at::Tensor local = tp::vocab_slice_embedding(tokens, weight, rank() * weight.size(0));
+  at::Tensor local = tp::vocab_slice_embedding(tokens, weight, rank() * (s->full_size / size()));
   return sequence_parallel() ? tp::reduce_scatter_seq(local, group_)
                              : tp::reduce_from_tp(local, group_);
 }
@@ -172,7 +172,10 @@ at::Tensor TensorParallelism::loss(const at::Tensor& logits, const at::Tensor& t
   if (s == nullptr || size() == 1) {
     return at::cross_entropy_loss(logits.to(at::kFloat), targets);
   }
-  return tp::vocab_parallel_cross_entropy(logits, targets, rank() * head_weight.size(0), group_);
+  // The vocabulary start from the plan, not from the weight: under FSDP the weight may be
+  // resharded (empty) by the time the loss is taken, after a forward without grad.
+  return tp::vocab_parallel_cross_entropy(logits, targets, rank() * (s->full_size / size()),
+                                          group_);
 }
 
 at::Tensor TensorParallelism::gather_vocab(const at::Tensor& logits,

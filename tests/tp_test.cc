@@ -234,6 +234,14 @@ TEST_F(Test, FsdpTimesTpTrainsAsOneProcess) {
     ref_opt.step();
     // This data-parallel rank's half; the TP ranks of a group take the same.
     const int64_t d = mesh.dp_rank();
+    {  // A forward without grad (validation) between steps gives the same loss.
+      c10::NoGradGuard no_grad;
+      at::Tensor eval = tpz->loss(fsdp.forward(tokens.narrow(0, 2 * d, 2)).reshape({16, -1}),
+                                  targets.narrow(0, 2 * d, 2).reshape({-1}), sliced->head_weight());
+      mesh.dp()->all_reduce(eval).wait();
+      EXPECT_LT(std::abs(eval.item<double>() / 2 - ref.item<double>()), 2e-5 * ref.item<double>())
+          << "no-grad forward, step " << step;
+    }
     opt.zero_grad();
     at::Tensor logits = fsdp.forward(tokens.narrow(0, 2 * d, 2));
     at::Tensor loss = tpz->loss(logits.reshape({16, -1}), targets.narrow(0, 2 * d, 2).reshape({-1}),

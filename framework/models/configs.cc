@@ -388,6 +388,26 @@ ModelSpec llama_config() {
   s.set_depth = [](ModelSettings& m, int64_t depth) {
     dynamic_cast<LlamaSettings&>(m).options.num_hidden_layers(depth);
   };
+  s.tp_problem = [](const ModelSettings& m, int64_t tp) {
+    const auto& l = dynamic_cast<const LlamaSettings&>(m);
+    const LlamaOptions& o = l.options;
+    // The plan (LlamaForCausalLMImpl::tp_plan) cuts heads, KV heads, the FFN width and the
+    // vocabulary into tp equal parts.
+    for (const auto& [key, value] : std::vector<std::pair<const char*, int64_t>>{
+             {"num_attention_heads", o.num_attention_heads()},
+             {"num_key_value_heads", o.num_key_value_heads()},
+             {"intermediate_size", o.intermediate_size()},
+             {"vocab_size", o.vocab_size()}}) {
+      if (value % tp != 0) {
+        return "tensor parallelism over " + std::to_string(tp) + " ranks cuts model." + key + " (" +
+               std::to_string(value) + ") into equal parts, and " + std::to_string(value) +
+               " does not divide by " + std::to_string(tp) +
+               ": choose a parallel.tp that divides num_attention_heads, num_key_value_heads, "
+               "intermediate_size and vocab_size";
+      }
+    }
+    return std::string();
+  };
   return s;
 }
 

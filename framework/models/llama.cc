@@ -388,14 +388,38 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
     if (!m.pretrained.empty()) load_hf_llama_weights(*lm, m.pretrained);
     lm->to(ctx.device);
   }
+  // Tensor parallelism: each rank keeps its slices of the whole model (made or loaded whole,
+  // or, deferred, each full tensor made and sliced as FSDP reaches its unit), then the
+  // strategy runs over the data-parallel ranks.
+  std::shared_ptr<sharding::TensorParallelism> tp;
+  std::shared_ptr<comm::Communicator> dp = ctx.comm;
+  if (ctx.mesh) {
+    tp =
+        std::make_shared<sharding::TensorParallelism>(ctx.mesh->tp(), c.parallel.sequence_parallel);
+    const auto sliced = lm->parallelize(tp);
+    logging::debug("tensor parallel: ", sliced.size(), " parameters sliced over ", tp->size(),
+                   " ranks");
+    if (init) init = tp->slice_init(init);
+    dp = ctx.mesh->dp();
+  }
   const double n = static_cast<double>(llama_parameter_count(o));
   logging::info("model: Llama, ", n / 1e6, "M parameters",
                 m.pretrained.empty() ? std::string() : ", from " + m.pretrained);
   out.task.description = "Llama " + logging::fixed(n / 1e6, 1) + "M";
-  out.task.loss = cross_entropy;
+  if (tp) {
+    // The vocabulary-parallel cross-entropy: the logits stay sliced over the TP group.
+    out.task.loss = [lm, tp](const at::Tensor& output, const Batch& b) {
+      return tp->loss(output.reshape({-1, output.size(-1)}), b.targets.reshape(-1),
+                      lm->head_weight());
+    };
+  } else {
+    out.task.loss = cross_entropy;
+  }
   out.task.per_token_validation = true;
-  out.task.make_strategy = [lm, init, comm = ctx.comm, c = &c](amp::NumericsMonitor* mon) {
-    return make_strategy(lm, comm, *c, mon, init);
+  out.task.make_strategy = [lm, init, dp, tp, c = &c](amp::NumericsMonitor* mon) {
+    auto s = make_strategy(lm, dp, *c, mon, init);
+    if (tp) s->set_tensor_parallel(tp, [lm] { return lm->head_weight(); });
+    return s;
   };
   if (!m.save_pretrained.empty()) {
     // The trained parameters as a Hugging Face checkpoint, written by rank 0 (under FSDP every
@@ -404,6 +428,12 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
       std::vector<std::pair<std::string, at::Tensor>> tensors;
       if (s.fsdp() != nullptr) {
         tensors = s.fsdp()->full_parameters();
+        // Under tensor parallelism, the slices gathered over the TP group too.
+        for (auto& [name, t] : tensors) t = s.full_parameter(name, t).cpu();
+      } else if (s.tensor_parallel() != nullptr) {  // gathers: every rank takes part
+        for (const auto& p : s.module().named_parameters()) {
+          tensors.emplace_back(p.key(), s.full_parameter(p.key(), p.value().detach()).cpu());
+        }
       } else if (rank == 0) {  // every rank holds them: only the writer copies
         for (const auto& p : s.module().named_parameters()) {
           tensors.emplace_back(p.key(), p.value().detach().cpu());

@@ -1,0 +1,170 @@
+"""Tensor parallelism through dtrain-train: one config key, real jobs, against runs without it.
+
+Each case trains configs/tiny/llama_tp.yaml (a small Llama on the byte corpus, AdamW, clipping,
+two micro-batches, validation) and compares every logged step's loss, the validation losses
+and the final parameters (the model written by model.save_pretrained, gathered over the TP
+groups) with a run of the same job without tensor parallelism, made in this test:
+
+  tp2-sp-launch   2 ranks, one TP group with sequence parallelism (dtrain-launch), against one
+                  process: the same batches, so the same numbers within fp32 rounding.
+  tp2-ddp-mpi     2 ranks under mpirun, TP without sequence parallelism, strategy ddp.
+  2x2-fsdp        4 ranks: FSDP over 2 data-parallel ranks x tp 2 with sequence parallelism,
+                  against FSDP over 2 ranks without TP.
+  2x2-ddp-mpi     4 ranks under mpirun: DDP x tp 2, against DDP over 2 ranks.
+  tp2-bf16        bf16 autocast under TP against one process in bf16 (a looser bound: bf16's
+                  rounding moves with the order of additions).
+  errors          parallel.tp that does not split the ranks, that does not divide the heads, a
+                  model without a plan, sequence parallelism over a seq_len it does not divide:
+                  each refused before training, exit 2, naming the key.
+Usage: tp_train_test.py --launcher PATH --trainer PATH [--only NAME] [--no-mpi]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CONFIG = "configs/tiny/llama_tp.yaml"
+
+
+def rows(path):
+    train, val = {}, {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if "step" not in r:
+                continue
+            if "loss" in r:
+                train[r["step"]] = r["loss"]
+            if "val_loss" in r and not r.get("restored"):
+                val[r["step"]] = r["val_loss"]
+    return train, val
+
+
+class Runner:
+    def __init__(self, args, work):
+        self.args, self.work = args, work
+
+    def run(self, name, kind, np, sets, expect_rc=0, config=CONFIG):
+        run = os.path.join(self.work, name)
+        os.makedirs(run, exist_ok=True)
+        train = [self.args.trainer, "--config", config,
+                 "--set", "logging.every_steps=1", "--set", "logging.progress_bar=false",
+                 "--set", f"logging.metrics_file={run}/metrics.jsonl"]
+        if config == CONFIG:
+            train += ["--set", f"model.save_pretrained={run}/hf"]
+        for s in sets:
+            train += ["--set", s]
+        if kind == "mpi":
+            cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--allow-run-as-root",
+                   "--bind-to", "none", "-x", "OMP_NUM_THREADS=1", "-x",
+                   "DTRAIN_BACKEND=mpi"] + train
+        elif kind == "launch":
+            cmd = [self.args.launcher, "--nproc-per-node", str(np), "--master-port", "0",
+                   "--"] + train
+        else:
+            cmd = train
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=env, timeout=600)
+        if p.returncode != expect_rc:
+            sys.stdout.write(p.stdout[-6000:])
+            raise AssertionError(f"{name}: exit {p.returncode}, expected {expect_rc}")
+        return run, p.stdout
+
+
+def load_safetensors(path):
+    from safetensors.torch import load_file
+    return load_file(path)
+
+
+def compare(name, got_dir, want_dir, tol, param_tol):
+    got_t, got_v = rows(os.path.join(got_dir, "metrics.jsonl"))
+    want_t, want_v = rows(os.path.join(want_dir, "metrics.jsonl"))
+    assert sorted(got_t) == sorted(want_t) and got_t, f"{name}: logged steps differ"
+    assert sorted(got_v) == sorted(want_v) and got_v, f"{name}: validation steps differ"
+    worst = max(abs(got_t[s] - want_t[s]) / abs(want_t[s]) for s in want_t)
+    worst_v = max(abs(got_v[s] - want_v[s]) / abs(want_v[s]) for s in want_v)
+    got_p = load_safetensors(os.path.join(got_dir, "hf", "model.safetensors"))
+    want_p = load_safetensors(os.path.join(want_dir, "hf", "model.safetensors"))
+    assert sorted(got_p) == sorted(want_p), f"{name}: saved tensors differ in names"
+    worst_p = 0.0
+    for k, w in want_p.items():
+        g = got_p[k]
+        assert g.shape == w.shape, f"{name}: {k} saved as {tuple(g.shape)}, want {tuple(w.shape)}"
+        worst_p = max(worst_p, float((g.float() - w.float()).abs().max() / w.float().abs().max()))
+    print(f"{name}: {len(want_t)} steps, max relative loss difference {worst:.2e}, "
+          f"validation {worst_v:.2e}, saved parameters {worst_p:.2e} (bounds {tol:g}, "
+          f"{param_tol:g})")
+    assert worst < tol, f"{name}: losses differ by {worst:.3e} (bound {tol})"
+    assert worst_v < tol, f"{name}: validation losses differ by {worst_v:.3e} (bound {tol})"
+    assert worst_p < param_tol, f"{name}: parameters differ by {worst_p:.3e} (bound {param_tol})"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--launcher", required=True)
+    ap.add_argument("--trainer", required=True)
+    ap.add_argument("--only")
+    ap.add_argument("--no-mpi", action="store_true")
+    args = ap.parse_args()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.exists(os.path.join(root, CONFIG)):
+        os.chdir(root)
+    mpi = not args.no_mpi and subprocess.run(["which", "mpirun"], capture_output=True).returncode == 0
+    work = tempfile.mkdtemp(prefix="dtrain_tp_")
+    r = Runner(args, work)
+    off = ["parallel.tp=1", "parallel.sequence_parallel=false"]
+    want = lambda n: args.only in (None, n)
+    refs = {}
+
+    def ref(key, kind, np, sets):
+        if key not in refs:
+            refs[key], _ = r.run("ref-" + key, kind, np, sets)
+        return refs[key]
+
+    if want("tp2-sp-launch"):
+        got, out = r.run("tp2-sp-launch", "launch", 2, [])
+        assert "mesh: tp groups [0, 1] on node 0" in out, out[-3000:]
+        compare("tp2-sp-launch", got, ref("one", "one", 1, off + ["parallel.strategy=none"]),
+                5e-6, 2e-3)
+    if want("tp2-ddp-mpi") and mpi:
+        got, _ = r.run("tp2-ddp-mpi", "mpi", 2,
+                       ["parallel.strategy=ddp", "parallel.sequence_parallel=false"])
+        compare("tp2-ddp-mpi", got, ref("one", "one", 1, off + ["parallel.strategy=none"]),
+                5e-6, 2e-3)
+    if want("2x2-fsdp"):
+        got, out = r.run("2x2-fsdp", "launch", 4, [])
+        assert "mesh: data-parallel groups (replicate x shard) [0, 2], [1, 3]" in out, out[-3000:]
+        compare("2x2-fsdp", got, ref("fsdp2", "launch", 2, off), 5e-6, 2e-3)
+    if want("2x2-ddp-mpi") and mpi:
+        got, _ = r.run("2x2-ddp-mpi", "mpi", 4, ["parallel.strategy=ddp"])
+        compare("2x2-ddp-mpi", got, ref("ddp2", "mpi", 2, off + ["parallel.strategy=ddp"]),
+                5e-6, 2e-3)
+    if want("tp2-bf16"):
+        got, _ = r.run("tp2-bf16", "launch", 2, ["precision.policy=bf16"])
+        compare("tp2-bf16", got,
+                ref("one-bf16", "one", 1,
+                    off + ["parallel.strategy=none", "precision.policy=bf16"]), 1e-2, 5e-2)
+    if want("errors"):
+        cases = [
+            (["parallel.tp=4", "model.num_key_value_heads=4"],
+             "parallel.tp is 4, and the job has 2 rank(s)"),
+            (["parallel.tp=8", "model.num_key_value_heads=4", "model.num_attention_heads=4"],
+             "parallel.tp: tensor parallelism over 8 ranks cuts model.num_attention_heads (4)"),
+            (["parallel.tp=2", "configs/tiny/fsdp_fp32.yaml"], "model.type transformer has no "
+             "tensor-parallel plan"),
+            (["model.seq_len=31"], "sequence_parallel: splits each sequence of model.seq_len 31"),
+        ]
+        for sets, text in cases:
+            config = [s for s in sets if s.endswith(".yaml")] or [CONFIG]
+            _, out = r.run("error", "launch", 2, [s for s in sets if not s.endswith(".yaml")],
+                           expect_rc=2, config=config[0])
+            assert text in out, f"error case {sets}: '{text}' not in:\n{out[-3000:]}"
+            print(f"errors: {' '.join(sets)}: refused, exit 2: ...{text}...")
+    print("tp_train_test: all cases passed")
+
+
+if __name__ == "__main__":
+    main()
