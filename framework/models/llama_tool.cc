@@ -4,12 +4,16 @@
 //                                            through it (in bf16 when asked) and writes
 //                                            "logits" (fp32) to OUT
 //   llama_tool resave DIR OUT_DIR             loads DIR and saves it as dtrain does into OUT_DIR
-//   llama_tool finetune DIR TOKENS OUT_DIR ddp|fsdp STEPS
+//   llama_tool finetune DIR TOKENS OUT_DIR ddp|fsdp|tp|tp-sp STEPS
 //                                             under dtrain-launch: every rank loads DIR, the
 //                                             strategy trains STEPS AdamW steps on its rows of
 //                                             "tokens" (next-token loss), and rank 0 saves the
 //                                             result into OUT_DIR with its logits of all tokens
-//                                             (OUT_DIR/dtrain_logits.safetensors)
+//                                             and the loss of every step
+//                                             (OUT_DIR/dtrain_logits.safetensors: "logits",
+//                                             "losses"). tp and tp-sp: the Llama plan over every
+//                                             rank (tp-sp with sequence parallelism), each rank
+//                                             with all rows, the loss vocabulary-parallel.
 // An error prints its message and exits 2.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -27,6 +31,8 @@
 #include "framework/models/llama.h"
 #include "sharding/ddp.h"
 #include "sharding/fsdp.h"
+#include "sharding/mesh.h"
+#include "sharding/tensor_parallel_plan.h"
 
 namespace {
 
@@ -44,27 +50,59 @@ int finetune(const std::string& dir, const std::string& tokens_path, const std::
   auto comm = dtrain::comm::create_world();
   const int rank = comm->rank(), world = comm->size();
   const at::Tensor tokens = read_tokens(tokens_path);
-  // This rank's rows: rank, rank + world, ...
-  const at::Tensor mine = tokens.index_select(
-      0, at::arange(rank, tokens.size(0), world, at::TensorOptions().dtype(at::kLong)));
+  const bool tensor_parallel = strategy == "tp" || strategy == "tp-sp";
+  // This rank's rows: rank, rank + world, ... (all of them under tensor parallelism).
+  const at::Tensor mine =
+      tensor_parallel ? tokens
+                      : tokens.index_select(0, at::arange(rank, tokens.size(0), world,
+                                                          at::TensorOptions().dtype(at::kLong)));
+  std::vector<double> losses;
   auto loss_of = [&](const at::Tensor& logits) {
     const int64_t V = logits.size(-1), T = mine.size(1);
     return at::cross_entropy_loss(logits.narrow(1, 0, T - 1).reshape({-1, V}),
                                   mine.narrow(1, 1, T - 1).reshape(-1));
   };
   std::vector<std::pair<std::string, at::Tensor>> final_params;
-  if (strategy == "ddp") {
+  if (tensor_parallel) {
+    LlamaForCausalLM model = load_hf_llama(dir);
+    dtrain::sharding::DeviceMesh mesh(comm, {1, 1, world});
+    auto tp = std::make_shared<dtrain::sharding::TensorParallelism>(mesh.tp(), strategy == "tp-sp");
+    model->parallelize(tp);
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      const at::Tensor logits = model(mine);
+      const int64_t V = logits.size(-1), T = mine.size(1);
+      at::Tensor loss = tp->loss(logits.narrow(1, 0, T - 1).reshape({-1, V}),
+                                 mine.narrow(1, 1, T - 1).reshape(-1), model->head_weight());
+      loss.backward();
+      std::vector<at::Tensor> replicated;
+      for (const auto& p : model->named_parameters()) {
+        if (!tp->sliced(p.key()) && p.value().grad().defined())
+          replicated.push_back(p.value().grad());
+      }
+      tp->sync_replicated_grads(replicated);
+      opt.step();
+      losses.push_back(loss.item<double>());
+    }
+    for (const auto& p : model->named_parameters()) {
+      final_params.emplace_back(p.key(), tp->full(p.key(), p.value().detach()));
+    }
+  } else if (strategy == "ddp") {
     LlamaForCausalLM model = load_hf_llama(dir);
     dtrain::sharding::DistributedDataParallel<LlamaForCausalLM> ddp(model, comm);
     torch::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-3));
     for (int s = 0; s < steps; ++s) {
       opt.zero_grad();
-      loss_of(ddp(mine)).backward();
+      at::Tensor loss = loss_of(ddp(mine));
+      loss.backward();
       opt.step();
+      losses.push_back(loss.item<double>());
     }
     for (const auto& p : model->named_parameters()) final_params.emplace_back(p.key(), p.value());
   } else {
-    DTRAIN_CHECK_AS(dtrain::UsageError, strategy == "fsdp", "strategy must be ddp or fsdp");
+    DTRAIN_CHECK_AS(dtrain::UsageError, strategy == "fsdp",
+                    "strategy must be ddp, fsdp, tp or tp-sp");
     // Built without parameter memory; FSDP loads the checkpoint into it one layer at a time.
     LlamaOptions o = read_hf_llama_config(dir + "/config.json");
     o.deferred_init(true);
@@ -78,8 +116,10 @@ int finetune(const std::string& dir, const std::string& tokens_path, const std::
     torch::optim::AdamW opt(fsdp.parameters(), torch::optim::AdamWOptions(1e-3));
     for (int s = 0; s < steps; ++s) {
       opt.zero_grad();
-      loss_of(fsdp(mine)).backward();
+      at::Tensor loss = loss_of(fsdp(mine));
+      loss.backward();
       opt.step();
+      losses.push_back(loss.item<double>());
     }
     final_params = fsdp.state().full_parameters();  // collective
   }
@@ -89,8 +129,9 @@ int finetune(const std::string& dir, const std::string& tokens_path, const std::
     c10::NoGradGuard no_grad;
     for (auto& p : result->named_parameters()) p.value().copy_(by_name.at(p.key()));
     save_hf_llama(*result, out);
-    ckpt::write_safetensors(out + "/dtrain_logits.safetensors",
-                            {{"logits", result->forward(tokens)}});
+    ckpt::write_safetensors(
+        out + "/dtrain_logits.safetensors",
+        {{"logits", result->forward(tokens)}, {"losses", at::tensor(losses, at::kDouble)}});
   }
   comm->barrier().wait();
   return 0;
@@ -104,7 +145,7 @@ int main(int argc, char** argv) {
   if (!((mode == "logits" && (argc == 5 || argc == 6)) || (mode == "resave" && argc == 4) ||
         (mode == "finetune" && argc == 7))) {
     std::cerr << "usage: llama_tool logits DIR TOKENS OUT [bf16] | resave DIR OUT_DIR | finetune "
-                 "DIR TOKENS OUT_DIR ddp|fsdp STEPS\n";
+                 "DIR TOKENS OUT_DIR ddp|fsdp|tp|tp-sp STEPS\n";
     return 2;
   }
   try {
