@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <optional>
 #include <sstream>
@@ -74,7 +75,7 @@ Reducer::Reducer(NamedTensors params, NamedTensors buffers,
   verify_same_parameters();
   sync_module_states();
   std::vector<int64_t> order;
-  for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
+  for (int64_t i = 0; i < static_cast<int64_t>(params_.size()); ++i) {
     if (params_[i].second.requires_grad()) order.push_back(i);
   }
   DTRAIN_CHECK_AS(UsageError, !order.empty(),
@@ -83,7 +84,7 @@ Reducer::Reducer(NamedTensors params, NamedTensors buffers,
   where_.assign(params_.size(), Location{});
   ready_.assign(params_.size(), false);
   local_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
-  build_buckets(order);
+  build_buckets(order, /*rebuilt=*/false);
   std::vector<at::Tensor> tensors;
   for (const auto& [name, p] : params_) tensors.push_back(p);
   hooks_ = std::make_unique<GradReadyHooks>(tensors, [this](int64_t i) { autograd_hook(i); });
@@ -167,55 +168,68 @@ void Reducer::sync_module_states() {
   broadcast_flat(tensors);
 }
 
-void Reducer::build_buckets(const std::vector<int64_t>& order) {
-  c10::NoGradGuard no_grad;
-  const double mb = 1024.0 * 1024.0;
-  const int64_t world = comm_->size();
-  // Greedy by size, per dtype/device: close a bucket once it reaches its limit.
+std::vector<std::vector<int64_t>> Reducer::assign_buckets(const std::vector<int64_t>& order,
+                                                          const std::vector<double>& limits,
+                                                          bool sort_by_first_index) const {
+  // PyTorch's compute_bucket_assignment_by_size: greedy over `order`, per dtype/device; a
+  // bucket closes once it reaches its limit, limits[k] for a group's k-th bucket (the last
+  // limit repeating). Buckets still open at the end follow, in group order.
   struct Open {
     std::vector<int64_t> params;
-    int64_t bytes = 0;
-    bool first = true;
+    double bytes = 0;
+    size_t limit = 0;
   };
   std::map<std::string, Open> open;
   std::vector<std::vector<int64_t>> assignment;
   for (int64_t i : order) {
     const at::Tensor& p = params_[i].second;
-    std::string key = group_key(p);
-    Open& o = open[key];
+    Open& o = open[group_key(p)];
     o.params.push_back(i);
-    o.bytes += p.numel() * static_cast<int64_t>(p.element_size());
-    double limit = (o.first ? options_.first_bucket_mb() : options_.bucket_cap_mb()) * mb;
-    if (o.bytes >= limit) {
+    o.bytes += static_cast<double>(p.numel() * static_cast<int64_t>(p.element_size()));
+    if (o.bytes >= limits[o.limit]) {
       assignment.push_back(std::move(o.params));
       o.params.clear();
       o.bytes = 0;
-      o.first = false;
+      o.limit = std::min(o.limit + 1, limits.size() - 1);
     }
   }
   for (auto& [key, o] : open) {
     if (!o.params.empty()) assignment.push_back(std::move(o.params));
   }
-  // The last bucket holds the gradients that arrive last (the first layers): nothing is left
-  // to compute while it is reduced, so its all-reduce is exposed in full. PyTorch keeps the
-  // first bucket small to start communicating early; dtrain also keeps the last one small
-  // (first_bucket_mb), splitting off its tail, so that less waits at the end of backward.
-  if (!assignment.empty() && assignment.back().size() > 1) {
-    std::vector<int64_t>& last = assignment.back();
-    auto bytes_of = [&](int64_t i) {
-      return params_[i].second.numel() * static_cast<int64_t>(params_[i].second.element_size());
-    };
-    int64_t total = 0;
-    for (int64_t i : last) total += bytes_of(i);
-    const double tail_limit = options_.first_bucket_mb() * mb;
-    if (total > tail_limit) {
-      size_t cut = last.size();
-      int64_t tail = 0;
-      while (cut > 1 && tail < tail_limit) tail += bytes_of(last[--cut]);
-      std::vector<int64_t> tail_params(last.begin() + static_cast<long>(cut), last.end());
-      last.resize(cut);
-      assignment.push_back(std::move(tail_params));
-    }
+  if (sort_by_first_index) {
+    std::sort(assignment.begin(), assignment.end(),
+              [](const auto& a, const auto& b) { return a.front() < b.front(); });
+  }
+  return assignment;
+}
+
+void Reducer::build_buckets(const std::vector<int64_t>& order, bool rebuilt) {
+  c10::NoGradGuard no_grad;
+  const double mb = 1024.0 * 1024.0;
+  const int64_t world = comm_->size();
+  const double first_cap = options_.first_bucket_mb() * mb, cap = options_.bucket_cap_mb() * mb;
+  // PyTorch's layout, bucket for bucket, so that the sums (c10d Gloo's all-reduce adds each
+  // element in an order set by its place in the bucket) are PyTorch's at any world size.
+  std::vector<std::vector<int64_t>> assignment;
+  if (!rebuilt) {
+    // Before the first iteration: the parameters in registration order, grouped by size only
+    // when unused parameters are searched for (otherwise one bucket per dtype/device), and the
+    // buckets launched last-registered first.
+    const std::vector<double> limits =
+        options_.find_unused_parameters()
+            ? (first_cap < cap ? std::vector<double>{first_cap, cap} : std::vector<double>{cap})
+            : std::vector<double>{std::numeric_limits<double>::infinity()};
+    assignment = assign_buckets(order, limits, /*sort_by_first_index=*/true);
+    std::reverse(assignment.begin(), assignment.end());
+  } else if (!options_.small_last_bucket()) {
+    // In arrival order, the first bucket small so that communication starts early.
+    assignment = assign_buckets(order, {first_cap, cap}, false);
+  } else {
+    // The last bucket small instead (PyTorch's DDP_SET_LAST_BUCKET_CAP=1): it holds the
+    // gradients that arrive last, whose all-reduce nothing is left to overlap.
+    std::vector<int64_t> reversed(order.rbegin(), order.rend());
+    assignment = assign_buckets(reversed, {first_cap, cap}, false);
+    std::reverse(assignment.begin(), assignment.end());
   }
 
   std::vector<Bucket> buckets;
@@ -247,24 +261,28 @@ void Reducer::build_buckets(const std::vector<int64_t>& order) {
         if (options_.gradient_as_bucket_view()) grad = view;
       }
     }
+    const c10::ScalarType comm = b.comm_buffer.scalar_type();
+    if (!b.comm_buffer.is_same(b.contents) && (comm == at::kBFloat16 || comm == at::kHalf) &&
+        (world & (world - 1)) != 0) {
+      b.cast_divide = static_cast<double>(world);  // the compress hooks' order (reducer.h)
+    } else {
+      b.divide = divide_factors(world, comm);
+    }
     b.pending = static_cast<int64_t>(b.params.size());
     buckets.push_back(std::move(b));
   }
   buckets_ = std::move(buckets);
-  // Averaging split (see reducer.h).
-  c10::ScalarType reduce =
-      options_.reduce_dtype().value_or(params_[order.front()].second.scalar_type());
-  divide_ = divide_factors(world, reduce);
   std::ostringstream os;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
-    os << (bi ? ", " : "") << buckets_[bi].params.size() << " params/"
-       << logging::fixed(buckets_[bi].contents.numel() * buckets_[bi].contents.element_size() / mb,
-                         2)
-       << " MB";
+    const Bucket& b = buckets_[bi];
+    os << (bi ? ", " : "") << b.params.size() << " params/"
+       << logging::fixed(b.contents.numel() * b.contents.element_size() / mb, 2) << " MB in "
+       << comm::dtype_name(b.comm_buffer.scalar_type()) << ", divided by " << b.divide.pre
+       << " before";
+    if (b.cast_divide != 1) os << " and " << b.cast_divide << " after the cast";
+    os << " and " << b.divide.post << " after";
   }
-  logging::debug("DDP: ", buckets_.size(), " buckets (", os.str(), "), reduce dtype ",
-                 comm::dtype_name(reduce), ", divide by ", divide_.pre, " before and ",
-                 divide_.post, " after");
+  logging::debug("DDP: ", buckets_.size(), " buckets (", os.str(), ")");
 }
 
 void Reducer::autograd_hook(int64_t index) {
@@ -299,15 +317,15 @@ void Reducer::mark_ready(int64_t index, bool from_hook) {
   // mul_out), so launching a bucket needs no extra pass over it.
   if (grad.defined()) {
     if (!grad.is_alias_of(view)) {
-      if (divide_.pre != 1) {
+      if (b.divide.pre != 1) {
         at::mul_out(view, grad,
-                    at::scalar_tensor(1.0 / divide_.pre, grad.options().device(c10::kCPU)));
+                    at::scalar_tensor(1.0 / b.divide.pre, grad.options().device(c10::kCPU)));
       } else {
         view.copy_(grad);
       }
       if (options_.gradient_as_bucket_view()) grad = view;
-    } else if (divide_.pre != 1) {
-      view.div_(divide_.pre);
+    } else if (b.divide.pre != 1) {
+      view.div_(b.divide.pre);
     }
   } else {
     view.zero_();  // unused here: contributes nothing to the average
@@ -321,6 +339,7 @@ void Reducer::launch_ready_buckets() {
          buckets_[next_bucket_].pending == 0) {
     Bucket& b = buckets_[next_bucket_++];
     if (!b.comm_buffer.is_same(b.contents)) b.comm_buffer.copy_(b.contents);
+    if (b.cast_divide != 1) b.comm_buffer.div_(b.cast_divide);
     std::optional<trace::Label> label;
     if (trace::enabled()) label.emplace("ddp bucket " + std::to_string(next_bucket_ - 1));
     b.work = comm_->all_reduce(b.comm_buffer, comm::ReduceOp::kSum);
@@ -434,7 +453,7 @@ bool Reducer::write_back(Bucket& b, float multiply, std::vector<bool>* found_per
     const int64_t esize = static_cast<int64_t>(b.comm_buffer.element_size());
     float* dst = b.contents.data_ptr<float>();
     bool found = false;
-    const float post = static_cast<float>(divide_.post);
+    const float post = static_cast<float>(b.divide.post);
     for (size_t s = 0; s < b.params.size(); ++s) {
       const int64_t off = b.offsets[s];
       // Over ATen's intra-op threads, as copy_ would be (one range below the grain size).
@@ -453,7 +472,7 @@ bool Reducer::write_back(Bucket& b, float multiply, std::vector<bool>* found_per
   }
   // Any other bucket (a GPU one, fp64): ATen's copy and division, then the check's own pass.
   if (!b.comm_buffer.is_same(b.contents)) b.contents.copy_(b.comm_buffer);
-  if (divide_.post != 1) b.contents.div_(divide_.post);
+  if (b.divide.post != 1) b.contents.div_(b.divide.post);
   DTRAIN_CHECK(found_per_slot == nullptr && multiply == 1.0f,
                "DDP: unscaling in the write-back needs CPU fp32 buckets");
   if (!check) return false;
@@ -529,7 +548,13 @@ void Reducer::rebuild_buckets() {
   comm_->broadcast(t, 0).wait();
   t = t.cpu();
   std::vector<int64_t> agreed(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
-  build_buckets(agreed);
+  if (logging::enabled(logging::Level::kDebug)) {
+    std::ostringstream os;
+    for (int64_t i : agreed) os << ' ' << i;
+    logging::debug("DDP: buckets rebuilt in rank 0's gradient order (parameter indices):",
+                   os.str());
+  }
+  build_buckets(agreed, /*rebuilt=*/true);
   rebuilt_ = true;
   rebuild_due_ = false;
   ready_order_.clear();

@@ -20,8 +20,13 @@
 // a 16-bit reduce_dtype use FSDP's split instead: divide by f before (f starts at 1 and
 // doubles while world % f == 0 and world / f > f) and by world / f after, so fp16 sums
 // neither overflow nor underflow. The division happens in
-// the gradient's own dtype before the cast to reduce_dtype. inf/NaN survive the reduction, so
-// every rank's GradScaler reaches the same verdict.
+// the gradient's own dtype before the cast to reduce_dtype. At a power-of-two world size this
+// gives bit for bit what PyTorch's fp16_compress_hook / bf16_compress_hook give (cast, divide
+// by the world size in the 16-bit dtype, sum), because dividing by a power of two is exact.
+// At any other world size (3, 5, 6, ...) a bucket cast to a 16-bit reduce_dtype follows the
+// hooks' order itself: cast, divide by the world size in the 16-bit dtype, sum. So DDP is
+// bitwise with PyTorch's DDP at every world size over Gloo, whose all-reduce both call.
+// inf/NaN survive the reduction, so every rank's GradScaler reaches the same verdict.
 //
 // Ownership and threads: the Reducer owns the bucket buffers; parameters are owned by the
 // module. Hooks run on the thread that runs backward (CPU) and mark_ready takes a mutex; the
@@ -64,6 +69,11 @@ struct DDPOptions {
   // Rebuild buckets once, after the first iteration, in the order gradients arrived there
   // (rank 0's order, broadcast). Not with find_unused_parameters, as in PyTorch.
   TORCH_ARG(bool, rebuild_buckets) = true;
+  // Rebuilt buckets keep the last one (the gradients that arrive last, whose all-reduce
+  // nothing overlaps) first_bucket_mb small instead of the first: PyTorch's opt-in
+  // DDP_SET_LAST_BUCKET_CAP=1. Off by default, as there, so the buckets (and with them the
+  // order of every sum) are PyTorch's.
+  TORCH_ARG(bool, small_last_bucket) = false;
   // Dtype gradients travel in; unset: the gradient's own dtype.
   TORCH_ARG(std::optional<c10::ScalarType>, reduce_dtype) = std::nullopt;
   // When set and enabled, records each bucket's reduced gradients ("ddp.bucket<i>.grad").
@@ -144,6 +154,8 @@ class Reducer : public GradientSync {
     at::Tensor contents;            // flat, the parameters' dtype and device
     at::Tensor comm_buffer;         // contents, or a reduce_dtype copy
     std::vector<at::Tensor> views;  // per parameter, shaped like it
+    DivideFactors divide;           // before (into contents) and after the reduction
+    double cast_divide = 1;         // in comm_buffer's dtype, after the cast (see Averaging)
     int64_t pending = 0;
     bool launched = false;
     bool finished = false;
@@ -157,7 +169,12 @@ class Reducer : public GradientSync {
   void verify_same_parameters();
   void sync_module_states();
   void broadcast_flat(const std::vector<at::Tensor>& tensors);
-  void build_buckets(const std::vector<int64_t>& order);
+  // Parameter indices per bucket, as PyTorch's compute_bucket_assignment_by_size groups them.
+  std::vector<std::vector<int64_t>> assign_buckets(const std::vector<int64_t>& order,
+                                                   const std::vector<double>& limits,
+                                                   bool sort_by_first_index) const;
+  // Before the first iteration (`order`: registration order) or rebuilt in arrival order.
+  void build_buckets(const std::vector<int64_t>& order, bool rebuilt);
   void autograd_hook(int64_t index);
   void mark_ready(int64_t index, bool from_hook);
   void launch_ready_buckets();
@@ -179,7 +196,6 @@ class Reducer : public GradientSync {
   NamedTensors buffers_;
   std::shared_ptr<comm::Communicator> comm_;
   DDPOptions options_;
-  DivideFactors divide_;  // sharding/flat.h: post is not an integer at world 3, 5, 6, ...
 
   std::vector<Bucket> buckets_;
   std::vector<Location> where_;

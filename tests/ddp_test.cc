@@ -160,23 +160,36 @@ TEST_F(Test, TransformerGradientsEqualSingleProcessFullBatchForEveryBucketLayout
   }
 }
 
-TEST_F(Test, BucketsFollowReverseRegistrationOrderAndSizeLimits) {
+// Before the first iteration, PyTorch's layout (compute_bucket_assignment_by_size, then the
+// buckets reversed): the order of every sum over Gloo depends on it.
+TEST_F(Test, BucketsFollowPyTorchsLayoutBeforeTheFirstIteration) {
   MLP m = make_mlp();
   const int64_t n = static_cast<int64_t>(m->parameters().size());
-  DistributedDataParallel<MLP> one(make_mlp(), world_ptr(),
-                                   DDPOptions().bucket_cap_mb(1000).first_bucket_mb(1000));
-  EXPECT_EQ(one.reducer().bucket_indices().size(), 1u);
-  DistributedDataParallel<MLP> per(make_mlp(), world_ptr(),
-                                   DDPOptions().bucket_cap_mb(1e-9).first_bucket_mb(1e-9));
+  std::vector<int64_t> all(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) all[static_cast<size_t>(i)] = i;
+  // Without find_unused_parameters: one bucket in registration order, whatever the limits.
+  for (double cap : {1000.0, 1e-9}) {
+    DistributedDataParallel<MLP> ddp(make_mlp(), world_ptr(),
+                                     DDPOptions().bucket_cap_mb(cap).first_bucket_mb(cap));
+    EXPECT_EQ(ddp.reducer().bucket_indices(), std::vector<std::vector<int64_t>>{all}) << cap;
+  }
+  // With it: grouped by size in registration order, the last-registered bucket first.
+  DistributedDataParallel<MLP> per(
+      make_mlp(), world_ptr(),
+      DDPOptions().bucket_cap_mb(1e-9).first_bucket_mb(1e-9).find_unused_parameters(true));
   auto b = per.reducer().bucket_indices();
   ASSERT_EQ(static_cast<int64_t>(b.size()), n);
   for (int64_t i = 0; i < n; ++i) EXPECT_EQ(b[i], std::vector<int64_t>{n - 1 - i});
-  DistributedDataParallel<MLP> several(make_mlp(), world_ptr(),
-                                       DDPOptions().bucket_cap_mb(0.004).first_bucket_mb(0.002));
+  DistributedDataParallel<MLP> several(
+      make_mlp(), world_ptr(),
+      DDPOptions().bucket_cap_mb(0.004).first_bucket_mb(0.002).find_unused_parameters(true));
   auto s = several.reducer().bucket_indices();
   EXPECT_GT(s.size(), 1u);
   EXPECT_LT(static_cast<int64_t>(s.size()), n);
-  EXPECT_EQ(s.front().front(), n - 1) << "the last-registered parameter goes first";
+  EXPECT_EQ(s.back().front(), 0) << "the first-registered parameter's bucket goes last";
+  std::vector<int64_t> flat;
+  for (auto it = s.rbegin(); it != s.rend(); ++it) flat.insert(flat.end(), it->begin(), it->end());
+  EXPECT_EQ(flat, all) << "each bucket in registration order";
 }
 
 TEST_F(Test, RanksHoldBitwiseIdenticalParametersAfterSteps) {
@@ -643,8 +656,10 @@ TEST_F(Test, BucketsAreRebuiltInArrivalOrderAfterTheFirstIteration) {
   m->to(dev());
   DistributedDataParallel<Reversed> ddp(m, world_ptr(),
                                         DDPOptions().bucket_cap_mb(1e-9).first_bucket_mb(1e-9));
-  // Before: reverse registration order, so d's parameters (indices 6, 7) go first.
-  EXPECT_EQ(ddp.reducer().bucket_indices().front().front(), 7);
+  // Before, as PyTorch's DDP: one bucket (per dtype/device) in registration order, whatever
+  // the size limits, unless unused parameters are searched for.
+  const std::vector<std::vector<int64_t>> before{{0, 1, 2, 3, 4, 5, 6, 7}};
+  EXPECT_EQ(ddp.reducer().bucket_indices(), before);
   at::Tensor x = at::randn({2, 5}).to(dev());
   ddp(x).sum().backward();
   ddp(x).sum().backward();  // this forward rebuilt the buckets
@@ -654,6 +669,35 @@ TEST_F(Test, BucketsAreRebuiltInArrivalOrderAfterTheFirstIteration) {
   EXPECT_LT(rebuilt.front().front(), 2)
       << "first bucket holds parameter #" << rebuilt.front().front();
   EXPECT_GE(rebuilt.back().front(), 6) << "last bucket holds parameter #" << rebuilt.back().front();
+}
+
+// Rebuilt with PyTorch's two first-bucket rules: the first bucket small (the default), or the
+// last one (small_last_bucket, PyTorch's DDP_SET_LAST_BUCKET_CAP=1).
+TEST_F(Test, RebuiltBucketsKeepTheFirstOrTheLastOneSmall) {
+  for (bool last : {false, true}) {
+    SCOPED_TRACE(::testing::Message() << "small_last_bucket " << last);
+    at::manual_seed(2);
+    Reversed m;
+    m->to(dev());
+    DistributedDataParallel<Reversed> ddp(
+        m, world_ptr(),
+        DDPOptions().bucket_cap_mb(1000).first_bucket_mb(1e-9).small_last_bucket(last));
+    at::Tensor x = at::randn({2, 5}).to(dev());
+    ddp(x).sum().backward();
+    ddp(x).sum().backward();  // rebuilt
+    auto rebuilt = ddp.reducer().bucket_indices();
+    ASSERT_EQ(rebuilt.size(), 2u);
+    // a's parameters (0, 1) arrive first and d's (6, 7) last.
+    if (last) {
+      ASSERT_EQ(rebuilt.back().size(), 1u);
+      EXPECT_GE(rebuilt.back().front(), 6);
+      EXPECT_LT(rebuilt.front().back(), 2) << "the rest in reverse arrival order, as PyTorch";
+    } else {
+      ASSERT_EQ(rebuilt.front().size(), 1u);
+      EXPECT_LT(rebuilt.front().front(), 2);
+      EXPECT_GE(rebuilt.back().back(), 6);
+    }
+  }
 }
 
 TEST_F(Test, NumericsMonitorRecordsEveryReducedBucket) {

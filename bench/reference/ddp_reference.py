@@ -67,7 +67,10 @@ def parity(a):
                           2 * common.D_MODEL)
     keys = model.load_state_dict(torch.load(a.init, weights_only=False), strict=True)
     assert not keys.missing_keys and not keys.unexpected_keys, keys
-    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    sizes = {"bucket_cap_mb": a.bucket_mb} if getattr(a, "bucket_mb", None) else {}
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, gradient_as_bucket_view=True,
+        find_unused_parameters=bool(getattr(a, "find_unused", False)), **sizes)
     dtype = DTYPES[a.precision]
     compress(ddp, dtype)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
@@ -100,12 +103,14 @@ def parity(a):
                 if len(theirs[what]) == len(mine) else -1
             bad.append(f"{what} trajectories differ (first at step {first}): dtrain "
                        f"{theirs[what]}, pytorch {mine}")
-    print(f"{a.precision}: {len(ours)} parameters ({sum(p.numel() for p in ours.values())} "
+    label = a.precision + "".join(f", {k} {getattr(a, k)}" for k in ("bucket_mb", "find_unused")
+                                  if getattr(a, k, None))
+    print(f"{label}: {len(ours)} parameters ({sum(p.numel() for p in ours.values())} "
           f"elements), {a.steps} steps, {skipped} skipped, final loss {losses[-1]:.6f}, "
           f"scales {scales if scaler.is_enabled() else 'off'}")
     for line in bad:
         print("  DIFFERS " + line)
-    print(f"{a.precision}: " + ("bitwise equal" if not bad else "NOT bitwise equal"), flush=True)
+    print(f"{label}: " + ("bitwise equal" if not bad else "NOT bitwise equal"), flush=True)
     return 1 if bad else 0
 
 
@@ -121,8 +126,9 @@ def main():
                     help="DDP: every other step under no_sync() (no communication), reported "
                          "apart (ab_sync_step_s, ab_local_step_s)")
     ap.add_argument("--init", help="parity: dtrain's initial weights (DIR/init.pt)")
-    ap.add_argument("--runs", help="parity: a JSON list of runs, each {init, precision}, trained "
-                                   "and compared in turn in this one launch")
+    ap.add_argument("--runs", help="parity: a JSON list of runs, each {init, precision} and "
+                                   "optionally bucket_mb (DDP's bucket_cap_mb) and find_unused, "
+                                   "trained and compared in turn in this one launch")
     ap.add_argument("--precision", choices=DTYPES, default="fp32")
     ap.add_argument("--init-scale", type=float, default=16777216.0)
     ap.add_argument("--growth-interval", type=int, default=4)

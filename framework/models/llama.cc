@@ -131,9 +131,10 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
   const at::Tensor in = tp ? tp->enter(x) : x;
-  at::Tensor y =
-      at::linear(at::silu(at::linear(in, gate_proj->weight)) * at::linear(in, up_proj->weight),
-                 down_proj->weight);
+  // gate before up, in separate statements: Hugging Face's order, which autograd (and so DDP's
+  // rebuilt buckets) follows; C++ leaves the order of `a * b`'s operands unspecified.
+  const at::Tensor gate = at::silu(at::linear(in, gate_proj->weight));
+  at::Tensor y = at::linear(gate * at::linear(in, up_proj->weight), down_proj->weight);
   return tp ? tp->leave(y) : y;
 }
 

@@ -157,7 +157,11 @@ at::Tensor TransformerLMImpl::forward(const at::Tensor& tokens) {
   DTRAIN_CHECK_AS(UsageError, T <= options_.seq_len(), "TransformerLM: sequence of ", T,
                   " tokens is longer than seq_len ", options_.seq_len());
   at::Tensor pos = at::arange(T, at::TensorOptions().dtype(at::kLong).device(tokens.device()));
-  at::Tensor x = tok_emb->forward(tokens) + pos_emb->forward(pos);
+  // Token embedding first, then positions, as Python evaluates `a + b`: C++ leaves the order
+  // of an operator's operands unspecified, and autograd's order (hence DDP's rebuilt buckets
+  // and so the sums' order) follows the order the nodes were made in.
+  at::Tensor x = tok_emb->forward(tokens);
+  x = x + pos_emb->forward(pos);
   for (const auto& block : *blocks) x = block->as<sharding::UnitImpl<BlockImpl>>()->forward(x);
   x = ln_f->forward(x);
   return at::linear(x, options_.tie_weights() ? tok_emb->weight : head->weight);
@@ -169,7 +173,8 @@ at::Tensor TransformerLMImpl::forward_cached(const at::Tensor& tokens, KVCache& 
                   " positions exceed seq_len ", options_.seq_len());
   at::Tensor pos =
       at::arange(start, start + T, at::TensorOptions().dtype(at::kLong).device(tokens.device()));
-  at::Tensor x = tok_emb->forward(tokens) + pos_emb->forward(pos);
+  at::Tensor x = tok_emb->forward(tokens);
+  x = x + pos_emb->forward(pos);
   size_t layer = 0;
   for (const auto& block : *blocks) {
     x = block->as<sharding::UnitImpl<BlockImpl>>()->forward_cached(x, cache, layer++);

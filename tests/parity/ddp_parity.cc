@@ -51,6 +51,12 @@ int main(int argc, char** argv) {
   dtrain::parity::Args args;
   args.steps = 12;
   dtrain::parity::add_options(app, args, "folder for init.pt, final.pt and dtrain.json");
+  double bucket_mb = 0;
+  bool find_unused = false;
+  app.add_option("--bucket-mb", bucket_mb,
+                 "every bucket's size limit, the first's too (PyTorch's bucket_cap_mb); "
+                 "0: the defaults (25, the first 1)");
+  app.add_flag("--find-unused", find_unused, "find_unused_parameters");
   dtrain::cli::parse(app, argc, argv);
 
   auto world = dtrain::comm::create_world();
@@ -64,11 +70,14 @@ int main(int argc, char** argv) {
   // DDP broadcasts rank 0's weights: the start both sides train from. fp16: DDP unscales
   // and judges the gradients as it writes them back (DDPOptions::grad_scaler), as the
   // trainer has it.
-  dtrain::sharding::DistributedDataParallel<TransformerLM> ddp(
-      model, world,
-      dtrain::sharding::DDPOptions()
-          .reduce_dtype(policy.effective_reduce_dtype())
-          .grad_scaler(policy.needs_grad_scaler() ? &scaler : nullptr));
+  dtrain::sharding::DistributedDataParallel<TransformerLM> ddp(model, world, [&] {
+    auto o = dtrain::sharding::DDPOptions()
+                 .reduce_dtype(policy.effective_reduce_dtype())
+                 .grad_scaler(policy.needs_grad_scaler() ? &scaler : nullptr)
+                 .find_unused_parameters(find_unused);
+    if (bucket_mb > 0) o.bucket_cap_mb(bucket_mb).first_bucket_mb(bucket_mb);
+    return o;
+  }());
   if (rank == 0) dtrain::parity::save(named_parameters(model), args.out_dir + "/init.pt");
 
   dtrain::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-3));
