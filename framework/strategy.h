@@ -50,6 +50,8 @@ class Strategy {
   // The unwrapped module, and FSDP's state when sharded (checkpoints, parameter checks).
   virtual torch::nn::Module& module() = 0;
   virtual sharding::FSDPState* fsdp() { return nullptr; }
+  // DDP's reducer (checkpoints keep its rebuilt bucket order); null for the others.
+  virtual sharding::Reducer* ddp_reducer() { return nullptr; }
   // DDP unscales and judges gradients as it writes them back (DDPOptions::grad_scaler);
   // the others leave that to the scaler's own pass.
   virtual void use_grad_scaler(amp::GradScaler* /*scaler*/) {}
@@ -126,6 +128,7 @@ class DdpStrategy final : public Strategy {
   const sharding::ReducerStats* stats() const override { return &ddp_.last_stats(); }
   torch::nn::Module& module() override { return *ddp_.module(); }
   void use_grad_scaler(amp::GradScaler* scaler) override { ddp_.reducer().set_grad_scaler(scaler); }
+  sharding::Reducer* ddp_reducer() override { return &ddp_.reducer(); }
 
  private:
   sharding::DistributedDataParallel<M> ddp_;

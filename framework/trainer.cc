@@ -516,7 +516,14 @@ void Trainer::restore() {
 }
 
 CheckpointParts Trainer::checkpoint_parts() {
-  return {&model_->module(), model_->fsdp(), opt_.get(), scaler_.get(), &monitor_, comm_.get()};
+  return {&model_->module(),
+          model_->fsdp(),
+          opt_.get(),
+          scaler_.get(),
+          &monitor_,
+          comm_.get(),
+          model_->tensor_parallel(),
+          model_->ddp_reducer()};
 }
 
 // Forwards (training and validation) run under autocast in param_dtype when the policy

@@ -555,6 +555,7 @@ void Reducer::rebuild_buckets() {
                    os.str());
   }
   build_buckets(agreed, /*rebuilt=*/true);
+  rebuilt_order_ = agreed;
   rebuilt_ = true;
   rebuild_due_ = false;
   ready_order_.clear();
@@ -615,6 +616,30 @@ const ReducerStats& Reducer::last_stats() const {
   }
   stats_works_.clear();
   return stats_;
+}
+
+void Reducer::restore_rebuilt_order(const std::vector<int64_t>& order) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!options_.rebuild_buckets() || options_.find_unused_parameters() || order.empty()) return;
+  std::vector<bool> seen(params_.size(), false);
+  size_t wanted = 0;
+  for (const auto& [name, p] : params_) wanted += p.requires_grad() ? 1 : 0;
+  bool fits = order.size() == wanted;
+  for (int64_t i : order) {
+    fits = fits && i >= 0 && i < static_cast<int64_t>(params_.size()) && !seen[i] &&
+           params_[i].second.requires_grad();
+    if (fits) seen[i] = true;
+  }
+  if (!fits) {
+    logging::debug("DDP: the saved bucket order does not fit this model; buckets kept");
+    return;
+  }
+  drain_in_flight();
+  build_buckets(order, /*rebuilt=*/true);
+  rebuilt_order_ = order;
+  rebuilt_ = true;
+  rebuild_due_ = false;
+  ready_order_.clear();
 }
 
 std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {

@@ -145,6 +145,13 @@ class Reducer : public GradientSync {
   void set_grad_scaler(amp::GradScaler* scaler) { options_.grad_scaler(scaler); }
   // Parameter indices of each bucket, in launch order.
   std::vector<std::vector<int64_t>> bucket_indices() const;
+  // The order the buckets were rebuilt from (rank 0's arrival order), empty before the
+  // rebuild: a checkpoint keeps it, and restore_rebuilt_order() builds those buckets at once,
+  // so that a resumed run adds in the uninterrupted run's order from its first step (its
+  // first backward would otherwise run on the initial layout). An order that does not fit
+  // this model, or a reducer that does not rebuild, leaves the buckets as they are.
+  const std::vector<int64_t>& rebuilt_order() const { return rebuilt_order_; }
+  void restore_rebuilt_order(const std::vector<int64_t>& order);
   const comm::Communicator& communicator() const { return *comm_; }
 
  private:
@@ -207,11 +214,12 @@ class Reducer : public GradientSync {
   bool callback_queued_ = false;
   bool marked_unused_ = false;
   int64_t next_bucket_ = 0;
-  std::vector<bool> ready_;           // marked this iteration
-  std::vector<int64_t> unused_;       // found by prepare_for_backward
-  at::Tensor local_used_;             // int32 per parameter: a hook fired since the last sync
-  bool unfinished_ = false;           // the last backward left buckets unreduced
-  std::vector<int64_t> ready_order_;  // first syncing iteration, for the rebuild
+  std::vector<bool> ready_;             // marked this iteration
+  std::vector<int64_t> unused_;         // found by prepare_for_backward
+  at::Tensor local_used_;               // int32 per parameter: a hook fired since the last sync
+  bool unfinished_ = false;             // the last backward left buckets unreduced
+  std::vector<int64_t> ready_order_;    // first syncing iteration, for the rebuild
+  std::vector<int64_t> rebuilt_order_;  // what the rebuilt buckets were built from
   bool rebuild_due_ = false;
   bool rebuilt_ = false;
   at::Tensor found_inf_;

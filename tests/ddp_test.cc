@@ -669,6 +669,13 @@ TEST_F(Test, BucketsAreRebuiltInArrivalOrderAfterTheFirstIteration) {
   EXPECT_LT(rebuilt.front().front(), 2)
       << "first bucket holds parameter #" << rebuilt.front().front();
   EXPECT_GE(rebuilt.back().front(), 6) << "last bucket holds parameter #" << rebuilt.back().front();
+  // A resumed run builds the same buckets at once from the order a checkpoint kept.
+  DistributedDataParallel<Reversed> resumed(m, world_ptr(),
+                                            DDPOptions().bucket_cap_mb(1e-9).first_bucket_mb(1e-9));
+  resumed.reducer().restore_rebuilt_order(ddp.reducer().rebuilt_order());
+  EXPECT_EQ(resumed.reducer().bucket_indices(), rebuilt);
+  resumed.reducer().restore_rebuilt_order({0, 1});  // another model's: ignored
+  EXPECT_EQ(resumed.reducer().bucket_indices(), rebuilt);
 }
 
 // Rebuilt with PyTorch's two first-bucket rules: the first bucket small (the default), or the

@@ -13,6 +13,11 @@ groups) with a run of the same job without tensor parallelism, made in this test
   2x2-ddp-mpi     4 ranks under mpirun: DDP x tp 2, against DDP over 2 ranks.
   tp2-bf16        bf16 autocast under TP against one process in bf16 (a looser bound: bf16's
                   rounding moves with the order of additions).
+  ckpt-mesh       checkpoints across meshes: a tp 2 run (FSDP over 1, sequence parallel) saves
+                  at step 10 and goes on to 20; its step-10 checkpoint (model.pt and optim.pt
+                  hold the whole tensors) resumes at tp 2 (the same losses, bit for bit), in
+                  one process without TP and at tp 4 over 4 ranks (the same losses within fp32
+                  rounding, and the same trained model).
   errors          parallel.tp that does not split the ranks, that does not divide the heads, a
                   model without a plan, sequence parallelism over a seq_len it does not divide:
                   each refused before training, exit 2, naming the key.
@@ -21,6 +26,7 @@ Usage: tp_train_test.py --launcher PATH --trainer PATH [--only NAME] [--no-mpi]
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -102,6 +108,29 @@ def compare(name, got_dir, want_dir, tol, param_tol):
     assert worst_p < param_tol, f"{name}: parameters differ by {worst_p:.3e} (bound {param_tol})"
 
 
+def compare_resumed(name, got_dir, want_dir, tol, param_tol, bitwise=False):
+    """A resumed run's steps against the same steps of the run it was saved from."""
+    got_t, _ = rows(os.path.join(got_dir, "metrics.jsonl"))
+    want_t, _ = rows(os.path.join(want_dir, "metrics.jsonl"))
+    assert got_t and min(got_t) > 10, f"{name}: did not resume after step 10: {sorted(got_t)}"
+    assert set(got_t) <= set(want_t), f"{name}: steps {sorted(got_t)} not all in the full run"
+    if bitwise:
+        differ = [s for s in got_t if got_t[s] != want_t[s]]
+        assert not differ, (f"{name}: losses differ at steps {differ}: "
+                            f"{[(got_t[s], want_t[s]) for s in differ]}")
+    worst = max(abs(got_t[s] - want_t[s]) / abs(want_t[s]) for s in got_t)
+    got_p = load_safetensors(os.path.join(got_dir, "hf", "model.safetensors"))
+    want_p = load_safetensors(os.path.join(want_dir, "hf", "model.safetensors"))
+    assert sorted(got_p) == sorted(want_p), f"{name}: saved tensors differ in names"
+    worst_p = max(float((got_p[k].float() - w.float()).abs().max() / w.float().abs().max())
+                  for k, w in want_p.items())
+    print(f"{name}: steps {min(got_t)}-{max(got_t)} after the resume, max relative loss "
+          f"difference {worst:.2e}{' (bitwise)' if bitwise else ''}, saved parameters "
+          f"{worst_p:.2e} (bounds {tol:g}, {param_tol:g})")
+    assert worst < tol, f"{name}: losses differ by {worst:.3e} (bound {tol})"
+    assert worst_p < param_tol, f"{name}: parameters differ by {worst_p:.3e} (bound {param_tol})"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--launcher", required=True)
@@ -147,6 +176,29 @@ def main():
         compare("tp2-bf16", got,
                 ref("one-bf16", "one", 1,
                     off + ["parallel.strategy=none", "precision.policy=bf16"]), 1e-2, 5e-2)
+    if want("ckpt-mesh"):
+        # num_key_value_heads 4 so that tp 4 divides it; every run the same model.
+        kv = ["model.num_key_value_heads=4"]
+        ckpt = os.path.join(work, "ckpt-tp2")
+        full, _ = r.run("ckpt-tp2", "launch", 2, kv + [f"checkpoint.dir={ckpt}",
+                                                      "checkpoint.every_steps=10"])
+        saved = os.path.join(ckpt, "step_00000010")
+        import torch
+        model = torch.load(os.path.join(saved, "model.pt"), weights_only=True)
+        q = model["model.layers.0.self_attn.q_proj.weight"]
+        assert tuple(q.shape) == (64, 64), f"model.pt holds a slice: q_proj {tuple(q.shape)}"
+        optim = torch.load(os.path.join(saved, "optim.pt"), weights_only=True)
+        shapes = {tuple(s["exp_avg"].shape) for s in optim["state"].values()}
+        assert (64, 64) in shapes and (128, 64) in shapes, f"optim.pt holds slices: {shapes}"
+        for name, kind, np, sets, bitwise in [
+                ("ckpt-tp2-to-tp2", "launch", 2, [], True),
+                ("ckpt-tp2-to-one", "one", 1, off + ["parallel.strategy=none"], False),
+                ("ckpt-tp2-to-tp4", "launch", 4, ["parallel.tp=4"], False)]:
+            again = os.path.join(work, name + "-ckpt")
+            shutil.copytree(saved, os.path.join(again, "step_00000010"))
+            got, out = r.run(name, kind, np, kv + sets + [f"checkpoint.dir={again}"])
+            assert "resumed from" in out, out[-3000:]
+            compare_resumed(name, got, full, 5e-6, 2e-3, bitwise)
     if want("errors"):
         cases = [
             (["parallel.tp=4", "model.num_key_value_heads=4"],
@@ -156,6 +208,8 @@ def main():
             (["parallel.tp=2", "configs/tiny/fsdp_fp32.yaml"], "model.type transformer has no "
              "tensor-parallel plan"),
             (["model.seq_len=31"], "sequence_parallel: splits each sequence of model.seq_len 31"),
+            ([f"checkpoint.dir={work}/sharded", "checkpoint.format=sharded"],
+             "checkpoint.format: sharded checkpoints are not written under tensor parallelism"),
         ]
         for sets, text in cases:
             config = [s for s in sets if s.endswith(".yaml")] or [CONFIG]

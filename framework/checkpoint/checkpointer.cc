@@ -31,6 +31,8 @@
 #include "framework/checkpoint/optim_state.h"
 #include "framework/checkpoint/pickle.h"
 #include "sharding/fsdp_state.h"
+#include "sharding/reducer.h"
+#include "sharding/tensor_parallel_plan.h"
 
 namespace dtrain::framework {
 namespace {
@@ -146,6 +148,9 @@ std::vector<Named> model_tensors(const CheckpointParts& p) {
     for (const auto& item : p.module->named_parameters()) {
       out.push_back({item.key(), item.value().detach()});
     }
+  }
+  if (p.tp != nullptr) {
+    for (auto& t : out) t.tensor = p.tp->full(t.name, t.tensor);  // collective per slice
   }
   for (const auto& item : p.module->named_buffers()) {
     out.push_back({item.key(), item.value().detach()});
@@ -446,6 +451,9 @@ c10::IValue rank_state(const CheckpointParts& p) {
     }
     d.insert("scale_history", at::tensor(flat, at::kDouble).reshape({-1, 2}));
   }
+  if (p.ddp != nullptr && !p.ddp->rebuilt_order().empty()) {
+    d.insert("ddp_bucket_order", at::tensor(p.ddp->rebuilt_order(), at::kLong));
+  }
   return d;
 }
 
@@ -501,7 +509,7 @@ c10::IValue shard_dict(const CheckpointParts& p, const OptimizerExport& o, Stage
 
 // Rank 0's optim.pt in PyTorch's layout: state keyed by the optimizer's parameter index, and
 // each group's parameter names (which a restore matches by). `full_state[k][i]`: key k of
-// model parameter i gathered (FSDP), or empty to take the state as it is.
+// model parameter i gathered (FSDP, TP); without either, empty: the state as it is.
 c10::IValue full_optimizer_dict(const CheckpointParts& p, const OptimizerExport& o,
                                 const std::vector<std::vector<at::Tensor>>& full_state) {
   c10::impl::GenericDict state(c10::AnyType::get(), c10::AnyType::get());
@@ -514,7 +522,7 @@ c10::IValue full_optimizer_dict(const CheckpointParts& p, const OptimizerExport&
     if (o.states[i].count("step")) entry.insert("step", o.states[i].at("step"));
     for (size_t k = 0; k < o.keys.size(); ++k) {
       if (!o.states[i].count(o.keys[k])) continue;
-      entry.insert(o.keys[k], p.fsdp != nullptr ? full_state[k][i] : o.states[i].at(o.keys[k]));
+      entry.insert(o.keys[k], full_state[k].empty() ? o.states[i].at(o.keys[k]) : full_state[k][i]);
     }
     if (entry.size() > 0) state.insert(o.slots[i], entry);
   }
@@ -533,6 +541,19 @@ std::vector<std::pair<std::string, c10::IValue>> full_dicts(const CheckpointPart
   if (p.fsdp != nullptr) {
     for (size_t k = 0; k < o.keys.size(); ++k) {
       full_state[k] = p.fsdp->gather_full(key_parts(o.states, o.keys[k]));
+    }
+  }
+  if (p.tp != nullptr) {
+    // Every rank holds state for the same parameters (one optimizer, stepped alike), so the
+    // group's gathers pair up.
+    const auto params = model_parameters(p);
+    for (size_t k = 0; k < o.keys.size(); ++k) {
+      if (full_state[k].empty()) full_state[k] = key_parts(o.states, o.keys[k]);
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (full_state[k][i].defined()) {
+          full_state[k][i] = p.tp->full(params[i].first, full_state[k][i]);
+        }
+      }
     }
   }
   if (rank != 0) return {};
@@ -554,6 +575,9 @@ void describe_model(const CheckpointParts& p, bool sharded, ckpt::Meta& m) {
       m.parameters.push_back(
           {item.key(), item.value().sizes().vec(), comm::dtype_name(item.value().scalar_type())});
     }
+  }
+  if (p.tp != nullptr) {  // the whole model's shapes, as the files hold them
+    for (auto& pm : m.parameters) pm.shape = p.tp->full_shape(pm.name, pm.shape);
   }
   if (!sharded) return;
   for (const auto& l : p.fsdp->layouts()) {
@@ -688,7 +712,12 @@ Checkpointer::Staged Checkpointer::stage(const CheckpointParts& p, const Trainer
   Staged s;
   s.rank = rank_of(p);
   s.world = world_of(p);
-  const bool sharded = p.fsdp != nullptr && cc.format != CheckpointFormat::kFull;
+  // Under TP, full: a sharded checkpoint would hold each rank's slices of FSDP's shards.
+  const bool sharded = p.fsdp != nullptr && p.tp == nullptr && cc.format != CheckpointFormat::kFull;
+  DTRAIN_CHECK_AS(ConfigError, p.tp == nullptr || cc.format != CheckpointFormat::kSharded,
+                  config_.source,
+                  ": checkpoint.format sharded is not written under tensor parallelism; use "
+                  "checkpoint.format: full (or auto), which holds the whole tensors");
   s.dir = cc.dir + "/" + step_name(progress.step);
   if (s.rank == 0) prepare_step_dir(cc.dir, s.dir);
   barrier(p);
@@ -947,19 +976,33 @@ void read_full(const CheckpointParts& p, const Source& src, const Params& params
   }
   std::vector<Wanted> want;
   for (const auto& [name, t] : params) {
-    want.push_back({name, p.fsdp != nullptr ? fsdp_shapes[name] : t.sizes().vec(), at::kFloat});
+    const std::vector<int64_t> local = p.fsdp != nullptr ? fsdp_shapes[name] : t.sizes().vec();
+    want.push_back({name, p.tp != nullptr ? p.tp->full_shape(name, local) : local, at::kFloat});
   }
   for (const auto& item : p.module->named_buffers()) {
     want.push_back({item.key(), item.value().sizes().vec(), item.value().scalar_type()});
   }
   std::vector<at::Tensor> matched = match(model, want, src.dir + "/model.pt");
   std::vector<at::Tensor> full(matched.begin(), matched.begin() + params.size());
-  for (auto& t : full) t = t.to(at::kFloat);
+  for (size_t i = 0; i < full.size(); ++i) {
+    full[i] = full[i].to(at::kFloat);
+    if (p.tp != nullptr) full[i] = p.tp->slice(params[i].first, full[i]).contiguous();
+  }
   size_t b = params.size();
   for (const auto& item : p.module->named_buffers()) out.buffers[item.key()] = matched[b++];
   out.values = p.fsdp != nullptr ? p.fsdp->local_parts(full) : full;
   if (p.optimizer == nullptr || !src.meta.files.count("optim.pt")) return;
   std::vector<ParamState> states = read_full_optimizer_state(src, params, slots_now);
+  if (p.tp != nullptr) {  // whole -> this rank's slices (not the step count)
+    for (size_t i = 0; i < params.size(); ++i) {
+      for (const auto& key : src.meta.optimizer_keys) {
+        auto it = states[i].find(key);
+        if (it != states[i].end()) {
+          it->second = p.tp->slice(params[i].first, it->second).contiguous();
+        }
+      }
+    }
+  }
   if (p.fsdp != nullptr) {
     // Full state -> this rank's parts, per key.
     for (const auto& key : src.meta.optimizer_keys) {
@@ -1077,6 +1120,11 @@ void apply_rank_state(const CheckpointParts& p, const c10::impl::GenericDict& mi
     }
     p.monitor->restore_scale_history(std::move(history));
   }
+  if (p.ddp != nullptr && mine.contains("ddp_bucket_order")) {
+    at::Tensor o = mine.at("ddp_bucket_order").toTensor().to(at::kLong).contiguous();
+    p.ddp->restore_rebuilt_order(
+        std::vector<int64_t>(o.data_ptr<int64_t>(), o.data_ptr<int64_t>() + o.numel()));
+  }
 }
 
 // Everything read, on every rank (after agree()): the parts take it.
@@ -1183,6 +1231,11 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
   std::vector<std::pair<std::string, std::vector<int64_t>>> saved_params;
   for (const auto& pm : meta.parameters) saved_params.emplace_back(pm.name, pm.shape);
   check_same_job(p, dir, meta.job, saved_params);
+  DTRAIN_CHECK_AS(CheckpointError, meta.mode == "full" || p.tp == nullptr, "checkpoint '", dir,
+                  "' is sharded (FSDP without tensor parallelism), and this run has parallel.tp ",
+                  config_.parallel.tp,
+                  ": resume it with parallel.tp: 1, then save it with checkpoint.format: full, "
+                  "which restores at any tp");
   DTRAIN_CHECK_AS(CheckpointError, meta.mode == "full" || p.fsdp != nullptr, "checkpoint '", dir,
                   "' is sharded (FSDP), but this run's strategy is ",
                   name_of(config_.parallel.strategy),

@@ -8,6 +8,8 @@
 //                   architecture loads it with load_state_dict.
 //   optim.pt        full: the optimizer state in PyTorch's layout ({"state": {index: {"step",
 //                   "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}), gathered likewise
+//                   Under tensor parallelism both hold the whole tensors, so a checkpoint of
+//                   one mesh (dp x tp) restores at another.
 //   shard_<r>.pt    sharded (FSDP): rank r's flat master shard and optimizer-state shards of
 //                   every unit; meta.json holds the layout, so a checkpoint written at N ranks
 //                   loads at M (each rank reads what old shards hold of its new range)
@@ -73,7 +75,9 @@ class NumericsMonitor;
 }  // namespace dtrain::amp
 namespace dtrain::sharding {
 class FSDPState;
-}
+class Reducer;
+class TensorParallelism;
+}  // namespace dtrain::sharding
 
 namespace dtrain::framework {
 
@@ -86,6 +90,14 @@ struct CheckpointParts {
   amp::GradScaler* scaler = nullptr;
   amp::NumericsMonitor* monitor = nullptr;
   comm::Communicator* comm = nullptr;  // null: one process
+  // Tensor parallelism: the parameters (and their optimizer state) are this rank's slices. A
+  // full checkpoint holds the whole tensors (gathered over the TP group, collectively) and a
+  // restore takes this rank's slices of them, so it restores at any tp. Sharded ones are
+  // refused under TP.
+  const sharding::TensorParallelism* tp = nullptr;
+  // DDP: its rebuilt bucket order goes into every rank's rank_<r>.pt and comes back on a
+  // resume at the same world size, so the resumed run sums in the same order (bitwise).
+  sharding::Reducer* ddp = nullptr;
 };
 
 struct TrainerProgress {
