@@ -6,12 +6,13 @@ cannot measure is skipped, saying why. CI runs it (bench/perf_check.sh); it take
 on two cores.
 
 Figures (speed ratios: bigger is better; margin 10% unless said):
-  attention           for three bf16 and two fp32 shapes [B, H, T, D], the other kernel's
-                      time over the kernel the model's rule picks (framework/models/attention.h):
+  attention           for three bf16 (T 64, 128, 1024) and two fp32 shapes [B, H, T, D], the
+                      other kernel's time over the kernel the model's rule picks (framework/models/attention.h):
                       bound 1.00, so the rule never picks the slower kernel by more than the
                       margin (bench/attention_bench --check)
-  default_bf16        configs/default.yaml at 2 ranks, logging every step: the median fp32 step
-                      over the median bf16 step, in alternating rounds. Bound: 2.2 (what the
+  default_bf16        configs/default.yaml at 2 ranks, logging every step: the fastest fp32 step
+                      over the fastest bf16 step, in alternating rounds (a round that something
+                      else on the machine slowed is not the job's speed). Bound: 2.2 (what the
                       job reached on a CPU with AVX512-BF16 and full-width AVX-512), or 70% of
                       what this CPU's own bf16 matrix products gain over fp32 at the model's
                       shapes, measured in the same run, when that is lower: a CPU whose bf16
@@ -100,10 +101,13 @@ class Check:
 
 
 def attention(c, a):
-    # bf16 at the default job's shape, at T 256 and at T 1024; fp32 where its kernels differ
+    # bf16 at the default job's shape, at T 128 and at T 1024; fp32 where its kernels differ
     # most (at T 64 the two are within 10% of each other, and which is ahead varies by CPU).
+    # Not bf16 at T 256, the rule's boundary: there the explicit kernel took 17.5 ms on one
+    # 2-core Zen 4 VM and 34-35 ms on another of the same CPU model (fused: 28-36 ms on both),
+    # so the figure measured the VM's caches, not the rule.
     out = ""
-    for dtype, shapes in (("bf16", ["8,4,64,48", "4,8,256,64", "1,8,1024,64"]),
+    for dtype, shapes in (("bf16", ["8,4,64,48", "4,8,128,64", "1,8,1024,64"]),
                           ("fp32", ["4,8,256,64", "1,8,1024,64"])):
         cmd = [os.path.join(a.bin, "bench/attention_bench"), "--threads", "1", "--rounds", "3",
                "--reps", "3", "--dtype", dtype]
@@ -121,7 +125,8 @@ def attention(c, a):
 
 
 def gemm_ceiling():
-    """bf16 over fp32 matrix-product speed at the default job's shapes, one thread."""
+    """bf16 over fp32 matrix-product speed at the default job's shapes, one thread (each
+    product's fastest of 15: a median moved from 2.19x to 2.70x between two runs here)."""
     code = r"""
 import time, torch
 torch.set_num_threads(1)
@@ -134,7 +139,7 @@ def best(dt):
         times = []
         for _ in range(15):
             t = time.perf_counter(); x @ y; times.append(time.perf_counter() - t)
-        total += sorted(times)[len(times) // 2]
+        total += min(times)
     return total
 print(best(torch.float32) / best(torch.bfloat16))
 """
@@ -176,7 +181,7 @@ def default_bf16(c, a, work):
         say(f"default job round {r + 1}: fp32 step {fp32[-1] * 1e3:.1f} ms, "
             f"bf16 {bf16[-1] * 1e3:.1f} ms, bf16 with the {other} attention "
             f"{pinned[-1] * 1e3:.1f} ms")
-    f, b, o = (statistics.median(x) for x in (fp32, bf16, pinned))
+    f, b, o = (min(x) for x in (fp32, bf16, pinned))
     c.judge("default_bf16", f / b, bound,
             f"fp32 step {f * 1e3:.1f} ms, bf16 {b * 1e3:.1f} ms; bf16 matrix products "
             f"{ceiling:.2f}x fp32's here, bound min(2.2, 0.7 x {ceiling:.2f})")
