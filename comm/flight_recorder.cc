@@ -210,8 +210,10 @@ Recorder& recorder() {
   return *r;
 }
 
-std::mutex g_dir_mu;
-std::string g_dir;
+// Never destroyed either: the dump thread may read them while exit runs static destructors
+// (ASan saw a SIGTERM's dump read a destroyed g_dir under mpirun).
+std::mutex& g_dir_mu = *new std::mutex();
+std::string& g_dir = *new std::string();
 int g_rank = 0;
 
 int g_pipe[2] = {-1, -1};
