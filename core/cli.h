@@ -23,6 +23,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/exit_codes.h"
 #include "core/version.h"
 
 namespace dtrain::cli {
@@ -81,14 +82,7 @@ inline bool debugging() {
   return level != nullptr && (std::string(level) == "debug" || std::string(level) == "trace");
 }
 
-// The exit code of a rank that stops only because another rank failed (a peer closed its
-// connection mid-collective, or a start-up check failed elsewhere).
-inline constexpr int kConsequenceExitCode = 3;
-
-// The exit code of a run that stopped on SIGTERM or SIGUSR1 after saving a checkpoint
-// (framework/preemption.h): EX_TEMPFAIL of sysexits.h, "a temporary failure; retry". dtrain-launch
-// ends with it too, and never restarts the ranks for it: requeue the job, which resumes.
-inline constexpr int kRequeueExitCode = 75;
+// kConsequenceExitCode (3) and kRequeueExitCode (75): core/exit_codes.h.
 
 struct Failure {
   int code;

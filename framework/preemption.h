@@ -21,11 +21,11 @@
 #include <optional>
 
 #include "comm/communicator.h"
-#include "core/cli.h"
+#include "core/exit_codes.h"
 
 namespace dtrain::framework {
 
-using cli::kRequeueExitCode;  // 75 (core/cli.h)
+using cli::kRequeueExitCode;  // 75 (core/exit_codes.h)
 
 namespace preemption {
 

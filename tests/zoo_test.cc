@@ -6,13 +6,20 @@
 //   - 0-dim parameters (a learnable gain, a temperature);
 //   - units returning std::pair/std::optional and a user struct (for_each_tensor);
 //   - frozen parameters, and units whose parameters are all frozen;
-//   - buffers of float, int64 and bool dtype, changed by every forward.
+//   - buffers of float, double, bfloat16, int64 and bool dtype, changed by every forward;
+//   - a column-wise then row-wise Linear pair in every block (an MLP), which tensor
+//     parallelism slices (sharding/tensor_parallel_plan.h): whole without it.
 // Every rank also trains the same model alone, on the whole batch (the reference); after each
 // step the ranks' averaged gradients, then the parameters and buffers, must equal it. Then
 // the trained model is checkpointed (FSDP: sharded and full; DDP: full) and restored into a
 // fresh one, whose parameters and buffers must equal the reference's bit for bit. And every
 // FSDP strategy with the optimizer in backward must end with bitwise the parameters and
 // buffers of the same strategy stepped after backward.
+//
+// Tensor parallelism (ZooTest.TensorParallel...): the same patterns on a mesh of data-parallel
+// x tp ranks, each block's MLP pair sliced over the tp group, under FSDP (and the optimizer in
+// backward) and DDP over the data-parallel group: the gradients, gathered over both dimensions,
+// and the trained parameters equal one process's, and a full checkpoint comes back bitwise.
 //
 // Named tests pin one pattern each; ZooTest.RandomModels draws models from seeds
 // (DTRAIN_ZOO_SEEDS=first:count, default a fixed set; scripts/zoo runs random ones).
@@ -26,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <random>
@@ -38,7 +46,9 @@
 #include "framework/config.h"
 #include "sharding/ddp.h"
 #include "sharding/fsdp.h"
+#include "sharding/mesh.h"
 #include "sharding/recompute.h"
+#include "sharding/tensor_parallel_plan.h"
 #include "tests/multirank.h"
 
 namespace dtrain::sharding {
@@ -49,6 +59,8 @@ using dtrain::testing::world_ptr;
 using Test = dtrain::testing::MultiRankTest;
 
 constexpr int64_t kIn = 5, kClasses = 4, kPerRank = 3;
+// The MLP pair's inner width: divisible by every tp degree tried (1 to 4).
+constexpr int64_t kMlp = 12;
 
 // How a model of the zoo is made and trained.
 struct ZooSpec {
@@ -109,11 +121,18 @@ class BlockBase : public torch::nn::Module {
   BlockBase(int64_t width, int frozen, bool recompute) : recompute_(recompute) {
     lin = register_module("lin", torch::nn::Linear(width, width));
     extra = register_module("extra", torch::nn::Linear(width, width));
-    gain = register_parameter("gain", at::full({}, 1.0));  // 0-dim
+    up = register_module("up", torch::nn::Linear(width, kMlp));      // tp: colwise
+    down = register_module("down", torch::nn::Linear(kMlp, width));  // tp: rowwise
+    gain = register_parameter("gain", at::full({}, 1.0));            // 0-dim
     running = register_buffer("running", at::zeros({width}));
     count = register_buffer("count", at::zeros({}, at::kLong));
     flag = register_buffer("flag", at::zeros({2}, at::kBool));
-    if (frozen >= 1) lin->weight.requires_grad_(false);
+    wide = register_buffer("wide", at::full({3}, 0.1, at::kDouble));
+    half = register_buffer("half", at::full({width}, 0.3, at::kBFloat16));
+    if (frozen >= 1) {
+      lin->weight.requires_grad_(false);
+      down->weight.requires_grad_(false);  // a frozen slice: its input's gradient still flows
+    }
     if (frozen >= 2) {
       for (auto& p : parameters()) p.requires_grad_(false);
     }
@@ -126,9 +145,12 @@ class BlockBase : public torch::nn::Module {
       running.mul_(0.5).add_(0.125);
       count.add_(1);
       flag.logical_not_();
+      wide.mul_(1.5).add_(1.0 / 3);
+      half.mul_(0.75).add_(0.0625);
     }
     auto region = [this, use_extra](const std::vector<at::Tensor>& in) {
       at::Tensor y = at::tanh(lin(in[0]) * gain + in[1]);
+      y = y + mlp(y);
       if (use_extra) y = y + 0.5 * at::sigmoid(extra(y));
       return std::vector<at::Tensor>{in[0] + y, (y * y).mean()};
     };
@@ -138,6 +160,8 @@ class BlockBase : public torch::nn::Module {
     }
     // The buffer as this call read it: a later call (reuse) changes it before the recompute.
     std::vector<at::Tensor> params = lin->parameters();
+    for (const auto& p : up->parameters()) params.push_back(p);
+    for (const auto& p : down->parameters()) params.push_back(p);
     params.push_back(gain);
     if (use_extra) {
       for (const auto& p : extra->parameters()) params.push_back(p);
@@ -146,11 +170,18 @@ class BlockBase : public torch::nn::Module {
     return {out[0], out[1]};
   }
 
+  // up then down, through the tensor-parallel styles when the block is sliced.
+  at::Tensor mlp(const at::Tensor& y) {
+    if (tp == nullptr) return down(at::relu(up(y)));
+    return tp->linear(at::relu(tp->linear(y, up->weight, up->bias)), down->weight, down->bias);
+  }
+
   bool recompute_ = false;
 
  public:
-  torch::nn::Linear lin{nullptr}, extra{nullptr};
-  at::Tensor gain, running, count, flag;
+  torch::nn::Linear lin{nullptr}, extra{nullptr}, up{nullptr}, down{nullptr};
+  at::Tensor gain, running, count, flag, wide, half;
+  std::shared_ptr<const TensorParallelism> tp;  // set by ZooNetImpl::parallelize
 };
 
 // A user struct holding tensors: found through its for_each_tensor.
@@ -223,6 +254,13 @@ class ZooNetImpl : public torch::nn::Module {
       }
     }
     return {head(h) * temperature, aux};
+  }
+
+  // Slices every block's MLP pair over `tp`'s group (before a strategy wraps the net).
+  void parallelize(const std::shared_ptr<TensorParallelism>& tp) {
+    tp->apply(*this, {{"*.up", Style::kColwise}, {"*.down", Style::kRowwise}});
+    for (auto& b : structs) b->tp = tp;
+    for (auto& b : pairs) b->tp = tp;
   }
 
   ZooSpec spec_;
@@ -376,14 +414,16 @@ Batch my_rows(const Batch& b) {
 
 // Trains `model` (DDP or FSDP) on this rank's rows beside the reference on all of them, for
 // spec.steps steps: after each step's backward, compare_grads(step), then SGD on both.
+// `rows` picks this rank's rows of the whole batch of `total` (default: the world's ranks').
 template <typename Model, typename CompareGrads>
-void train_beside(const ZooSpec& spec, Model& model, Reference& ref, CompareGrads&& compare_grads) {
-  const int64_t total = world().size() * kPerRank;
+void train_beside(const ZooSpec& spec, Model& model, Reference& ref, CompareGrads&& compare_grads,
+                  int64_t total = world().size() * kPerRank,
+                  const std::function<Batch(const Batch&)>& rows = my_rows) {
   for (int64_t s = 0; s < spec.steps; ++s) {
     ref.step(spec, s, total);
     zero_grad(model.parameters());
     train_step(
-        spec, s, total, [&](const at::Tensor& x, bool last) { return model(x, last); }, my_rows,
+        spec, s, total, [&](const at::Tensor& x, bool last) { return model(x, last); }, rows,
         [&](bool last) { return no_sync_unless(last, model); });
     compare_grads(s);
     sgd_step(model.parameters(), kLr);
@@ -508,6 +548,220 @@ void check_in_backward(const ZooSpec& spec, FSDPOptions options, const std::stri
     EXPECT_TRUE(at::equal(got[k].second, want[k].second)) << "final parameter " << got[k].first;
   }
   expect_equal_buffers("FSDP, optimizer in backward", *during.module(), *after.module());
+}
+
+// --- tensor parallelism ------------------------------------------------------------------------
+
+// The mesh of world / tp data-parallel ranks x tp (its splits are collective: one per degree).
+DeviceMesh& mesh_with_tp(int tp) {
+  static std::map<int, std::unique_ptr<DeviceMesh>> meshes;
+  auto& mesh = meshes[tp];
+  if (!mesh)
+    mesh = std::make_unique<DeviceMesh>(world_ptr(), MeshShape{1, world().size() / tp, tp});
+  return *mesh;
+}
+
+// A zoo net with its MLP pairs sliced over the tp group of a mesh; each data-parallel rank
+// takes its rows of the batch, the ranks of a tp group the same ones.
+struct TpZoo {
+  DeviceMesh& mesh;
+  std::shared_ptr<TensorParallelism> tp;
+  TpZoo(int degree) : mesh(mesh_with_tp(degree)) {
+    tp = std::make_shared<TensorParallelism>(mesh.tp(), /*sequence_parallel=*/false);
+  }
+  ZooNet net(const ZooSpec& spec) const {
+    ZooNet n = make_net(spec);
+    n->parallelize(tp);
+    return n;
+  }
+  int64_t total() const { return mesh.dp_size() * kPerRank; }
+  std::function<Batch(const Batch&)> rows() const {
+    const int64_t d = mesh.dp_rank();
+    return [d](const Batch& b) {
+      return Batch{b.x.narrow(0, d * kPerRank, kPerRank), b.y.narrow(0, d * kPerRank, kPerRank)};
+    };
+  }
+  std::string label(const std::string& what) const {
+    return what + " over " + std::to_string(mesh.dp_size()) + " x tp " +
+           std::to_string(mesh.shape().tp);
+  }
+};
+
+// FSDP over the data-parallel ranks of the tp-sliced zoo net: gradients (FSDP's shards gathered
+// over the data-parallel group, then the slices over the tp group) and final parameters against
+// one process without TP; buffers bitwise; a full checkpoint restores the slices bitwise.
+void check_tp_fsdp(const ZooSpec& spec, int degree, FSDPOptions options, const std::string& name) {
+  TpZoo zoo(degree);
+  SCOPED_TRACE(zoo.label("FSDP " + name) + " | " + spec.describe());
+  Reference ref(spec);
+  FullyShardedDataParallel<ZooNet> model(zoo.net(spec), zoo.mesh.dp(), options);
+  train_beside(
+      spec, model, ref,
+      [&](int64_t s) {
+        auto masters = model.state().all_parameters();
+        std::vector<at::Tensor> grads;
+        for (const auto& m : masters) grads.push_back(m.second.grad());
+        auto full = model.state().gather_full(grads);
+        auto ref_params = ref.net->named_parameters();
+        for (size_t k = 0; k < masters.size(); ++k) {
+          const std::string& n = masters[k].first;
+          const at::Tensor& want = ref_params[n];
+          if (!want.requires_grad()) {
+            EXPECT_FALSE(masters[k].second.grad().defined()) << "frozen " << n;
+            continue;
+          }
+          expect_close("step " + std::to_string(s) + " gradient of " + n, zoo.tp->full(n, full[k]),
+                       want.grad());
+        }
+      },
+      zoo.total(), zoo.rows());
+  auto params = model.state().full_parameters();
+  auto ref_params = ref.net->named_parameters();
+  for (const auto& [n, value] : params) {
+    expect_close("final parameter " + n, zoo.tp->full(n, value), ref_params[n]);
+  }
+  expect_equal_buffers("FSDP x TP", *model.module(), *ref.net);
+  FullyShardedDataParallel<ZooNet> fresh(zoo.net(spec), zoo.mesh.dp(), options);
+  round_trip({model.module().ptr().get(), &model.state(), nullptr, nullptr, nullptr, &world(),
+              zoo.tp.get()},
+             {fresh.module().ptr().get(), &fresh.state(), nullptr, nullptr, nullptr, &world(),
+              zoo.tp.get()},
+             "fsdp", "full");
+  auto restored = fresh.state().full_parameters();
+  for (size_t k = 0; k < params.size(); ++k) {
+    EXPECT_TRUE(at::equal(restored[k].second, params[k].second))
+        << "full checkpoint under TP: parameter " << params[k].first << " did not come back";
+  }
+  expect_equal_buffers("FSDP x TP after a full checkpoint", *fresh.module(), *ref.net);
+}
+
+// The optimizer in backward under FSDP x TP: bitwise the parameters of stepping after backward.
+void check_tp_in_backward(const ZooSpec& spec, int degree, FSDPOptions options,
+                          const std::string& name) {
+  TpZoo zoo(degree);
+  SCOPED_TRACE(zoo.label("FSDP " + name) + ", optimizer in backward | " + spec.describe());
+  FullyShardedDataParallel<ZooNet> after(zoo.net(spec), zoo.mesh.dp(), options);
+  FullyShardedDataParallel<ZooNet> during(zoo.net(spec), zoo.mesh.dp(), options);
+  during.state().set_step_in_backward([](const std::vector<at::Tensor>& ps) { sgd_step(ps, kLr); });
+  for (int64_t s = 0; s < spec.steps; ++s) {
+    for (auto* model : {&after, &during}) {
+      zero_grad(model->parameters());
+      train_step(
+          spec, s, zoo.total(), [&](const at::Tensor& x, bool last) { return (*model)(x, last); },
+          zoo.rows(), [&](bool last) { return no_sync_unless(last, *model); });
+    }
+    for (const auto& p : during.parameters()) {
+      EXPECT_FALSE(p.grad().defined()) << "step " << s << ": a gradient outlived its unit's step";
+    }
+    sgd_step(after.parameters(), kLr);
+  }
+  const auto want = after.state().full_parameters();
+  const auto got = during.state().full_parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    EXPECT_TRUE(at::equal(got[k].second, want[k].second)) << "final parameter " << got[k].first;
+  }
+  expect_equal_buffers("FSDP x TP, optimizer in backward", *during.module(), *after.module());
+}
+
+// DDP over the data-parallel ranks of the tp-sliced zoo net, as check_tp_fsdp.
+void check_tp_ddp(const ZooSpec& spec, int degree) {
+  TpZoo zoo(degree);
+  SCOPED_TRACE(zoo.label("DDP") + " | " + spec.describe());
+  Reference ref(spec);
+  const auto options = DDPOptions().find_unused_parameters(true);
+  DistributedDataParallel<ZooNet> model(zoo.net(spec), zoo.mesh.dp(), options);
+  train_beside(
+      spec, model, ref,
+      [&](int64_t s) {
+        auto ref_params = ref.net->named_parameters();
+        for (const auto& item : model.module()->named_parameters()) {
+          const at::Tensor& g = item.value().grad();
+          expect_close("step " + std::to_string(s) + " gradient of " + item.key(),
+                       g.defined() ? zoo.tp->full(item.key(), g) : g,
+                       ref_params[item.key()].grad());
+        }
+      },
+      zoo.total(), zoo.rows());
+  auto ref_params = ref.net->named_parameters();
+  for (const auto& item : model.module()->named_parameters()) {
+    expect_close("final parameter " + item.key(), zoo.tp->full(item.key(), item.value()),
+                 ref_params[item.key()]);
+  }
+  expect_equal_buffers("DDP x TP", *model.module(), *ref.net);
+  DistributedDataParallel<ZooNet> fresh(zoo.net(spec), zoo.mesh.dp(), options);
+  round_trip(
+      {model.module().ptr().get(), nullptr, nullptr, nullptr, nullptr, &world(), zoo.tp.get()},
+      {fresh.module().ptr().get(), nullptr, nullptr, nullptr, nullptr, &world(), zoo.tp.get()},
+      "ddp", "full");
+  for (const auto& item : model.module()->named_parameters()) {
+    EXPECT_TRUE(at::equal(fresh.module()->named_parameters()[item.key()], item.value()))
+        << "full checkpoint under TP: parameter " << item.key() << " did not come back";
+  }
+  expect_equal_buffers("DDP x TP after a full checkpoint", *fresh.module(), *ref.net);
+}
+
+// A zoo net run plain (no strategy), as train_beside runs wrapped ones: its micro-batches
+// accumulate without no_sync.
+struct PlainZoo {
+  ZooNet net;
+  std::pair<at::Tensor, at::Tensor> operator()(const at::Tensor& x, bool last) {
+    return net(x, last);
+  }
+  std::vector<at::Tensor> parameters() const { return net->parameters(); }
+};
+std::optional<NoSyncGuard> no_sync_unless(bool, PlainZoo&) { return std::nullopt; }
+
+// TP over the whole world, no data parallelism (as the trainer runs tp = world: the model
+// plain, every rank on the whole batch), against one process; a full checkpoint restores it.
+void check_tp_alone(const ZooSpec& spec) {
+  TpZoo zoo(world().size());
+  SCOPED_TRACE(zoo.label("TP alone") + " | " + spec.describe());
+  Reference ref(spec);
+  PlainZoo model{zoo.net(spec)};
+  train_beside(
+      spec, model, ref,
+      [&](int64_t s) {
+        auto ref_params = ref.net->named_parameters();
+        for (const auto& item : model.net->named_parameters()) {
+          const at::Tensor& g = item.value().grad();
+          expect_close("step " + std::to_string(s) + " gradient of " + item.key(),
+                       g.defined() ? zoo.tp->full(item.key(), g) : g,
+                       ref_params[item.key()].grad());
+        }
+      },
+      zoo.total(), zoo.rows());
+  auto ref_params = ref.net->named_parameters();
+  for (const auto& item : model.net->named_parameters()) {
+    expect_close("final parameter " + item.key(), zoo.tp->full(item.key(), item.value()),
+                 ref_params[item.key()]);
+  }
+  expect_equal_buffers("TP", *model.net, *ref.net);
+  ZooNet fresh = zoo.net(spec);
+  round_trip({model.net.ptr().get(), nullptr, nullptr, nullptr, nullptr, &world(), zoo.tp.get()},
+             {fresh.ptr().get(), nullptr, nullptr, nullptr, nullptr, &world(), zoo.tp.get()}, "ddp",
+             "full");
+  for (const auto& item : model.net->named_parameters()) {
+    EXPECT_TRUE(at::equal(fresh->named_parameters()[item.key()], item.value()))
+        << "full checkpoint under TP: parameter " << item.key() << " did not come back";
+  }
+  expect_equal_buffers("TP after a full checkpoint", *fresh, *ref.net);
+}
+
+// Every pattern under TP: over the whole world, and where the world is an even number above 2
+// on the 2-D mesh of tp 2 under FSDP (full_shard and hybrid_shard over the data-parallel
+// group, the optimizer in backward) and DDP.
+void check_all_tp(const ZooSpec& spec) {
+  check_tp_alone(spec);
+  if (world().size() > 2 && world().size() % 2 == 0) {
+    check_tp_fsdp(spec, 2, FSDPOptions(), "full_shard");
+    check_tp_fsdp(
+        spec, 2,
+        FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard).hybrid_group_size(1),
+        "hybrid_shard");
+    check_tp_in_backward(spec, 2, FSDPOptions(), "full_shard");
+    check_tp_ddp(spec, 2);
+  }
 }
 
 void check_all(const ZooSpec& spec) {
@@ -726,6 +980,31 @@ TEST_F(Test, OptimizerStateIsRestoredByParameterName) {
   expect_same_moments("DDP full", named, opt, fresh_named, opt2);
 }
 
+// Tensor parallelism on the patterns: a block called three times (each call's column-wise input
+// all-reduced in backward), a frozen row-wise slice, a parameter unused in the last no_sync
+// micro-batch, a no-grad forward between forward and backward, recompute (whose forward
+// repeats the row-wise all-reduce in backward).
+TEST_F(Test, TensorParallelReuseFrozenUnusedAndNoGrad) {
+  ZooSpec s;
+  s.calls = {0, 1, 0, 2, 0};
+  s.frozen = {0, 1, 2};
+  s.sometimes_unused = 1;
+  s.micro_batches = 2;
+  s.nograd = 2;
+  check_all_tp(s);
+}
+
+TEST_F(Test, TensorParallelRecomputeAndAUnitSkippedInTheLastMicroBatch) {
+  ZooSpec s;
+  s.recompute = true;
+  s.calls = {0, 1, 0, 2};
+  s.frozen = {0, 1, 0};
+  s.skipped_in_last = 2;
+  s.micro_batches = 3;
+  s.nograd = 1;
+  check_all_tp(s);
+}
+
 TEST_F(Test, RandomModels) {
   uint64_t first = 1, count = 6;
   if (const char* seeds = std::getenv("DTRAIN_ZOO_SEEDS")) {
@@ -737,6 +1016,7 @@ TEST_F(Test, RandomModels) {
   for (uint64_t seed = first; seed < first + count; ++seed) {
     SCOPED_TRACE("zoo seed " + std::to_string(seed));
     check_all(random_spec(seed));
+    if (seed % 3 == 1) check_all_tp(random_spec(seed));  // a third of them under TP too
     if (::testing::Test::HasFailure()) break;  // the first failing seed is the one to read
   }
 }
