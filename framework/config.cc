@@ -485,6 +485,7 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.read("hybrid_group_size", p.hybrid_group_size);
   s.read("tp", p.tp);
   s.read("sequence_parallel", p.sequence_parallel);
+  s.read("sequence_parallel_regather", p.sequence_parallel_regather);
   s.read("timeout_s", p.timeout_s);
   s.check(p.bucket_cap_mb > 0, "bucket_cap_mb",
           "must be > 0, got " + std::to_string(p.bucket_cap_mb));

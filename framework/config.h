@@ -189,6 +189,9 @@ struct ParallelConfig {
   // Sequence parallelism inside the TP groups: the norms and the residual stream between the
   // tensor-parallel layers hold 1/tp of the sequence.
   bool sequence_parallel = false;
+  // Sequence parallelism: the column-wise layers all-gather their input again in backward
+  // rather than hold the gathered sequence (Megatron-LM's way; false: PyTorch's).
+  bool sequence_parallel_regather = true;
   double timeout_s = 300.0;
 };
 

@@ -52,11 +52,15 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
   // counted cut too) and the data-parallel strategy runs over world / tp ranks. Activations
   // per layer by Megatron's formula (Korthikanti et al. 2022, sbh(34 + 5as/h) without TP):
   // with TP, sbh(10 + 24/t + 5as/(ht)), the norms' and residual's 10 whole; with sequence
-  // parallelism, everything / t. The attention term is taken as cut with the rest.
+  // parallelism, everything / t; with it but without the regather in backward, the gathered
+  // inputs of attention and the MLP (4 of the 10) stay whole. The attention term is taken as
+  // cut with the rest.
   const double t = static_cast<double>(c.parallel.tp);
   if (t > 1) {
     world = std::max(1, world / static_cast<int>(c.parallel.tp));
-    e.activations *= c.parallel.sequence_parallel ? 1 / t : (10 + 24 / t) / 34;
+    e.activations *= !c.parallel.sequence_parallel           ? (10 + 24 / t) / 34
+                     : c.parallel.sequence_parallel_regather ? 1 / t
+                                                             : (4 + 30 / t) / 34;
   }
   const double largest_unit = mm.largest_unit / t, root = mm.root / t;
   const double p = static_cast<double>(e.parameter_count) / t;

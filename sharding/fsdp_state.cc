@@ -711,4 +711,6 @@ std::vector<std::pair<std::string, at::Tensor>> FSDPState::named_parameters() co
   return out;
 }
 
+int64_t FSDPState::pooled_bytes() const { return pool_ ? pool_->pooled_bytes() : 0; }
+
 }  // namespace dtrain::sharding

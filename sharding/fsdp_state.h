@@ -208,6 +208,9 @@ class FSDPState : public GradientSync {
   // Gradient reductions (reduce-scatters, or all-reduces without sharding) issued since
   // construction.
   int64_t reductions_launched() const { return reductions_launched_; }
+  // Bytes of freed gathered and gradient buffers kept for the next step (BufferPool): allocated,
+  // and counted as tracked memory, between steps.
+  int64_t pooled_bytes() const;
 
  private:
   void ensure_backward_started();

@@ -1,5 +1,6 @@
 #include "sharding/tensor_parallel.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "core/error.h"
@@ -29,13 +30,14 @@ at::Tensor all_reduced(const at::Tensor& x, comm::Communicator* g,
 }
 
 // Along dim 1 (the sequence): moved to dim 0, where the flat collectives cut.
+// Contiguous: the Linears that take it save it once (a strided view would be copied by each).
 at::Tensor gathered_seq(const at::Tensor& x, comm::Communicator* g) {
   at::Tensor in = x.transpose(0, 1).contiguous();
   std::vector<int64_t> shape = in.sizes().vec();
   shape[0] *= g->size();
   at::Tensor out = at::empty(shape, in.options());
   g->all_gather(in, out).wait();
-  return out.transpose(0, 1);
+  return out.transpose(0, 1).contiguous();
 }
 
 at::Tensor reduce_scattered_seq(const at::Tensor& x, comm::Communicator* g) {
@@ -105,6 +107,57 @@ struct SplitSeq : torch::autograd::Function<SplitSeq> {
   }
 };
 
+// Column-wise Linears that share a sequence-parallel input (q, k and v; gate and up): the input
+// gathered over the group, each weight applied. Only this rank's part of the sequence is kept
+// for backward, which gathers it again for the weights' gradients, as Megatron-LM's sequence
+// parallelism does: an all-gather more per backward instead of the whole sequence held from
+// forward to backward. Inputs: x, then the weights, then the biases of the weights
+// `has_bias` marks (autograd takes no undefined tensor in a list).
+struct GatheredLinears : torch::autograd::Function<GatheredLinears> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList params,
+                               c10::List<bool> has_bias, const CommPtr& g) {
+    keep_group(ctx, g);
+    const size_t n = has_bias.size();
+    const at::Tensor full = gathered_seq(x, g.get());
+    variable_list out;
+    size_t b = n;
+    for (size_t i = 0; i < n; ++i) {
+      out.push_back(at::linear(full, params[i], has_bias.get(i) ? params[b++] : at::Tensor()));
+    }
+    variable_list saved = {x};
+    for (size_t i = 0; i < n; ++i) saved.push_back(params[i]);
+    ctx->save_for_backward(saved);
+    ctx->saved_data["bias"] = has_bias;
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const size_t n = saved.size() - 1;
+    const auto has_bias = ctx->saved_data["bias"].toBoolList();
+    comm::Communicator* g = group_of(ctx);
+    const at::Tensor full = gathered_seq(saved[0], g);
+    const at::Tensor rows = full.reshape({-1, full.size(-1)});
+    at::Tensor grad_full;
+    variable_list grad_w(n), grad_b;
+    for (size_t i = 0; i < n; ++i) {
+      at::Tensor gy;
+      if (grads[i].defined()) {
+        gy = grads[i].reshape({-1, grads[i].size(-1)});
+        const at::Tensor gx = at::matmul(grads[i], saved[1 + i]);
+        grad_full = grad_full.defined() ? grad_full + gx : gx;
+        grad_w[i] = gy.t().mm(rows);
+      }
+      if (has_bias.get(i)) grad_b.push_back(gy.defined() ? gy.sum(0) : at::Tensor());
+    }
+    variable_list out = {grad_full.defined() ? reduce_scattered_seq(grad_full, g) : at::Tensor()};
+    out.insert(out.end(), grad_w.begin(), grad_w.end());
+    out.insert(out.end(), grad_b.begin(), grad_b.end());
+    out.push_back(at::Tensor());  // has_bias
+    out.push_back(at::Tensor());  // the group
+    return out;
+  }
+};
+
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& targets, int64_t vocab_start, const CommPtr& g) {
@@ -157,6 +210,37 @@ at::Tensor reduce_scatter_seq(const at::Tensor& x, const CommPtr& group) {
 
 at::Tensor split_seq(const at::Tensor& x, const CommPtr& group) {
   return trivial(group) ? x : SplitSeq::apply(x, group);
+}
+
+std::vector<at::Tensor> gathered_linears(const at::Tensor& x,
+                                         const std::vector<at::Tensor>& weights,
+                                         const std::vector<at::Tensor>& biases,
+                                         const CommPtr& group) {
+  DTRAIN_CHECK(biases.empty() || biases.size() == weights.size(),
+               "gathered_linears: one bias (or an undefined one) per weight");
+  if (trivial(group)) {
+    std::vector<at::Tensor> out;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      out.push_back(at::linear(x, weights[i], biases.empty() ? at::Tensor() : biases[i]));
+    }
+    return out;
+  }
+  // Under autocast, the cast at::linear would make, made here: autograd takes the gradients
+  // back to the parameters' dtype through it, and the function computes in one dtype.
+  const auto device = x.device().type();
+  const bool cast =
+      at::autocast::is_autocast_enabled(device) && at::isFloatingType(x.scalar_type());
+  const auto dtype = cast ? at::autocast::get_autocast_dtype(device) : x.scalar_type();
+  auto in_dtype = [&](const at::Tensor& t) { return cast ? t.to(dtype) : t; };
+  variable_list params;
+  for (const auto& w : weights) params.push_back(in_dtype(w));
+  c10::List<bool> has_bias;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const bool defined = i < biases.size() && biases[i].defined();
+    has_bias.push_back(defined);
+    if (defined) params.push_back(in_dtype(biases[i]));
+  }
+  return GatheredLinears::apply(in_dtype(x), at::TensorList(params), has_bias, group);
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,

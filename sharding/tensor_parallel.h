@@ -7,6 +7,8 @@
 //   gather_seq         forward: all-gather along dim 1 (the sequence); backward: reduce-scatter
 //   reduce_scatter_seq forward: reduce-scatter along dim 1;            backward: all-gather
 //   split_seq          forward: this rank's chunk of dim 1;             backward: all-gather
+//   gathered_linears   gather_seq then colwise Linears, keeping only the local chunk for
+//                      backward (which all-gathers it again)
 //
 // Styles (sharding/tensor_parallel_plan.h applies them by submodule name):
 //   colwise  Linear W [out, in] -> rows [out/T] here: y_local = x W_local^T (+ b_local); the
@@ -29,6 +31,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <vector>
 
 #include "comm/communicator.h"
 
@@ -41,6 +44,16 @@ at::Tensor reduce_from_tp(const at::Tensor& x, const CommPtr& group);
 at::Tensor gather_seq(const at::Tensor& x, const CommPtr& group);
 at::Tensor reduce_scatter_seq(const at::Tensor& x, const CommPtr& group);
 at::Tensor split_seq(const at::Tensor& x, const CommPtr& group);
+
+// Column-wise Linears sharing a sequence-parallel input x [B, T/G, in] (q, k, v; gate, up):
+// the outputs of gather_seq(x) through each weight (and bias; `biases` empty or one per
+// weight, undefined for none), [B, T, out/G] each. Backward keeps only x and gathers it again
+// (Megatron-LM's sequence parallelism), instead of holding the gathered [B, T, in] from forward
+// to backward. With one rank, plain Linears.
+std::vector<at::Tensor> gathered_linears(const at::Tensor& x,
+                                         const std::vector<at::Tensor>& weights,
+                                         const std::vector<at::Tensor>& biases,
+                                         const CommPtr& group);
 
 // Loss of `logits` [N, V/T] (this rank's vocabulary slice, which starts at vocab_start) against
 // `targets` [N] (global ids), averaged over the N rows: equal to cross_entropy of the gathered

@@ -53,8 +53,8 @@ bool plan_matches(const std::string& pattern, const std::string& name) {
 }
 
 TensorParallelism::TensorParallelism(std::shared_ptr<comm::Communicator> group,
-                                     bool sequence_parallel)
-    : group_(std::move(group)), sequence_parallel_(sequence_parallel) {}
+                                     bool sequence_parallel, bool regather)
+    : group_(std::move(group)), sequence_parallel_(sequence_parallel), regather_(regather) {}
 
 std::vector<std::string> TensorParallelism::apply(torch::nn::Module& root, const Plan& plan) {
   c10::NoGradGuard no_grad;
@@ -135,8 +135,19 @@ at::Tensor TensorParallelism::linear(const at::Tensor& x, const at::Tensor& weig
     return bias.defined() ? y + bias : y;
   }
   // colwise, or a vocab-sliced embedding used as the head: output sharded on its last dim.
-  at::Tensor in = sequence_parallel() ? tp::gather_seq(x, group_) : tp::copy_to_tp(x, group_);
-  return at::linear(in, weight, bias);
+  if (sequence_parallel() && regather_) {
+    return tp::gathered_linears(x, {weight}, {bias}, group_)[0];
+  }
+  return at::linear(enter(x), weight, bias);
+}
+
+std::vector<at::Tensor> TensorParallelism::colwise(const at::Tensor& x,
+                                                   const std::vector<at::Tensor>& weights) const {
+  if (sequence_parallel() && regather_) return tp::gathered_linears(x, weights, {}, group_);
+  const at::Tensor in = enter(x);
+  std::vector<at::Tensor> out;
+  for (const auto& w : weights) out.push_back(at::linear(in, w));
+  return out;
 }
 
 at::Tensor TensorParallelism::enter(const at::Tensor& x) const {
@@ -192,11 +203,23 @@ at::Tensor TensorParallelism::gather_vocab(const at::Tensor& logits,
 
 void TensorParallelism::sync_replicated_grads(const std::vector<at::Tensor>& grads) const {
   if (!sequence_parallel()) return;
-  std::vector<comm::Work> works;
+  // Small tensors (the norms' weights): flattened into one buffer per dtype, as Megatron-LM
+  // all-reduces its layer norms' gradients, rather than one collective each.
+  std::map<c10::ScalarType, std::vector<at::Tensor>> by_dtype;
   for (const auto& g : grads) {
-    if (g.defined() && g.numel() > 0) works.push_back(group_->all_reduce(g));
+    if (g.defined() && g.numel() > 0) by_dtype[g.scalar_type()].push_back(g);
   }
-  for (auto& w : works) w.wait();
+  for (auto& [dtype, list] : by_dtype) {
+    std::vector<at::Tensor> flat;
+    for (const auto& g : list) flat.push_back(g.reshape({-1}));
+    at::Tensor buffer = at::cat(flat);
+    group_->all_reduce(buffer).wait();
+    int64_t offset = 0;
+    for (auto& g : list) {
+      g.copy_(buffer.narrow(0, offset, g.numel()).view_as(g));
+      offset += g.numel();
+    }
+  }
 }
 
 at::Tensor TensorParallelism::full(const std::string& name, const at::Tensor& local) const {

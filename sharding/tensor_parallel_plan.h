@@ -12,7 +12,8 @@
 // gradients are summed over the group after backward (sync_replicated_grads), as Megatron does.
 //
 // The model's forward asks the TensorParallelism for each layer (by its weight tensor):
-//   linear(x, w, b)          the style of w: colwise (input through copy_to_tp or gather_seq),
+//   linear(x, w, b)          the style of w: colwise (input through copy_to_tp, or gathered under
+//                            sequence parallelism, keeping only the local part for backward),
 //                            rowwise (output through reduce_from_tp or reduce_scatter_seq), or a
 //                            plain linear for a weight no style names;
 //   embedding(tokens, w)     the residual stream the blocks take: a vocab-parallel lookup and
@@ -50,7 +51,13 @@ bool plan_matches(const std::string& pattern, const std::string& name);
 
 class TensorParallelism {
  public:
-  TensorParallelism(std::shared_ptr<comm::Communicator> group, bool sequence_parallel);
+  // `regather` (sequence parallelism): column-wise layers keep only this rank's part of the
+  // sequence for backward and all-gather it again there (Megatron-LM's way: activations 1/tp,
+  // two all-gathers more per layer); false keeps the gathered sequence from forward to
+  // backward (PyTorch's SequenceParallel: the traffic of Megatron's formula, the norms'
+  // outputs whole).
+  TensorParallelism(std::shared_ptr<comm::Communicator> group, bool sequence_parallel,
+                    bool regather = true);
 
   int size() const { return group_ ? group_->size() : 1; }
   int rank() const { return group_ ? group_->rank() : 0; }
@@ -67,6 +74,11 @@ class TensorParallelism {
   // (copy_to_tp, or gather_seq under sequence parallelism: once for q, k and v), and the output
   // of a rowwise one (reduce_from_tp, or reduce_scatter_seq). Identity with one rank.
   at::Tensor enter(const at::Tensor& x) const;
+  // Column-wise layers (no bias) that share the input x: each weight's output. Under sequence
+  // parallelism x is this rank's part of the sequence, gathered once, and backward keeps only
+  // that part (tp::gathered_linears); otherwise enter(x) through each. Plain with one rank.
+  std::vector<at::Tensor> colwise(const at::Tensor& x,
+                                  const std::vector<at::Tensor>& weights) const;
   at::Tensor leave(const at::Tensor& y) const;
   at::Tensor embedding(const at::Tensor& tokens, const at::Tensor& weight) const;
   // Logits [N, V or V/T] and targets [N].
@@ -77,8 +89,9 @@ class TensorParallelism {
   // Whether `param` is a slice (its gradient norm sums over the group) or whole on every rank.
   bool sliced(const at::Tensor& param) const;
   // Under sequence parallelism: sums the gradients of the replicated parameters over the group
-  // (each rank's covers its part of the sequence). `grads` are those gradients (under FSDP, the
-  // shards of them, which every rank of the group holds alike). Collective over the group.
+  // (each rank's covers its part of the sequence), in one all-reduce per dtype. `grads` are those
+  // gradients (under FSDP, the shards of them, which every rank of the group holds alike).
+  // Collective over the group.
   void sync_replicated_grads(const std::vector<at::Tensor>& grads) const;
   // The replicated parameters, by their names in the module apply() saw.
   const std::vector<std::string>& replicated() const { return replicated_; }
@@ -108,6 +121,7 @@ class TensorParallelism {
 
   std::shared_ptr<comm::Communicator> group_;
   bool sequence_parallel_;
+  bool regather_;
   std::map<const c10::TensorImpl*, Slice> by_param_;
   std::map<std::string, Slice> by_name_;
   std::vector<std::string> replicated_;

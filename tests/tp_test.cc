@@ -145,19 +145,22 @@ LlamaOptions tiny_llama(int t, bool tie) {
 
 // The Llama plan against the same Llama whole: the loss (vocabulary-parallel) and every
 // parameter's gradient, gathered from the slices, with tied and untied heads, with and without
-// sequence parallelism; and the plan's gradient norm (summed over the slices, the norms' weights
+// sequence parallelism (gathering the column-wise inputs again in backward, or keeping them);
+// and the plan's gradient norm (summed over the slices, the norms' weights
 // once) equals the whole model's.
 TEST_F(Test, LlamaPlanGivesOneProcessLossAndGradients) {
   const int t = world().size();
   auto group = tp_group(t);
   for (bool tie : {true, false}) {
-    for (bool sp : {false, true}) {
-      SCOPED_TRACE(std::string(tie ? "tied" : "untied") + (sp ? ", sequence parallel" : ""));
+    for (int mode : {0, 1, 2}) {
+      const bool sp = mode > 0, regather = mode == 1;
+      SCOPED_TRACE(std::string(tie ? "tied" : "untied") +
+                   (sp ? regather ? ", sequence parallel" : ", sequence parallel, kept" : ""));
       at::manual_seed(21);
       LlamaForCausalLM whole(tiny_llama(t, tie));
       at::manual_seed(21);
       LlamaForCausalLM sliced(tiny_llama(t, tie));
-      auto tpz = std::make_shared<TensorParallelism>(group, sp);
+      auto tpz = std::make_shared<TensorParallelism>(group, sp, regather);
       const auto done = sliced->parallelize(tpz);
       EXPECT_EQ(done.size(), tie ? 15u : 16u) << "14 layer weights, the embedding, the head";
       auto gen = at::make_generator<at::CPUGeneratorImpl>(5);

@@ -74,15 +74,21 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaOptions& o) : o_(o) {
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
   // Under tensor parallelism this rank's heads: q_proj's rows say how many; the input enters
   // the group once for q, k and v (under sequence parallelism: the whole sequence, gathered).
-  const at::Tensor in = tp ? tp->enter(x) : x;
-  const int64_t D = o_.head_size(), B = in.size(0), T = in.size(1), H = q_proj->weight.size(0) / D,
-                KV = k_proj->weight.size(0) / D;
+  std::vector<at::Tensor> qkv;
+  if (tp) {
+    qkv = tp->colwise(x, {q_proj->weight, k_proj->weight, v_proj->weight});
+  } else {
+    qkv = {at::linear(x, q_proj->weight), at::linear(x, k_proj->weight),
+           at::linear(x, v_proj->weight)};
+  }
+  const int64_t D = o_.head_size(), B = qkv[0].size(0), T = qkv[0].size(1),
+                H = q_proj->weight.size(0) / D, KV = k_proj->weight.size(0) / D;
   auto heads = [&](const at::Tensor& t, int64_t n) {
     return t.view({B, T, n, D}).transpose(1, 2);  // [B, n, T, D]
   };
-  at::Tensor q = heads(at::linear(in, q_proj->weight), H);
-  at::Tensor k = heads(at::linear(in, k_proj->weight), KV);
-  at::Tensor v = heads(at::linear(in, v_proj->weight), KV);
+  at::Tensor q = heads(qkv[0], H);
+  at::Tensor k = heads(qkv[1], KV);
+  at::Tensor v = heads(qkv[2], KV);
   auto [cos, sin] = rotary(T, D, o_.rope_theta(), q);
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
@@ -130,6 +136,10 @@ LlamaMLPImpl::LlamaMLPImpl(const LlamaOptions& o) {
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
+  if (tp && tp->sequence_parallel()) {  // gate and up from the gathered sequence
+    const auto gate_up = tp->colwise(x, {gate_proj->weight, up_proj->weight});
+    return tp->leave(at::linear(at::silu(gate_up[0]) * gate_up[1], down_proj->weight));
+  }
   const at::Tensor in = tp ? tp->enter(x) : x;
   // gate before up, in separate statements: Hugging Face's order, which autograd (and so DDP's
   // rebuilt buckets) follows; C++ leaves the order of `a * b`'s operands unspecified.
@@ -224,7 +234,7 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) {
   DTRAIN_CHECK_AS(UsageError, tokens.dim() == 2, "Llama: tokens must be [batch, seq], got ",
                   tokens.sizes());
   at::Tensor h = model->forward(tokens);
-  return at::linear(tp_ ? tp_->enter(h) : h, head_weight());
+  return tp_ ? tp_->colwise(h, {head_weight()})[0] : at::linear(h, head_weight());
 }
 
 const at::Tensor& LlamaForCausalLMImpl::head_weight() const {
@@ -395,8 +405,8 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
   std::shared_ptr<sharding::TensorParallelism> tp;
   std::shared_ptr<comm::Communicator> dp = ctx.comm;
   if (ctx.mesh) {
-    tp =
-        std::make_shared<sharding::TensorParallelism>(ctx.mesh->tp(), c.parallel.sequence_parallel);
+    tp = std::make_shared<sharding::TensorParallelism>(ctx.mesh->tp(), c.parallel.sequence_parallel,
+                                                       c.parallel.sequence_parallel_regather);
     const auto sliced = lm->parallelize(tp);
     logging::debug("tensor parallel: ", sliced.size(), " parameters sliced over ", tp->size(),
                    " ranks");
