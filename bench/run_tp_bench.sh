@@ -18,6 +18,9 @@
 #    steady state, L vs 2L) at tp 1, tp 2 and tp 2 + SP, against Megatron's
 #    sbh(10 + 24/t) (TP) and sbh(34/t) (TP + SP) over sbh*34 without TP: the parts the formula
 #    divides by t.
+# 4. The scaling model's FSDP x TP schedule (bench/scaling_model.py validate-tp) against these
+#    runs at 2 and 4 ranks: fed with ranks computing a tp rank's part side by side without
+#    collectives (--local-of) and each run's own probes of its collectives (--probe-comm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -55,6 +58,17 @@ for layers in 4 8; do
     # shellcheck disable=SC2086
     launch "$n" bazel-bin/bench/tp_bench ${cfg#* } --layers "$layers" --steps 1 --warmup 1 \
       --flight-out "$dir" | sed "s|^{|{\"flight\":\"$dir\",\"probe\":true,|" >>"$out"
+  done
+done
+# The scaling model's inputs and the runs it predicts, ROUNDS times.
+val=$work/validate.jsonl
+for r in $(seq "$rounds"); do
+  echo "validation round $r/$rounds" >&2
+  for cfg in "2 --local-of 1" "2 --local-of 2" "4 --local-of 1" "4 --local-of 2" \
+    "4 --local-of 4" "2 --tp 2 --probe-comm" "2 --tp 1 --probe-comm" "4 --tp 2 --probe-comm" \
+    "4 --tp 4 --probe-comm" "4 --tp 1 --probe-comm"; do
+    # shellcheck disable=SC2086
+    launch "${cfg%% *}" bazel-bin/bench/tp_bench ${cfg#* } >>"$val"
   done
 done
 .venv/bin/python - "$out" <<'PY'
@@ -160,3 +174,6 @@ for key, label, formula, text in [
         ((2, True, False), "tp 2 + SP, kept", (4 + 30 / 2) / 34, "(4 + 30/t)/34")]:
     print(f"  {label:<17}{act[key]:>8.3f} MB  {act[key] / base:>5.2f}   formula {text} = {formula:.2f}")
 PY
+echo
+echo "== the scaling model's FSDP x TP step against these runs"
+.venv/bin/python bench/scaling_model.py validate-tp --measured "$val" || true

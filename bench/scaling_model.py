@@ -6,6 +6,7 @@
     bench/scaling_model.py table --nvlink-gbps 450 --ib-gbps 50 --gpus-per-node 8 ...
     bench/scaling_model.py validate --measured M.json   # against runs on this machine
                                                        # (bench/run_scaling_validation.sh)
+    bench/scaling_model.py validate-tp --measured M.jsonl  # FSDP x TP (bench/run_tp_bench.sh)
 
 The model
 - Collectives, as NCCL implements them, with latency alpha and per-GPU bandwidth B of the
@@ -26,6 +27,12 @@ The model
   same way), computes, then its gradient is reduce-scattered on a second queue (dtrain's
   separate reduce group). step = max(end of backward, end of the last reduce-scatter) +
   optimizer.
+- Tensor parallelism (FSDP x TP, t GPUs per TP group inside a node, dp = p/t): a TP group
+  takes t GPUs' tokens together, so each GPU's compute is unchanged; each layer adds, on the
+  critical path (dtrain waits for TP's collectives where it issues them), 4 all-reduces of the
+  group's b s h activations on NVLink (2 forward, 2 backward), or with sequence parallelism 4
+  reduce-scatters and 6 all-gathers (Megatron's regather in backward); FSDP then gathers and
+  reduce-scatters 1/t of each layer over the dp GPUs, which cross nodes once p > GPUs per node.
 - Weak scaling: the per-GPU batch is fixed, so compute is the same at every scale;
   efficiency = step without communication / modelled step.
 - The step profile (forward, backward, optimizer, when each bucket's gradients are ready, each
@@ -64,19 +71,21 @@ class Links:
         return max(self.intra_alpha, self.inter_alpha), min(self.intra_bw, self.inter_bw)
 
 
-def all_reduce(n, p, links):
+def all_reduce(n, p, links, span=None):
+    """`span`: the GPUs the job spans, which decides the link (default p: a group of
+    consecutive GPUs)."""
     if p == 1:
         return 0.0
-    a, b = links.of(p)
+    a, b = links.of(span or p)
     ring = 2 * (p - 1) * a + 2 * (p - 1) / p * n / b
     tree = 2 * math.log2(p) * a + 2 * n / b
     return min(ring, tree)
 
 
-def gather_or_scatter(n, p, links):
+def gather_or_scatter(n, p, links, span=None):
     if p == 1:
         return 0.0
-    a, b = links.of(p)
+    a, b = links.of(span or p)
     return (p - 1) * a + (p - 1) / p * n / b
 
 
@@ -97,7 +106,8 @@ class Profile:
         return self.forward + self.backward + self.optimizer
 
 
-def transformer_preset(name, params, layers, tokens_per_gpu, tflops, mfu, grad_bytes=2):
+def transformer_preset(name, params, layers, tokens_per_gpu, tflops, mfu, grad_bytes=2,
+                       hidden=0):
     """A decoder-only transformer on a GPU: FLOPs = 6 N T at `mfu` of `tflops`; parameters
     evenly over `layers` blocks (embeddings with the first); gradients (bf16) ready evenly
     over backward, last layer first."""
@@ -107,7 +117,26 @@ def transformer_preset(name, params, layers, tokens_per_gpu, tflops, mfu, grad_b
     per_layer = params * grad_bytes / layers
     grads = [(per_layer, (i + 1) / layers) for i in range(layers)]
     units = [(per_layer, forward / layers, backward / layers) for _ in range(layers)]
-    return Profile(name, forward, backward, optimizer, grads, units)
+    prof = Profile(name, forward, backward, optimizer, grads, units)
+    prof.hidden, prof.tokens, prof.layers = hidden, tokens_per_gpu, layers
+    return prof
+
+
+def tp_profile(prof, t, p, links, sp=False, act_bytes=2):
+    """The per-GPU profile of FSDP x TP with t GPUs per TP group (see the module's notes): each
+    layer's unit 1/t of its parameters, its compute the same, plus TP's collectives on the
+    group's t GPUs (inside a node: NVLink), which wait on the critical path."""
+    n = t * prof.tokens * prof.hidden * act_bytes  # the group's activations, b s h
+    if sp:
+        fwd_c = 2 * gather_or_scatter(n, t, links) + 2 * gather_or_scatter(n, t, links)
+        bwd_c = 4 * gather_or_scatter(n, t, links) + 2 * gather_or_scatter(n, t, links)
+    else:
+        fwd_c = bwd_c = 2 * all_reduce(n, t, links)
+    units = [(b / t, f + fwd_c, bw + bwd_c) for b, f, bw in prof.units]
+    out = Profile(f"{prof.name}, tp {t}", prof.forward + len(units) * fwd_c,
+                  prof.backward + len(units) * bwd_c, prof.optimizer, [], units)
+    out.tp_comm = len(units) * (fwd_c + bwd_c)
+    return out
 
 
 def _events(path, rank):
@@ -176,8 +205,9 @@ def ddp_step(prof, p, links, bucket_bytes=25e6, stretch=1.0, cpu_share=0.0):
     return t, max(0.0, queue - end_bwd)
 
 
-def fsdp_step(prof, p, links, prefetch=2, stretch=1.0):
-    """Step time and exposed communication of FSDP (FULL_SHARD) at p GPUs."""
+def fsdp_step(prof, p, links, prefetch=2, stretch=1.0, span=None):
+    """Step time and exposed communication of FSDP (FULL_SHARD) at p GPUs (a shard group of p
+    GPUs within a job of `span`: the link is the one `span` GPUs cross)."""
     units = prof.units
     if not units:
         sys.exit("scaling_model: an FSDP model needs per-unit figures (a preset)")
@@ -190,11 +220,11 @@ def fsdp_step(prof, p, links, prefetch=2, stretch=1.0):
         for k, u in enumerate(order):
             # At most `prefetch` gathers outstanding: gather k waits for unit k - prefetch.
             issue = max(gather_q, done[k - prefetch] if k >= prefetch else start)
-            gather_q = issue + gather_or_scatter(u[0], p, links)
+            gather_q = issue + gather_or_scatter(u[0], p, links, span)
             t = max(t, gather_q) + compute_of(u) * stretch
             done.append(t)
             if reduce_after:
-                reduce_q = max(reduce_q, t) + gather_or_scatter(u[0], p, links)
+                reduce_q = max(reduce_q, t) + gather_or_scatter(u[0], p, links, span)
                 reduce_end = reduce_q
         return t, reduce_end
 
@@ -283,6 +313,123 @@ def table(args):
         print(f"wrote {args.plot}")
 
 
+TP_SCALES = [8, 16, 32, 64, 128, 256, 512]
+
+
+def tp_table(args):
+    """FSDP alone against FSDP x TP (t = 2, 4, 8 inside a node) at 8-512 GPUs."""
+    links = Links(args.nvlink_us * 1e-6, args.nvlink_gbps * 1e9, args.ib_us * 1e-6,
+                  args.ib_gbps * 1e9, args.gpus_per_node)
+    presets = [
+        transformer_preset("GPT-2 small (124M), 8 x 1024 tokens/GPU", 124e6, 12, 8 * 1024,
+                           args.tflops, args.mfu, hidden=768),
+        transformer_preset("7B, 4 x 4096 tokens/GPU", 6.7e9, 32, 4 * 4096, args.tflops,
+                           args.mfu, hidden=4096),
+        transformer_preset("70B, 1 x 4096 tokens/GPU", 70e9, 80, 4096, args.tflops, args.mfu,
+                           hidden=8192),
+    ]
+    degrees = [t for t in (1, 2, 4, 8) if t <= args.gpus_per_node]
+    print("FSDP alone (tp 1) and FSDP x TP, TP inside a node (NVLink), FSDP over the rest; "
+          "weak scaling (tokens per GPU fixed, a TP group takes its GPUs' tokens together); "
+          "efficiency = compute / step; bf16 activations; no sequence parallelism.\n")
+    for prof in presets:
+        print(f"### {prof.name}: forward + backward {(prof.forward + prof.backward) * 1e3:.1f} "
+              "ms/step\n")
+        print("| GPUs | " + " | ".join(f"tp {t} step (ms), efficiency" for t in degrees) +
+              " | best |")
+        print("|---|" + "---|" * len(degrees) + "---|")
+        wins = []
+        for p in TP_SCALES:
+            # Either way each GPU steps the optimizer on 1/p of the parameters.
+            base = Profile(prof.name, prof.forward, prof.backward, prof.optimizer / p, [],
+                           prof.units)
+            base.hidden, base.tokens, base.layers = prof.hidden, prof.tokens, prof.layers
+            cells, best = [], None
+            for t in degrees:
+                tp = tp_profile(base, t, p, links) if t > 1 else base
+                step, _ = fsdp_step(tp, p // t, links, args.prefetch, span=p)
+                cells.append(f"{step * 1e3:.1f}, {base.compute / step:.1%}")
+                if best is None or step < best[1]:
+                    best = (t, step)
+            if best[0] > 1:
+                wins.append(p)
+            print(f"| {p} | " + " | ".join(cells) + f" | tp {best[0]} |")
+        print()
+        print("- 2-D beats FSDP alone at " + (", ".join(map(str, wins)) + " GPUs." if wins else
+                                                "none of these scales.") + "\n")
+
+
+def _fit(points):
+    return fit_alpha_beta([(b, t) for b, t in points])
+
+
+def validate_tp(args):
+    """tp_bench's JSON lines (bench/run_tp_bench.sh): for each tp degree t and rank count p, p
+    ranks side by side each computing alone what a rank of tp t computes (--local-of t: heads,
+    KV heads, intermediate size and vocabulary / t, no collectives: the cores shared as in the
+    real run), and the 2-D runs with --probe-comm. Predicted step of each run: that forward
+    and backward; the optimizer over dp; TP's all-reduces (per layer 2
+    forward and 2 backward, the embedding's and the head's, the loss's 3 small ones) and
+    FSDP's all-gathers (each layer forward and backward, the root once) and reduce-scatters
+    (each layer and the root), at the alpha-beta fitted to the run's own probes, added to the
+    critical path: on 2 cores shared by 4 ranks a collective's thread takes the cycles compute
+    needs, so overlap buys nothing here (the GPU table's schedule overlaps FSDP's)."""
+    rows = [json.loads(l) for l in open(args.measured) if l.startswith("{")]
+    # Each kind of run may come from several rounds (a noisy machine): medians over them.
+    local = {}
+    for r in rows:
+        if r.get("local_of", 0) > 0:
+            local.setdefault((r["local_of"], r["world"]), []).append(r)
+    for key, rs in local.items():
+        local[key] = {k: _median([r[k] for r in rs])
+                      for k in ("forward_s", "backward_s", "median_step_s")}
+    for (t, p), r in sorted(local.items()):
+        print(f"{p} rank(s) each computing a tp {t} rank's part alone: forward "
+              f"{r['forward_s']:.4f} s, backward {r['backward_s']:.4f} s, step "
+              f"{r['median_step_s']:.4f} s")
+    print()
+    results = {}
+    print("| mesh | ranks | predicted (s) | measured (s) | error | of it TP comm (s) | "
+          "FSDP comm (s) |")
+    print("|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for r in rows:
+        if r.get("local_of", 0) > 0 or r.get("sp"):
+            continue
+        t, dp, p = r["tp"], r["dp"], r["world"]
+        h, L, hd = r["hidden"], r["layers"], r["hidden"] // r["heads"]
+        layer = h * r["heads"] * hd * 2 + 2 * h * r["kv_heads"] * hd + 3 * h * r["ffn"] + 2 * h
+        root = 2 * r["vocab"] * h + h
+        if (t, p) not in local:
+            sys.exit(f"validate-tp: no run of {p} ranks with --local-of {t}")
+        one = local[(t, p)]
+        f1, b1 = one["forward_s"], one["backward_s"]
+        o1 = max(0.0, one["median_step_s"] - f1 - b1)
+        compute = f1 + b1 + o1 / dp
+        tp_c = 0.0
+        if t > 1:
+            a, b = _fit(r["tp_all_reduce"])
+            bsh = r["batch"] * r["seq"] * h * 4
+            tp_c = (4 * L + 2) * (a + b * bsh) + 3 * (a + b * r["batch"] * r["seq"] * 4)
+        dp_c = 0.0
+        if dp > 1:
+            ga, gb = _fit(r["dp_all_gather"])
+            ra, rb = _fit(r["dp_reduce_scatter"])
+            unit, rootb = layer / t * 4, root / t * 4
+            dp_c = (2 * L * (ga + gb * unit) + (ga + gb * rootb) + L * (ra + rb * unit) +
+                    (ra + rb * rootb))
+        results.setdefault((dp, t, p), []).append((compute + tp_c + dp_c, r["median_step_s"], tp_c,
+                                                   dp_c))
+    for (dp, t, p), rs in sorted(results.items(), key=lambda kv: (kv[0][2], -kv[0][1])):
+        pred, meas = _median([x[0] for x in rs]), _median([x[1] for x in rs])
+        err = (pred - meas) / meas
+        worst = max(worst, abs(err))
+        print(f"| shard {dp} x tp {t} | {p} | {pred:.4f} | {meas:.4f} | {err:+.1%} | "
+              f"{_median([x[2] for x in rs]):.4f} | {_median([x[3] for x in rs]):.4f} |")
+    print(f"\nlargest error: {worst:.1%} (target: within 15%)")
+    return 0 if worst <= 0.15 else 1
+
+
 def fit_alpha_beta(points):
     """Least squares t = a + b n over (n, t)."""
     n = len(points)
@@ -342,6 +489,15 @@ def main():
     t.add_argument("--bucket-mb", type=float, default=25)
     t.add_argument("--prefetch", type=int, default=2)
     t.add_argument("--plot", help="also draw the efficiencies into this PNG")
+    tt = sub.add_parser("tp-table", help="FSDP alone against FSDP x TP at 8 to 512 GPUs")
+    for name, default in (("nvlink-gbps", 450), ("nvlink-us", 3), ("ib-gbps", 50), ("ib-us", 8),
+                          ("tflops", 989), ("mfu", 0.4)):
+        tt.add_argument("--" + name, type=float, default=default)
+    tt.add_argument("--gpus-per-node", type=int, default=8)
+    tt.add_argument("--prefetch", type=int, default=2)
+    vt = sub.add_parser("validate-tp", help="FSDP x TP predicted against tp_bench's runs here")
+    vt.add_argument("--measured", required=True, help="tp_bench's JSON lines")
+    vt.add_argument("--cores", type=float, default=2)
     v = sub.add_parser("validate", help="predicted against measured on this machine")
     v.add_argument("--measured", required=True)
     v.add_argument("--cpu-share", type=float, default=1.0,
@@ -351,6 +507,11 @@ def main():
     if a.cmd == "table":
         table(a)
         return 0
+    if a.cmd == "tp-table":
+        tp_table(a)
+        return 0
+    if a.cmd == "validate-tp":
+        return validate_tp(a)
     return validate(a)
 
 

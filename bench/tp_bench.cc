@@ -28,6 +28,7 @@
 
 #include "comm/factory.h"
 #include "comm/flight_recorder.h"
+#include "comm/work.h"
 #include "core/cli.h"
 #include "core/error.h"
 #include "framework/memory.h"
@@ -71,6 +72,8 @@ int main(int argc, char** argv) {
   int64_t steps = 6, warmup = 2, hidden = 256, layers = 4, heads = 8, kv_heads = 4, ffn = 768,
           vocab = 2048, seq = 128, batch = 2;
   std::string flight_out;
+  bool probe_comm = false;
+  int local_of = 0;
   app.add_option("--tp", tp_degree, "tensor-parallel degree (1: FSDP alone)");
   app.add_flag("--sp", sp, "sequence parallelism");
   app.add_flag("--keep-gathered", keep_gathered,
@@ -87,26 +90,37 @@ int main(int argc, char** argv) {
   app.add_option("--seq", seq, "sequence length");
   app.add_option("--batch", batch, "sequences per data-parallel rank");
   app.add_option("--flight-out", flight_out, "write each rank's flight recorder ring here");
+  app.add_option("--local-of", local_of,
+                 "each rank computes alone what a rank of tp N does, without collectives (the "
+                 "heads, KV heads, intermediate size and vocabulary / N), the ranks side by "
+                 "side sharing the cores as a real run's do: the scaling model's compute "
+                 "profile");
+  app.add_flag("--probe-comm", probe_comm,
+               "after the steps, time the tp group's all-reduce and the data-parallel group's "
+               "all-gather and reduce-scatter at four sizes");
   dtrain::cli::parse(app, argc, argv);
   {
     auto world = dtrain::comm::create_world();
     DTRAIN_CHECK_AS(dtrain::UsageError, world->size() % tp_degree == 0, "--tp ", tp_degree,
                     " does not divide the world of ", world->size());
+    if (local_of > 0) tp_degree = 1;
+    const int64_t cut = std::max(1, local_of);
     dtrain::sharding::DeviceMesh mesh(world, {1, world->size() / tp_degree, tp_degree});
     at::manual_seed(0);
     LlamaForCausalLM model(LlamaOptions()
-                               .vocab_size(vocab)
+                               .vocab_size(vocab / cut)
                                .hidden_size(hidden)
-                               .intermediate_size(ffn)
+                               .intermediate_size(ffn / cut)
                                .num_hidden_layers(layers)
-                               .num_attention_heads(heads)
-                               .num_key_value_heads(kv_heads)
+                               .num_attention_heads(heads / cut)
+                               .num_key_value_heads(kv_heads / cut)
+                               .head_dim(hidden / heads)
                                .max_position_embeddings(seq)
                                .tie_word_embeddings(false));
     auto tp = std::make_shared<dtrain::sharding::TensorParallelism>(mesh.tp(), sp, !keep_gathered);
     model->parallelize(tp);
     std::unique_ptr<dtrain::sharding::FullyShardedDataParallel<LlamaForCausalLM>> fsdp;
-    if (mesh.dp() != nullptr && mesh.dp()->size() > 1) {
+    if (local_of == 0 && mesh.dp() != nullptr && mesh.dp()->size() > 1) {
       fsdp = std::make_unique<dtrain::sharding::FullyShardedDataParallel<LlamaForCausalLM>>(
           model, mesh.dp(),
           dtrain::sharding::FSDPOptions().sync_module_states(false).auto_wrap(
@@ -131,22 +145,24 @@ int main(int argc, char** argv) {
     int64_t local_elements = 0;
     for (const auto& p : params) local_elements += p.numel();
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + mesh.dp_rank());
-    std::vector<double> times;
+    std::vector<double> times, forward_s, backward_s, wait_s;
     double steady_mb = 0, peak_mb = 0, pooled_mb = 0;
     int64_t window_start = 0, window_end = 0;
     for (int64_t s = 0; s < warmup + steps; ++s) {
-      at::Tensor tokens = at::randint(0, vocab, {batch, seq + 1}, gen);
+      at::Tensor tokens = at::randint(0, vocab / cut, {batch, seq + 1}, gen);
       world->barrier().wait();
       const double steady = TrackedCpuMemory::current_bytes() / 1e6;
       const double pooled = fsdp ? fsdp->state().pooled_bytes() / 1e6 : 0;
       TrackedCpuMemory::reset_peak();
       const int64_t w0 = wall_us();
       const auto t0 = Clock::now();
+      const double waited0 = dtrain::comm::host_wait_seconds();
       opt.zero_grad();
       at::Tensor input = tokens.narrow(1, 0, seq), target = tokens.narrow(1, 1, seq);
       at::Tensor logits = fsdp ? (*fsdp)(input) : model(input);
       at::Tensor loss = tp->loss(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}),
                                  model->head_weight());
+      const auto tf = Clock::now();
       loss.backward();
       if (tp->sequence_parallel()) {
         std::vector<at::Tensor> grads;
@@ -160,6 +176,7 @@ int main(int argc, char** argv) {
         }
         tp->sync_replicated_grads(grads);
       }
+      const auto tb = Clock::now();
       opt.step();
       const auto t1 = Clock::now();
       if (s == warmup) {
@@ -168,13 +185,59 @@ int main(int argc, char** argv) {
       }
       if (s >= warmup) {
         times.push_back(seconds(t0, t1));
+        forward_s.push_back(seconds(t0, tf));
+        backward_s.push_back(seconds(tf, tb));
+        wait_s.push_back(dtrain::comm::host_wait_seconds() - waited0);
         steady_mb = std::max(steady_mb, steady);
         pooled_mb = std::max(pooled_mb, pooled);
         peak_mb = std::max(peak_mb, TrackedCpuMemory::peak_bytes() / 1e6);
       }
     }
-    std::sort(times.begin(), times.end());
-    const double median = times[times.size() / 2];
+    auto median_of = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double median = median_of(times);
+    const double fwd = max_over(*world, median_of(forward_s));
+    const double bwd = max_over(*world, median_of(backward_s));
+    const double waited = max_over(*world, median_of(wait_s));
+    // The collectives' times on this mesh, every rank issuing them at once as in a step: the
+    // tp group's all-reduce and the data-parallel group's all-gather and reduce-scatter, at
+    // sizes around the step's (median of 5 after 1), for the scaling model's alpha-beta.
+    std::string probes;
+    if (probe_comm) {
+      const at::Tensor work_a = at::randn({batch * seq, hidden}), work_b = at::randn({hidden, ffn});
+      auto probe = [&](const char* what, const std::shared_ptr<dtrain::comm::Communicator>& g,
+                       int kind) {
+        if (g == nullptr || g->size() == 1) return;
+        std::string points;
+        for (int64_t n : {int64_t{1} << 12, int64_t{1} << 14, int64_t{1} << 16, int64_t{1} << 18}) {
+          std::vector<double> t;
+          for (int rep = 0; rep < 12; ++rep) {
+            at::Tensor a = at::ones({n}),
+                       out = at::empty({kind == 1 ? n * g->size() : n / g->size()});
+            world->barrier().wait();
+            // As in a step: each rank computes (a layer's matrix product), then joins the
+            // collective; its time counts from the end of this rank's compute, so it holds
+            // what the shared cores add (the peer's lateness, waking the I/O thread).
+            at::mm(work_a, work_b);
+            const auto c0 = Clock::now();
+            if (kind == 0) g->all_reduce(a).wait();
+            if (kind == 1) g->all_gather(a, out).wait();
+            if (kind == 2) g->reduce_scatter(a, out).wait();
+            if (rep > 0) t.push_back(seconds(c0, Clock::now()));
+          }
+          // bytes: the full tensor's (an all-gather's output, a reduce-scatter's input).
+          const int64_t full = kind == 1 ? n * g->size() : n;
+          points += std::string(points.empty() ? "" : ",") + "[" + std::to_string(full * 4) + "," +
+                    std::to_string(max_over(*world, median_of(t))) + "]";
+        }
+        probes += std::string(",\"") + what + "\":[" + points + "]";
+      };
+      probe("tp_all_reduce", mesh.tp(), 0);
+      probe("dp_all_gather", mesh.dp(), 1);
+      probe("dp_reduce_scatter", mesh.dp(), 2);
+    }
     rusage r{};
     getrusage(RUSAGE_SELF, &r);
     const double rss_mb = max_over(*world, r.ru_maxrss / 1024.0);
@@ -188,20 +251,22 @@ int main(int argc, char** argv) {
     }
     if (world->rank() == 0) {
       std::printf(
-          "{\"impl\":\"dtrain\",\"tp\":%d,\"sp\":%s,\"regather\":%s,\"dp\":%d,\"world\":%d,"
+          "{\"impl\":\"dtrain\",\"local_of\":%d,\"tp\":%d,\"sp\":%s,\"regather\":%s,\"dp\":%d,"
+          "\"world\":%d,"
           "\"layers\":%lld,"
           "\"hidden\":%lld,\"heads\":%lld,\"kv_heads\":%lld,\"ffn\":%lld,\"vocab\":%lld,"
           "\"seq\":%lld,\"batch\":%lld,\"median_step_s\":%.5f,\"steady_mb\":%.3f,\"pooled_mb\":%."
           "3f,"
           "\"peak_mb\":%.3f,\"peak_rss_mb\":%.1f,\"local_elements\":%lld,"
-          "\"window_us\":[%lld,%lld]}\n",
-          tp_degree, sp ? "true" : "false", keep_gathered ? "false" : "true", mesh.dp_size(),
-          world->size(), static_cast<long long>(layers), static_cast<long long>(hidden),
-          static_cast<long long>(heads), static_cast<long long>(kv_heads),
-          static_cast<long long>(ffn), static_cast<long long>(vocab), static_cast<long long>(seq),
-          static_cast<long long>(batch), step_s, steady_mb, pooled_mb, peak_mb, rss_mb,
-          static_cast<long long>(local_elements), static_cast<long long>(window_start),
-          static_cast<long long>(window_end));
+          "\"window_us\":[%lld,%lld],\"forward_s\":%.5f,\"backward_s\":%.5f,\"wait_s\":%.5f%s}\n",
+          local_of, tp_degree, sp ? "true" : "false", keep_gathered ? "false" : "true",
+          mesh.dp_size(), world->size(), static_cast<long long>(layers),
+          static_cast<long long>(hidden), static_cast<long long>(heads),
+          static_cast<long long>(kv_heads), static_cast<long long>(ffn),
+          static_cast<long long>(vocab), static_cast<long long>(seq), static_cast<long long>(batch),
+          step_s, steady_mb, pooled_mb, peak_mb, rss_mb, static_cast<long long>(local_elements),
+          static_cast<long long>(window_start), static_cast<long long>(window_end), fwd, bwd,
+          waited, probes.c_str());
       std::fflush(stdout);
     }
     world->barrier().wait();
