@@ -823,13 +823,6 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
             "sequence_parallel",
             "under sequence parallelism the norms' gradients are summed over the TP group after "
             "backward, and train.optimizer_in_backward steps before that; remove one of them");
-    Section ck = top.section("checkpoint");
-    ck.check(cfg.checkpoint.dir.empty() || cfg.checkpoint.format != CheckpointFormat::kSharded,
-             "format",
-             "sharded checkpoints are not written under tensor parallelism (parallel.tp " +
-                 std::to_string(cfg.parallel.tp) +
-                 "); use checkpoint.format: full (auto picks it), whose whole tensors restore at "
-                 "any tp");
   }
   if (const ModelSpec* spec = find_model(cfg.model.type)) check_model_against(*spec, cfg, top);
   if (cfg.parallel.backend == comm::Backend::kNccl && cfg.device != ComputeDevice::kCuda) {

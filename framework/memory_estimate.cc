@@ -105,9 +105,10 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
   if (c.checkpoint.async && !c.checkpoint.dir.empty()) {
     // What this rank writes: its shards (sharded), or the whole model and optimizer state
     // (a full checkpoint: rank 0, the largest; under TP gathered from every tp rank's slices,
-    // so the whole model's, not this rank's 1/tp).
+    // so the whole model's, not this rank's 1/tp; a TP run's is full unless sharded is asked).
     const bool sharded = c.parallel.strategy == ParallelStrategy::kFsdp &&
-                         c.checkpoint.format != CheckpointFormat::kFull && t == 1;
+                         c.checkpoint.format != CheckpointFormat::kFull &&
+                         (t == 1 || c.checkpoint.format == CheckpointFormat::kSharded);
     e.checkpoint_staging = sharded ? e.parameters + e.optimizer
                                    : (4 + opt_per_param) * static_cast<double>(e.parameter_count);
   }

@@ -140,17 +140,19 @@ TEST(MemoryEstimate, LlamaActivationsAreWithinATenthOfAMeasuredStep) {
 }
 
 // checkpoint.async's staging copy: a rank's shards when FSDP saves sharded; the whole model and
-// optimizer state on rank 0 when the checkpoint is full, which a TP run's always is (gathered
-// from every tp rank's slices: not 1/tp of it).
+// optimizer state on rank 0 when the checkpoint is full, which a TP run's is unless sharded is
+// asked for (gathered from every tp rank's slices: not 1/tp of it).
 TEST(MemoryEstimate, AsyncStagingUnderTensorParallelismHoldsTheWholeModel) {
-  auto config = [](int tp) {
+  auto config = [](int tp, const char* format = "auto") {
     return parse_config(
         "model:\n  type: llama\n  vocab_size: 256\n  hidden_size: 128\n"
         "  intermediate_size: 352\n  num_hidden_layers: 3\n  num_attention_heads: 8\n"
         "  num_key_value_heads: 4\n  seq_len: 64\ntrain:\n  steps: 1\n  batch_size: 4\n"
         "  lr: 1.0e-3\nparallel:\n  strategy: fsdp\n  tp: " +
             std::to_string(tp) +
-            "\nprecision:\n  policy: fp32\ncheckpoint:\n  dir: /tmp/ckpt\n  async: true\n",
+            "\nprecision:\n  policy: fp32\ncheckpoint:\n  dir: /tmp/ckpt\n  async: true\n"
+            "  format: " +
+            format + "\n",
         "run.yaml");
   };
   const MemoryEstimate sharded = estimate_memory(config(1), 4);
@@ -160,6 +162,8 @@ TEST(MemoryEstimate, AsyncStagingUnderTensorParallelismHoldsTheWholeModel) {
   EXPECT_DOUBLE_EQ(sharded.checkpoint_staging, 12 * p / 4);  // fp32 + AdamW's two moments
   EXPECT_DOUBLE_EQ(tp.checkpoint_staging, 12 * p);
   EXPECT_DOUBLE_EQ(tp.parameters, 4 * p / 4);  // while each rank holds 1/(tp x shard)
+  const MemoryEstimate tp_sharded = estimate_memory(config(2, "sharded"), 4);
+  EXPECT_DOUBLE_EQ(tp_sharded.checkpoint_staging, 12 * p / 4);  // its shards of its slices
 }
 
 // --estimate's report: every term, recompute's effect, and the deepest model that fits, which

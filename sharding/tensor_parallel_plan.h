@@ -104,6 +104,11 @@ class TensorParallelism {
   // The full shape of `name`; `local` when it is not sliced.
   std::vector<int64_t> full_shape(const std::string& name, const std::vector<int64_t>& local) const;
   bool sliced(const std::string& name) const { return slice_named(name) != nullptr; }
+  // The dimension `name` is cut on (-1: whole on every rank).
+  int64_t sliced_dim(const std::string& name) const {
+    const Slice* s = slice_named(name);
+    return s == nullptr ? -1 : s->dim;
+  }
   // An initializer of the whole model's parameters, made to fill slices: the full value is made,
   // then this rank's slice taken (deferred init under FSDP).
   ParamInit slice_init(ParamInit full_init) const;

@@ -18,6 +18,12 @@ groups) with a run of the same job without tensor parallelism, made in this test
                   hold the whole tensors) resumes at tp 2 (the same losses, bit for bit), in
                   one process without TP and at tp 4 over 4 ranks (the same losses within fp32
                   rounding, and the same trained model).
+  ckpt-sharded    sharded checkpoints across meshes: FSDP over 2 x tp 2 with sequence
+                  parallelism saves sharded at step 10 (each rank's file its FSDP shards of its
+                  tp slices) and goes on to 20; the checkpoint resumes at 2 x 2 (bit for bit),
+                  at FSDP over 2 without TP (the same losses within fp32 rounding), and at tp 4
+                  over 4 ranks and in one process (one data-parallel rank each: the same
+                  batches, so each other's losses within rounding).
   errors          parallel.tp that does not split the ranks, that does not divide the heads, a
                   model without a plan, sequence parallelism over a seq_len it does not divide:
                   each refused before training, exit 2, naming the key.
@@ -204,6 +210,30 @@ def main():
             got, out = r.run(name, kind, np, kv + sets + [f"checkpoint.dir={again}"])
             assert "resumed from" in out, out[-3000:]
             compare_resumed(name, got, full, 5e-6, 2e-3, bitwise)
+    if want("ckpt-sharded"):
+        kv = ["model.num_key_value_heads=4"]
+        ckpt = os.path.join(work, "ckpt-2x2")
+        full, _ = r.run("ckpt-2x2", "launch", 4, kv + [f"checkpoint.dir={ckpt}",
+                                                      "checkpoint.every_steps=10",
+                                                      "checkpoint.format=sharded"])
+        saved = os.path.join(ckpt, "step_00000010")
+        meta = json.load(open(os.path.join(saved, "meta.json")))
+        assert meta["mode"] == "sharded" and meta["tp"] == 2, {k: meta.get(k) for k in ("mode", "tp")}
+        assert not os.path.exists(os.path.join(saved, "model.pt")), os.listdir(saved)
+        got = {}
+        for name, kind, np, sets in [
+                ("ckpt-2x2-to-2x2", "launch", 4, ["checkpoint.format=sharded"]),
+                ("ckpt-2x2-to-shard2", "launch", 2, off),
+                ("ckpt-2x2-to-tp4", "launch", 4, ["parallel.tp=4"]),
+                ("ckpt-2x2-to-one", "one", 1, off + ["parallel.strategy=none"])]:
+            again = os.path.join(work, name + "-ckpt")
+            shutil.copytree(saved, os.path.join(again, "step_00000010"))
+            got[name], out = r.run(name, kind, np, kv + sets + [f"checkpoint.dir={again}"])
+            assert "resumed from" in out and "(sharded, written at 4 rank(s))" in out, out[-3000:]
+        compare_resumed("ckpt-2x2-to-2x2", got["ckpt-2x2-to-2x2"], full, 5e-6, 2e-3, True)
+        compare_resumed("ckpt-2x2-to-shard2", got["ckpt-2x2-to-shard2"], full, 5e-6, 2e-3)
+        compare_resumed("ckpt-2x2-to-tp4 (against one process)", got["ckpt-2x2-to-tp4"],
+                        got["ckpt-2x2-to-one"], 5e-6, 2e-3)
     if want("errors"):
         cases = [
             (["parallel.tp=4", "model.num_key_value_heads=4"],
@@ -213,8 +243,6 @@ def main():
             (["parallel.tp=2", "configs/tiny/fsdp_fp32.yaml"], "model.type transformer has no "
              "tensor-parallel plan"),
             (["model.seq_len=31"], "sequence_parallel: splits each sequence of model.seq_len 31"),
-            ([f"checkpoint.dir={work}/sharded", "checkpoint.format=sharded"],
-             "checkpoint.format: sharded checkpoints are not written under tensor parallelism"),
         ]
         for sets, text in cases:
             config = [s for s in sets if s.endswith(".yaml")] or [CONFIG]

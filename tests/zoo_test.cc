@@ -621,18 +621,22 @@ void check_tp_fsdp(const ZooSpec& spec, int degree, FSDPOptions options, const s
     expect_close("final parameter " + n, zoo.tp->full(n, value), ref_params[n]);
   }
   expect_equal_buffers("FSDP x TP", *model.module(), *ref.net);
-  FullyShardedDataParallel<ZooNet> fresh(zoo.net(spec), zoo.mesh.dp(), options);
-  round_trip({model.module().ptr().get(), &model.state(), nullptr, nullptr, nullptr, &world(),
-              zoo.tp.get()},
-             {fresh.module().ptr().get(), &fresh.state(), nullptr, nullptr, nullptr, &world(),
-              zoo.tp.get()},
-             "fsdp", "full");
-  auto restored = fresh.state().full_parameters();
-  for (size_t k = 0; k < params.size(); ++k) {
-    EXPECT_TRUE(at::equal(restored[k].second, params[k].second))
-        << "full checkpoint under TP: parameter " << params[k].first << " did not come back";
+  for (const char* format : {"sharded", "full"}) {
+    FullyShardedDataParallel<ZooNet> fresh(zoo.net(spec), zoo.mesh.dp(), options);
+    round_trip({model.module().ptr().get(), &model.state(), nullptr, nullptr, nullptr, &world(),
+                zoo.tp.get()},
+               {fresh.module().ptr().get(), &fresh.state(), nullptr, nullptr, nullptr, &world(),
+                zoo.tp.get()},
+               "fsdp", format);
+    auto restored = fresh.state().full_parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      EXPECT_TRUE(at::equal(restored[k].second, params[k].second))
+          << format << " checkpoint under TP: parameter " << params[k].first
+          << " did not come back";
+    }
+    expect_equal_buffers(std::string("FSDP x TP after a ") + format + " checkpoint",
+                         *fresh.module(), *ref.net);
   }
-  expect_equal_buffers("FSDP x TP after a full checkpoint", *fresh.module(), *ref.net);
 }
 
 // The optimizer in backward under FSDP x TP: bitwise the parameters of stepping after backward.

@@ -583,8 +583,8 @@ void describe_model(const CheckpointParts& p, bool sharded, ckpt::Meta& m) {
   for (const auto& l : p.fsdp->layouts()) {
     ckpt::UnitMeta unit{l.name, name_of(l.layout), l.numel, l.shard_size, l.shard_group_size, {}};
     for (const auto& e : l.params) {
-      unit.params.push_back(
-          {e.name, e.shape, e.place.offset, e.place.numel, e.place.chunk, e.place.shard_at});
+      unit.params.push_back({e.name, e.shape, e.place.offset, e.place.numel, e.place.chunk,
+                             e.place.shard_at, p.tp != nullptr ? p.tp->sliced_dim(e.name) : -1});
     }
     m.units.push_back(std::move(unit));
   }
@@ -712,12 +712,10 @@ Checkpointer::Staged Checkpointer::stage(const CheckpointParts& p, const Trainer
   Staged s;
   s.rank = rank_of(p);
   s.world = world_of(p);
-  // Under TP, full: a sharded checkpoint would hold each rank's slices of FSDP's shards.
-  const bool sharded = p.fsdp != nullptr && p.tp == nullptr && cc.format != CheckpointFormat::kFull;
-  DTRAIN_CHECK_AS(ConfigError, p.tp == nullptr || cc.format != CheckpointFormat::kSharded,
-                  config_.source,
-                  ": checkpoint.format sharded is not written under tensor parallelism; use "
-                  "checkpoint.format: full (or auto), which holds the whole tensors");
+  // Under TP, full unless sharded is asked for: each rank's file then holds its FSDP shards of
+  // its tp slices, which a restore at another mesh puts together (read_sharded).
+  const bool sharded = p.fsdp != nullptr && cc.format != CheckpointFormat::kFull &&
+                       (p.tp == nullptr || cc.format == CheckpointFormat::kSharded);
   s.dir = cc.dir + "/" + step_name(progress.step);
   if (s.rank == 0) prepare_step_dir(cc.dir, s.dir);
   barrier(p);
@@ -739,6 +737,8 @@ Checkpointer::Staged Checkpointer::stage(const CheckpointParts& p, const Trainer
   // Each rank's shard rank (HYBRID_SHARD repeats them): which file holds which slice.
   const std::vector<int64_t> shard_ranks =
       gather_values(p, {p.fsdp != nullptr ? p.fsdp->layouts().front().shard_rank : 0});
+  // And its tp rank: which slices.
+  const std::vector<int64_t> tp_ranks = gather_values(p, {p.tp != nullptr ? p.tp->rank() : 0});
   stager.finish();
   if (async_) async_->staged_bytes = std::max(async_->staged_bytes, stager.bytes());
   if (s.rank == 0) {
@@ -749,6 +749,10 @@ Checkpointer::Staged Checkpointer::stage(const CheckpointParts& p, const Trainer
     describe_model(p, sharded, m);
     m.optimizer_keys = optim.keys;
     m.shard_ranks = shard_ranks;
+    if (sharded && p.tp != nullptr && p.tp->size() > 1) {
+      m.tp = p.tp->size();
+      m.tp_ranks = tp_ranks;
+    }
     m.step = progress.step;
     m.skipped_steps = progress.skipped_steps;
     m.lr = progress.lr;
@@ -1020,13 +1024,21 @@ void read_full(const CheckpointParts& p, const Source& src, const Params& params
   out.optimizer_states = to_optimizer_order(states, slots_now, held_now);
 }
 
-// Sharded checkpoints need the same FSDP units (the world size may differ).
+// A parameter's full shape from one tp rank's slice of it (cut on `dim` into `tp` parts).
+std::vector<int64_t> full_of(std::vector<int64_t> shape, int64_t dim, int64_t tp) {
+  if (dim >= 0) shape[static_cast<size_t>(dim)] *= tp;
+  return shape;
+}
+
+// Sharded checkpoints under FSDP need the same FSDP units (the world size and the tp degree
+// may differ: the parameters' whole shapes must be the same).
 void check_same_units(const CheckpointParts& p, const Source& src) {
   const auto layouts = p.fsdp->layouts();
   const std::vector<ckpt::UnitMeta>& units = src.meta.units;
   DTRAIN_CHECK_AS(CheckpointError, units.size() == layouts.size(), "checkpoint '", src.dir,
                   "' has ", units.size(), " FSDP units, this model ", layouts.size(),
                   ": resume with the same wrap policy. Nothing was loaded.");
+  const int64_t tp_now = p.tp != nullptr ? p.tp->size() : 1;
   for (size_t u = 0; u < layouts.size(); ++u) {
     const std::vector<ckpt::UnitParamMeta>& ps = units[u].params;
     DTRAIN_CHECK_AS(CheckpointError, ps.size() == layouts[u].params.size(), "checkpoint '", src.dir,
@@ -1034,51 +1046,135 @@ void check_same_units(const CheckpointParts& p, const Source& src) {
                     layouts[u].params.size(), " here. Nothing was loaded.");
     for (size_t i = 0; i < ps.size(); ++i) {
       const auto& e = layouts[u].params[i];
-      DTRAIN_CHECK_AS(CheckpointError, ps[i].name == e.name && ps[i].shape == e.shape,
-                      "checkpoint '", src.dir, "': parameter '", ps[i].name, "' of shape ",
-                      at::IntArrayRef(ps[i].shape), " does not match the model's '", e.name,
-                      "' of shape ", at::IntArrayRef(e.shape), ". Nothing was loaded.");
+      const int64_t dim_now = p.tp != nullptr ? p.tp->sliced_dim(e.name) : -1;
+      const auto then = full_of(ps[i].shape, ps[i].tp_dim, src.meta.tp);
+      const auto now = full_of(e.shape, dim_now, tp_now);
+      DTRAIN_CHECK_AS(CheckpointError, ps[i].name == e.name && then == now, "checkpoint '", src.dir,
+                      "': parameter '", ps[i].name, "' of shape ", at::IntArrayRef(then),
+                      " does not match the model's '", e.name, "' of shape ", at::IntArrayRef(now),
+                      ". Nothing was loaded.");
     }
   }
 }
 
-// A sharded checkpoint into FSDP: this rank's new ranges read from whichever old ranks'
-// shard files hold them (resharding), buffers from rank 0's file.
-void read_sharded(const CheckpointParts& p, const Source& src, const Params& params,
-                  const std::vector<int64_t>& slots_now, size_t held_now, Loaded& out) {
-  check_same_units(p, src);
-  const auto layouts = p.fsdp->layouts();
-  const std::vector<ckpt::UnitMeta>& units = src.meta.units;
-  const std::vector<int64_t>& shard_ranks = src.meta.shard_ranks;
-  std::map<int, c10::impl::GenericDict> cache;
-  auto shard_file = [&](int64_t shard_rank) -> const c10::impl::GenericDict& {
-    const int w = static_cast<int>(std::find(shard_ranks.begin(), shard_ranks.end(), shard_rank) -
-                                   shard_ranks.begin());
-    if (!cache.count(w)) cache.emplace(w, src.dict(rank_file("shard", w)));
-    return cache.at(w);
-  };
-  const c10::Device device = p.fsdp->all_parameters().front().second.device();
-  // Elements of a parameter from whichever files the saving run's layout put them in.
-  auto reader = [&](const std::string& what) {
-    return [&, what](int64_t unit, int64_t param, int64_t begin, int64_t count) {
-      const ckpt::UnitMeta& saved = units[unit];
-      const ckpt::UnitParamMeta& e = saved.params[param];
-      const auto layout = choice_from_name<sharding::ShardLayout>(saved.layout).value();
-      const sharding::ParamPlace place{e.offset, e.numel, e.chunk, e.shard_at};
-      at::Tensor out = at::empty({count}, at::kFloat);
-      for (int64_t i = begin; i < begin + count;) {
-        const sharding::Located l = sharding::locate(layout, place, saved.shard_size, i);
-        const int64_t n = std::min(begin + count - i, l.run);
-        at::Tensor flat = shard_file(l.rank).at(layouts[unit].name + "|" + what).toTensor();
-        out.narrow(0, i - begin, n).copy_(flat.narrow(0, l.pos, n));
-        i += n;
+// Reads a sharded checkpoint's parameters and optimizer state at any mesh: elements of this
+// run's local tensors (its tp slice, or the whole tensor without TP) from whichever saving
+// ranks' shard files hold them. A saved tp slice is one rank's chunk of the whole tensor on
+// `tp_dim`; this rank's chunk (of another count of chunks) maps onto runs of elements that lie
+// in one saved chunk and are consecutive in both layouts; each run is then found in the saving
+// run's FSDP layout (sharding::locate) and read from the file of a rank with that tp rank and
+// shard rank.
+class ShardedReader {
+ public:
+  ShardedReader(const CheckpointParts& p, const Source& src)
+      : src_(src),
+        tp_now_(p.tp != nullptr ? p.tp->size() : 1),
+        tp_rank_(p.tp != nullptr ? p.tp->rank() : 0) {
+    const ckpt::Meta& m = src.meta;
+    for (size_t u = 0; u < m.units.size(); ++u) {
+      for (size_t i = 0; i < m.units[u].params.size(); ++i) {
+        where_[m.units[u].params[i].name] = {static_cast<int64_t>(u), static_cast<int64_t>(i)};
       }
-      return out.to(device);
-    };
-  };
-  out.values = p.fsdp->parts_from(reader("params"));
+    }
+    for (size_t w = 0; w < m.shard_ranks.size(); ++w) {
+      const int64_t t = m.tp_ranks.empty() ? 0 : m.tp_ranks[w];
+      file_of_.emplace(std::make_pair(t, m.shard_ranks[w]), static_cast<int>(w));
+    }
+    if (p.tp != nullptr) {
+      for (const auto& [name, place] : where_) dim_now_[name] = p.tp->sliced_dim(name);
+    }
+  }
+
+  // The saved parameter `name`: its unit and index there.
+  std::pair<int64_t, int64_t> place(const std::string& name) const {
+    auto it = where_.find(name);
+    DTRAIN_CHECK_AS(CheckpointError, it != where_.end(), "checkpoint '", src_.dir,
+                    "': it holds no parameter '", name, "'. Nothing was loaded.");
+    return it->second;
+  }
+
+  // Elements [begin, begin + count) of this run's local `name` (of `shape`), of `what`
+  // ("params" or an optimizer key), fp32 on the CPU.
+  at::Tensor read(const std::string& name, const std::vector<int64_t>& shape,
+                  const std::string& what, int64_t begin, int64_t count) {
+    const auto [unit, param] = place(name);
+    const ckpt::UnitParamMeta& e = src_.meta.units[static_cast<size_t>(unit)].params[param];
+    auto dn = dim_now_.find(name);
+    const int64_t dim_now = dn == dim_now_.end() ? -1 : dn->second;
+    DTRAIN_CHECK_AS(CheckpointError, e.tp_dim < 0 || dim_now < 0 || e.tp_dim == dim_now,
+                    "checkpoint '", src_.dir, "': '", name, "' was cut on dim ", e.tp_dim,
+                    " and is cut on dim ", dim_now, " here. Nothing was loaded.");
+    const int64_t dim = e.tp_dim >= 0 ? e.tp_dim : dim_now;
+    const int64_t tp_then = e.tp_dim >= 0 ? src_.meta.tp : 1, tp_now = dim_now >= 0 ? tp_now_ : 1,
+                  rank_now = dim_now >= 0 ? tp_rank_ : 0;
+    at::Tensor out = at::empty({count}, at::kFloat);
+    if (dim < 0) {  // whole on every rank: tp rank 0's copy
+      read_saved(unit, param, what, 0, begin, count, out);
+      return out;
+    }
+    int64_t inner = 1;
+    for (size_t d = static_cast<size_t>(dim) + 1; d < shape.size(); ++d) inner *= shape[d];
+    const int64_t full = shape[static_cast<size_t>(dim)] * tp_now;
+    const int64_t chunk_now = full / tp_now, chunk_then = full / tp_then;
+    for (int64_t i = begin; i < begin + count;) {
+      const int64_t outer = i / (chunk_now * inner), rem = i % (chunk_now * inner);
+      const int64_t c_now = rem / inner, in = rem % inner;
+      const int64_t c_full = rank_now * chunk_now + c_now;
+      const int64_t rank_then = c_full / chunk_then, c_then = c_full % chunk_then;
+      const int64_t at_then = outer * chunk_then * inner + c_then * inner + in;
+      const int64_t n = std::min({begin + count - i, (chunk_now - c_now) * inner - in,
+                                  (chunk_then - c_then) * inner - in});
+      read_saved(unit, param, what, rank_then, at_then, n, out.narrow(0, i - begin, n));
+      i += n;
+    }
+    return out;
+  }
+
+  const c10::impl::GenericDict& file(int64_t tp_rank, int64_t shard_rank) {
+    auto it = file_of_.find({tp_rank, shard_rank});
+    DTRAIN_CHECK_AS(CheckpointError, it != file_of_.end(), "checkpoint '", src_.dir,
+                    "': no rank's file holds tp rank ", tp_rank, "'s shard ", shard_rank);
+    if (!cache_.count(it->second))
+      cache_.emplace(it->second, src_.dict(rank_file("shard", it->second)));
+    return cache_.at(it->second);
+  }
+
+ private:
+  // Elements [begin, begin + count) of saved parameter (unit, param) as tp rank `tp_rank`
+  // held it, into `out`.
+  void read_saved(int64_t unit, int64_t param, const std::string& what, int64_t tp_rank,
+                  int64_t begin, int64_t count, at::Tensor out) {
+    const ckpt::UnitMeta& saved = src_.meta.units[static_cast<size_t>(unit)];
+    const ckpt::UnitParamMeta& e = saved.params[static_cast<size_t>(param)];
+    const auto layout = choice_from_name<sharding::ShardLayout>(saved.layout).value();
+    const sharding::ParamPlace place{e.offset, e.numel, e.chunk, e.shard_at};
+    for (int64_t i = begin; i < begin + count;) {
+      const sharding::Located l = sharding::locate(layout, place, saved.shard_size, i);
+      const int64_t n = std::min(begin + count - i, l.run);
+      const auto& f = file(tp_rank, l.rank);
+      const std::string key = saved.name + "|" + what;
+      DTRAIN_CHECK_AS(CheckpointError, f.contains(key), "checkpoint '", src_.dir,
+                      "': a shard file lacks '", key, "'");
+      at::Tensor flat = f.at(key).toTensor();
+      out.narrow(0, i - begin, n).copy_(flat.narrow(0, l.pos, n));
+      i += n;
+    }
+  }
+
+  const Source& src_;
+  int64_t tp_now_, tp_rank_;
+  std::map<std::string, std::pair<int64_t, int64_t>> where_;
+  std::map<std::string, int64_t> dim_now_;
+  std::map<std::pair<int64_t, int64_t>, int> file_of_;
+  std::map<int, c10::impl::GenericDict> cache_;
+};
+
+// Buffers from rank 0's file, and the optimizer's steps (per saved parameter, in the saving
+// run's order: its units' parameters in turn).
+void read_sharded_rest(const CheckpointParts& p, const Source& src, ShardedReader& reader,
+                       Loaded& out) {
   std::map<std::string, at::Tensor> saved;
-  for (const auto& [key, t] : tensors_of(shard_file(0))) {
+  for (const auto& [key, t] : tensors_of(reader.file(0, 0))) {
     if (key.rfind(kBufferPrefix, 0) == 0) saved[key.substr(sizeof(kBufferPrefix) - 1)] = t;
   }
   for (const auto& item : p.module->named_buffers()) {
@@ -1086,18 +1182,78 @@ void read_sharded(const CheckpointParts& p, const Source& src, const Params& par
         match_one(saved, {item.key(), item.value().sizes().vec(), item.value().scalar_type()},
                   src.dir + "/" + rank_file("shard", 0));
   }
+}
+
+// The saved optimizer step of `name` (-1: no state), from rank 0's file.
+double saved_step(const Source& src, ShardedReader& reader, const std::string& name) {
+  int64_t index = 0;
+  const auto [unit, param] = reader.place(name);
+  for (int64_t u = 0; u < unit; ++u) {
+    index += static_cast<int64_t>(src.meta.units[static_cast<size_t>(u)].params.size());
+  }
+  return reader.file(0, 0).at("optim_step").toTensor()[index + param].item<double>();
+}
+
+// A sharded checkpoint into FSDP: this rank's new ranges read from whichever old ranks'
+// shard files hold them (resharding, and re-slicing over another tp degree), buffers from
+// rank 0's file.
+void read_sharded(const CheckpointParts& p, const Source& src, const Params& params,
+                  const std::vector<int64_t>& slots_now, size_t held_now, Loaded& out) {
+  check_same_units(p, src);
+  const auto layouts = p.fsdp->layouts();
+  ShardedReader reader(p, src);
+  const c10::Device device = p.fsdp->all_parameters().front().second.device();
+  auto part_reader = [&](const std::string& what) {
+    return [&, what](int64_t unit, int64_t param, int64_t begin, int64_t count) {
+      const auto& e = layouts[static_cast<size_t>(unit)].params[static_cast<size_t>(param)];
+      return reader.read(e.name, e.shape, what, begin, count).to(device);
+    };
+  };
+  out.values = p.fsdp->parts_from(part_reader("params"));
+  read_sharded_rest(p, src, reader, out);
   if (p.optimizer == nullptr || src.meta.optimizer_keys.empty()) return;
   std::vector<ParamState> states(params.size());
-  at::Tensor steps = shard_file(0).at("optim_step").toTensor();
   for (const auto& key : src.meta.optimizer_keys) {
-    auto parts = p.fsdp->parts_from(reader(key));
+    auto parts = p.fsdp->parts_from(part_reader(key));
     for (size_t i = 0; i < params.size(); ++i) {
-      if (steps[static_cast<int64_t>(i)].item<double>() >= 0) states[i][key] = parts[i];
+      if (saved_step(src, reader, params[i].first) >= 0) states[i][key] = parts[i];
     }
   }
   for (size_t i = 0; i < params.size(); ++i) {
-    const double s = steps[static_cast<int64_t>(i)].item<double>();
+    const double s = saved_step(src, reader, params[i].first);
     if (s >= 0) states[i]["step"] = at::scalar_tensor(s, at::kFloat);
+  }
+  out.optimizer_states = to_optimizer_order(states, slots_now, held_now);
+}
+
+// A sharded checkpoint into a run without FSDP (tensor parallelism over the whole world, or
+// one process): each parameter's local tensor whole, put together from the shard files.
+void read_sharded_whole(const CheckpointParts& p, const Source& src, const Params& params,
+                        const std::vector<int64_t>& slots_now, size_t held_now, Loaded& out) {
+  ShardedReader reader(p, src);
+  const int64_t tp_now = p.tp != nullptr ? p.tp->size() : 1;
+  auto whole = [&](const std::string& name, const at::Tensor& like, const std::string& what) {
+    const std::vector<int64_t> shape = like.sizes().vec();
+    const auto [unit, param] = reader.place(name);
+    const ckpt::UnitParamMeta& e = src.meta.units[static_cast<size_t>(unit)].params[param];
+    const auto then = full_of(e.shape, e.tp_dim, src.meta.tp);
+    const auto now = full_of(shape, p.tp != nullptr ? p.tp->sliced_dim(name) : -1, tp_now);
+    DTRAIN_CHECK_AS(CheckpointError, then == now, "checkpoint '", src.dir, "': parameter '", name,
+                    "' of shape ", at::IntArrayRef(then), " does not match the model's of shape ",
+                    at::IntArrayRef(now), ". Nothing was loaded.");
+    return reader.read(name, shape, what, 0, like.numel()).view(shape).to(like.device());
+  };
+  for (const auto& [name, t] : params) out.values.push_back(whole(name, t, "params"));
+  read_sharded_rest(p, src, reader, out);
+  if (p.optimizer == nullptr || src.meta.optimizer_keys.empty()) return;
+  std::vector<ParamState> states(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double s = saved_step(src, reader, params[i].first);
+    if (s < 0) continue;
+    for (const auto& key : src.meta.optimizer_keys) {
+      states[i][key] = whole(params[i].first, params[i].second, key);
+    }
+    states[i]["step"] = at::scalar_tensor(s, at::kFloat);
   }
   out.optimizer_states = to_optimizer_order(states, slots_now, held_now);
 }
@@ -1231,13 +1387,9 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
   std::vector<std::pair<std::string, std::vector<int64_t>>> saved_params;
   for (const auto& pm : meta.parameters) saved_params.emplace_back(pm.name, pm.shape);
   check_same_job(p, dir, meta.job, saved_params);
-  DTRAIN_CHECK_AS(CheckpointError, meta.mode == "full" || p.tp == nullptr, "checkpoint '", dir,
-                  "' is sharded (FSDP without tensor parallelism), and this run has parallel.tp ",
-                  config_.parallel.tp,
-                  ": resume it with parallel.tp: 1, then save it with checkpoint.format: full, "
-                  "which restores at any tp");
-  DTRAIN_CHECK_AS(CheckpointError, meta.mode == "full" || p.fsdp != nullptr, "checkpoint '", dir,
-                  "' is sharded (FSDP), but this run's strategy is ",
+  DTRAIN_CHECK_AS(CheckpointError,
+                  meta.mode == "full" || p.fsdp != nullptr || p.tp != nullptr || meta.tp > 1,
+                  "checkpoint '", dir, "' is sharded (FSDP), but this run's strategy is ",
                   name_of(config_.parallel.strategy),
                   "; resume it with parallel.strategy: fsdp, or save it with checkpoint.format: "
                   "full");
@@ -1256,8 +1408,10 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
   Loaded loaded;
   if (meta.mode == "full") {
     read_full(p, src, params, slots_now, held_now, loaded);
-  } else {
+  } else if (p.fsdp != nullptr) {
     read_sharded(p, src, params, slots_now, held_now, loaded);
+  } else {
+    read_sharded_whole(p, src, params, slots_now, held_now, loaded);
   }
   if (p.scaler != nullptr && meta.files.count("scaler.pt")) loaded.scaler = src.dict("scaler.pt");
   if (meta.world_size == world) loaded.rank_state = src.dict(rank_file("rank", rank));
@@ -1292,36 +1446,17 @@ std::vector<std::pair<std::string, at::Tensor>> read_model_tensors(const std::st
     }
     return out;
   }
-  // Sharded: each parameter put together from the shard files as meta.json lays it out.
-  const std::vector<int64_t>& shard_ranks = src.meta.shard_ranks;
-  std::map<int, c10::impl::GenericDict> cache;
-  auto shard_file = [&](int64_t shard_rank) -> const c10::impl::GenericDict& {
-    const auto it = std::find(shard_ranks.begin(), shard_ranks.end(), shard_rank);
-    DTRAIN_CHECK_AS(CheckpointError, it != shard_ranks.end(), "checkpoint '", dir,
-                    "': no shard file holds shard ", shard_rank);
-    const int w = static_cast<int>(it - shard_ranks.begin());
-    if (!cache.count(w)) cache.emplace(w, src.dict(rank_file("shard", w)));
-    return cache.at(w);
-  };
+  // Sharded: each parameter put together whole from the shard files as meta.json lays it out
+  // (under tensor parallelism, from every tp rank's slices).
+  ShardedReader reader(CheckpointParts{}, src);
   for (const ckpt::UnitMeta& unit : src.meta.units) {
-    const auto layout = choice_from_name<sharding::ShardLayout>(unit.layout).value();
     for (const ckpt::UnitParamMeta& e : unit.params) {
-      const sharding::ParamPlace place{e.offset, e.numel, e.chunk, e.shard_at};
-      at::Tensor full = at::empty({e.numel}, at::kFloat);
-      for (int64_t i = 0; i < e.numel;) {
-        const sharding::Located l = sharding::locate(layout, place, unit.shard_size, i);
-        const int64_t n = std::min(e.numel - i, l.run);
-        const auto& file = shard_file(l.rank);
-        const std::string key = unit.name + "|params";
-        DTRAIN_CHECK_AS(CheckpointError, file.contains(key), "checkpoint '", dir,
-                        "': a shard file lacks '", key, "'");
-        full.narrow(0, i, n).copy_(file.at(key).toTensor().narrow(0, l.pos, n));
-        i += n;
-      }
-      out.emplace_back(e.name, full.reshape(e.shape));
+      const auto shape = full_of(e.shape, e.tp_dim, src.meta.tp);
+      const int64_t numel = c10::multiply_integers(shape);
+      out.emplace_back(e.name, reader.read(e.name, shape, "params", 0, numel).view(shape));
     }
   }
-  for (const auto& [key, t] : tensors_of(shard_file(0))) {
+  for (const auto& [key, t] : tensors_of(reader.file(0, 0))) {
     if (key.rfind(kBufferPrefix, 0) == 0)
       out.emplace_back(key.substr(sizeof(kBufferPrefix) - 1), t);
   }

@@ -169,6 +169,9 @@ class Reader {
                                          " files cannot hold " + std::to_string(e.numel));
         }
       }
+      if (ps[i]["tp_dim"]) {
+        e.tp_dim = integer(ps[i], ppath, "tp_dim", 0, static_cast<int64_t>(e.shape.size()) - 1);
+      }
       unit.params.push_back(std::move(e));
     }
     return unit;
@@ -258,6 +261,21 @@ Meta parse_meta(const std::string& text, const std::string& where) {
     if (s < 0 || s >= m.world_size) r.fail(Reader::at("shard_ranks", i), "not a rank");
     m.shard_ranks.push_back(s);
   }
+  // Tensor parallelism: absent without it.
+  const YAML::Node tp = root["tp"];
+  if (tp.IsDefined() && !tp.IsNull()) {
+    m.tp = static_cast<int>(r.integer(root, "", "tp", 1, m.world_size));
+    const YAML::Node tp_ranks = r.sequence(root, "", "tp_ranks");
+    if (tp_ranks.size() != static_cast<size_t>(m.world_size)) {
+      r.fail("tp_ranks", "has " + std::to_string(tp_ranks.size()) + " entries for world_size " +
+                             std::to_string(m.world_size));
+    }
+    for (size_t i = 0; i < tp_ranks.size(); ++i) {
+      const int64_t t = r.scalar<int64_t>(tp_ranks[i], Reader::at("tp_ranks", i));
+      if (t < 0 || t >= m.tp) r.fail(Reader::at("tp_ranks", i), "not a tp rank");
+      m.tp_ranks.push_back(t);
+    }
+  }
   const YAML::Node trainer = r.field(root, "", "trainer");
   m.step = r.integer(trainer, "trainer", "step", 0, kMost);
   m.skipped_steps = r.integer(trainer, "trainer", "skipped_steps", 0, kMost);
@@ -314,6 +332,7 @@ std::string write_meta(const Meta& m) {
         if (l.layout == "per_parameter") {
           o << ", \"chunk\": " << e.chunk << ", \"shard_at\": " << e.shard_at;
         }
+        if (e.tp_dim >= 0) o << ", \"tp_dim\": " << e.tp_dim;
         o << "}";
       }
       o << "]}";
@@ -328,6 +347,7 @@ std::string write_meta(const Meta& m) {
     }
     o << "},\n";
   }
+  if (m.tp > 1) o << " \"tp\": " << m.tp << ", \"tp_ranks\": " << ints(m.tp_ranks) << ",\n";
   o << " \"shard_ranks\": " << ints(m.shard_ranks) << ",\n \"files\": [";
   size_t i = 0;
   for (const auto& [name, f] : m.files) o << (i++ ? ",\n  " : "") << file_json(f);

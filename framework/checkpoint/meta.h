@@ -42,6 +42,9 @@ struct UnitParamMeta {
   int64_t numel = 0;
   int64_t chunk = 0;     // per_parameter: elements per shard file
   int64_t shard_at = 0;  // per_parameter: where they start in every shard file
+  // Tensor parallelism: the dimension this parameter is cut on over the tp ranks (`shape` is
+  // one rank's slice); -1: whole on every tp rank.
+  int64_t tp_dim = -1;
 };
 
 // One FSDP unit (sharded checkpoints).
@@ -62,8 +65,12 @@ struct Meta {
   int world_size = 1;
   std::vector<ParamMeta> parameters;
   std::vector<std::string> optimizer_keys;
-  std::vector<UnitMeta> units;            // sharded only
-  std::vector<int64_t> shard_ranks;       // each writing rank's shard rank
+  std::vector<UnitMeta> units;       // sharded only
+  std::vector<int64_t> shard_ranks;  // each writing rank's shard rank
+  // Tensor parallelism (sharded checkpoints): the tp degree, and each writing rank's tp rank
+  // (whose slices its shard file holds). Absent (tp 1) without it.
+  int tp = 1;
+  std::vector<int64_t> tp_ranks;
   std::map<std::string, FileInfo> files;  // by name
   // The trainer's state at the save.
   int64_t step = 0;

@@ -70,9 +70,12 @@ void expect_same(const Meta& a, const Meta& b) {
       EXPECT_EQ(a.units[u].params[i].numel, b.units[u].params[i].numel);
       EXPECT_EQ(a.units[u].params[i].chunk, b.units[u].params[i].chunk);
       EXPECT_EQ(a.units[u].params[i].shard_at, b.units[u].params[i].shard_at);
+      EXPECT_EQ(a.units[u].params[i].tp_dim, b.units[u].params[i].tp_dim);
     }
   }
   EXPECT_EQ(a.shard_ranks, b.shard_ranks);
+  EXPECT_EQ(a.tp, b.tp);
+  EXPECT_EQ(a.tp_ranks, b.tp_ranks);
   ASSERT_EQ(a.files.size(), b.files.size());
   for (const auto& [name, f] : a.files) {
     ASSERT_TRUE(b.files.count(name)) << name;
@@ -93,6 +96,23 @@ TEST(CheckpointMeta, ParseInvertsWriteForAShardedCheckpoint) {
   const std::string text = write_meta(m);
   expect_same(m, parse_meta(text, "test/meta.json"));
   EXPECT_EQ(write_meta(parse_meta(text, "test/meta.json")), text);
+}
+
+// Under tensor parallelism: the tp degree, each rank's tp rank, and each parameter's cut.
+TEST(CheckpointMeta, ParseInvertsWriteUnderTensorParallelism) {
+  Meta m = sharded_meta();
+  m.tp = 3;
+  m.tp_ranks = {0, 1, 2};
+  m.units[1].params[0].tp_dim = 1;
+  const std::string text = write_meta(m);
+  expect_same(m, parse_meta(text, "test/meta.json"));
+  EXPECT_EQ(write_meta(parse_meta(text, "test/meta.json")), text);
+  // A tp rank the degree does not have, and a 0-dim parameter cut, are refused.
+  std::string bad = text;
+  bad.replace(bad.find("\"tp_ranks\": [0, 1, 2]"), 21, "\"tp_ranks\": [0, 1, 3]");
+  EXPECT_THROW(parse_meta(bad, "test/meta.json"), CheckpointError);
+  m.units[1].params[1].tp_dim = 0;
+  EXPECT_THROW(parse_meta(write_meta(m), "test/meta.json"), CheckpointError);
 }
 
 TEST(CheckpointMeta, ParseInvertsWriteForAFullCheckpoint) {
