@@ -59,8 +59,8 @@ using dtrain::testing::world_ptr;
 using Test = dtrain::testing::MultiRankTest;
 
 constexpr int64_t kIn = 5, kClasses = 4, kPerRank = 3;
-// The MLP pair's inner width: divisible by every tp degree tried (1 to 4).
-constexpr int64_t kMlp = 12;
+// The MLP pair's inner width: divisible by every tp degree tried (1 to 4, and 8).
+constexpr int64_t kMlp = 24;
 
 // How a model of the zoo is made and trained.
 struct ZooSpec {
@@ -754,7 +754,7 @@ void check_tp_alone(const ZooSpec& spec) {
 
 // Every pattern under TP: over the whole world, and where the world is an even number above 2
 // on the 2-D mesh of tp 2 under FSDP (full_shard and hybrid_shard over the data-parallel
-// group, the optimizer in backward) and DDP.
+// group, the optimizer in backward) and DDP; from 8 ranks, replicate x shard x tp.
 void check_all_tp(const ZooSpec& spec) {
   check_tp_alone(spec);
   if (world().size() > 2 && world().size() % 2 == 0) {
@@ -765,6 +765,14 @@ void check_all_tp(const ZooSpec& spec) {
         "hybrid_shard");
     check_tp_in_backward(spec, 2, FSDPOptions(), "full_shard");
     check_tp_ddp(spec, 2);
+  }
+  // HSDP x TP: replicas of shard groups of 2 over the data-parallel ranks (8 ranks: 2 x 2 x
+  // tp 2).
+  if (world().size() >= 8 && world().size() % 4 == 0) {
+    check_tp_fsdp(
+        spec, 2,
+        FSDPOptions().sharding_strategy(ShardingStrategy::kHybridShard).hybrid_group_size(2),
+        "hybrid_shard (shard groups of 2)");
   }
 }
 
