@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""dtrain's tensor parallelism against PyTorch's own, on the same Llama, at 2 ranks over Gloo.
+"""dtrain's tensor parallelism against PyTorch's own, on the same Llama, over Gloo: TP at 2 ranks,
+and FSDP x TP on a 2-D mesh at 4 ranks.
 
 A small random transformers LlamaForCausalLM (grouped-query attention, untied head) is saved;
 both sides load it and train the same AdamW steps on the same tokens:
@@ -7,7 +8,12 @@ both sides load it and train the same AdamW steps on the same tokens:
            the vocabulary-parallel cross-entropy, under dtrain-launch;
   PyTorch  parallelize_module with ColwiseParallel / RowwiseParallel (and SequenceParallel with
            PrepareModuleInput for tp-sp, TorchTitan's Llama plan), loss_parallel, on a
-           DeviceMesh over Gloo, in this file's --reference mode under dtrain-launch.
+           DeviceMesh over Gloo, in this file's --reference mode under dtrain-launch;
+  2-D      fsdp-tp|fsdp-tp-sp: the same plans on the tp dimension of a (dp 2, tp 2) mesh at
+           4 ranks, with fully_shard on each decoder layer and the root over dp (TorchTitan's
+           composition) against dtrain's FSDP over the data-parallel ranks x its plan; each
+           data-parallel rank trains on its rows, and the losses compared are the mean over
+           data-parallel ranks.
 Each step's loss must agree within fp32 rounding, and so must the trained model's logits
 (dtrain's full model gathered over the group and saved; PyTorch's full_tensor()s).
 Usage: tp_parity_test.py --tool PATH --launcher PATH [--steps N]
@@ -38,12 +44,19 @@ def reference(args):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    from torch.distributed.fsdp import fully_shard
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    two_d = args.strategy.startswith("fsdp-")
+    dp = world // 2 if two_d else 1
+    if two_d:
+        mesh2 = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+        mesh = mesh2["tp"]
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     model = LlamaForCausalLM.from_pretrained(args.dir, torch_dtype=torch.float32,
                                              attn_implementation="sdpa")
-    sp = args.strategy == "tp-sp"
+    sp = args.strategy.endswith("tp-sp")
     layer_plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -74,8 +87,14 @@ def reference(args):
     if sp:
         top["model.norm"] = SequenceParallel()
     parallelize_module(model, mesh, top)
+    if two_d:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh2["dp"])
+        fully_shard(model, mesh=mesh2["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens = load_file(args.tokens)["tokens"].long()
+    if two_d:  # this data-parallel rank's rows: d, d + dp, ...
+        tokens = tokens[dist.get_rank() // 2::dp]
     B, T = tokens.shape
     positions = torch.arange(T).unsqueeze(0).expand(B, T)
     losses = []
@@ -87,7 +106,11 @@ def reference(args):
                                    tokens[:, 1:].reshape(-1))
             loss.backward()
         opt.step()
-        losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
+        value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+        value = value.detach().double().reshape(1).clone()
+        if two_d:
+            dist.all_reduce(value, group=mesh2["dp"].get_group())
+        losses.append(value.item() / dp)
     full = {}
     for name, p in model.named_parameters():
         full[name] = p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach()
@@ -96,7 +119,7 @@ def reference(args):
                                                  attn_implementation="sdpa")
         whole.load_state_dict(full, strict=False)
         with torch.no_grad():
-            out = whole(tokens).logits
+            out = whole(load_file(args.tokens)["tokens"].long()).logits
         save_file({"logits": out.contiguous(), "losses": torch.tensor(losses, dtype=torch.float64)},
                   args.out)
     dist.barrier()
@@ -135,7 +158,7 @@ def main():
         LlamaForCausalLM(cfg).save_pretrained(model_dir)
         tokens = os.path.join(tmp, "tokens.safetensors")
         save_file({"tokens": torch.randint(0, 64, (4, 16))}, tokens)
-        for strategy in ("tp", "tp-sp"):
+        for strategy, ranks in (("tp", 2), ("tp-sp", 2), ("fsdp-tp", 4), ("fsdp-tp-sp", 4)):
             ours = os.path.join(tmp, "dtrain-" + strategy)
             theirs = os.path.join(tmp, "pytorch-" + strategy + ".safetensors")
             for cmd in (
@@ -144,7 +167,7 @@ def main():
                  "--dir", model_dir, "--tokens", tokens, "--out", theirs, "--strategy", strategy,
                  "--steps", str(args.steps)],
             ):
-                r = subprocess.run([args.launcher, "--nproc-per-node", "2", "--master-port", "0",
+                r = subprocess.run([args.launcher, "--nproc-per-node", str(ranks), "--master-port", "0",
                                     "--backend", "gloo", "--"] + cmd, capture_output=True,
                                    text=True, env=env, timeout=600)
                 if r.returncode != 0:

@@ -4,7 +4,7 @@
 //                                            through it (in bf16 when asked) and writes
 //                                            "logits" (fp32) to OUT
 //   llama_tool resave DIR OUT_DIR             loads DIR and saves it as dtrain does into OUT_DIR
-//   llama_tool finetune DIR TOKENS OUT_DIR ddp|fsdp|tp|tp-sp STEPS
+//   llama_tool finetune DIR TOKENS OUT_DIR ddp|fsdp|tp|tp-sp|fsdp-tp|fsdp-tp-sp STEPS
 //                                             under dtrain-launch: every rank loads DIR, the
 //                                             strategy trains STEPS AdamW steps on its rows of
 //                                             "tokens" (next-token loss), and rank 0 saves the
@@ -14,6 +14,10 @@
 //                                             "losses"). tp and tp-sp: the Llama plan over every
 //                                             rank (tp-sp with sequence parallelism), each rank
 //                                             with all rows, the loss vocabulary-parallel.
+//                                             fsdp-tp, fsdp-tp-sp: FSDP over world / 2
+//                                             data-parallel ranks x tp 2 (a 2-D mesh), each
+//                                             data-parallel rank with its rows; the losses
+//                                             recorded are the mean over them.
 // An error prints its message and exits 2.
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -50,12 +54,15 @@ int finetune(const std::string& dir, const std::string& tokens_path, const std::
   auto comm = dtrain::comm::create_world();
   const int rank = comm->rank(), world = comm->size();
   const at::Tensor tokens = read_tokens(tokens_path);
-  const bool tensor_parallel = strategy == "tp" || strategy == "tp-sp";
-  // This rank's rows: rank, rank + world, ... (all of them under tensor parallelism).
-  const at::Tensor mine =
-      tensor_parallel ? tokens
-                      : tokens.index_select(0, at::arange(rank, tokens.size(0), world,
-                                                          at::TensorOptions().dtype(at::kLong)));
+  const bool two_d = strategy == "fsdp-tp" || strategy == "fsdp-tp-sp";
+  const bool tensor_parallel = strategy == "tp" || strategy == "tp-sp" || two_d;
+  const bool sp = strategy == "tp-sp" || strategy == "fsdp-tp-sp";
+  const int tp_size = two_d ? 2 : world;
+  // This data-parallel rank's rows: d, d + dp, ... (all of them under tensor parallelism
+  // alone).
+  const int dp = tensor_parallel ? world / tp_size : world, dp_rank = rank / (world / dp);
+  const at::Tensor mine = tokens.index_select(
+      0, at::arange(dp_rank, tokens.size(0), dp, at::TensorOptions().dtype(at::kLong)));
   std::vector<double> losses;
   auto loss_of = [&](const at::Tensor& logits) {
     const int64_t V = logits.size(-1), T = mine.size(1);
@@ -65,28 +72,50 @@ int finetune(const std::string& dir, const std::string& tokens_path, const std::
   std::vector<std::pair<std::string, at::Tensor>> final_params;
   if (tensor_parallel) {
     LlamaForCausalLM model = load_hf_llama(dir);
-    dtrain::sharding::DeviceMesh mesh(comm, {1, 1, world});
-    auto tp = std::make_shared<dtrain::sharding::TensorParallelism>(mesh.tp(), strategy == "tp-sp");
+    dtrain::sharding::DeviceMesh mesh(comm, {1, world / tp_size, tp_size});
+    auto tp = std::make_shared<dtrain::sharding::TensorParallelism>(mesh.tp(), sp);
     model->parallelize(tp);
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    std::unique_ptr<dtrain::sharding::FullyShardedDataParallel<LlamaForCausalLM>> fsdp;
+    if (two_d) {
+      fsdp = std::make_unique<dtrain::sharding::FullyShardedDataParallel<LlamaForCausalLM>>(
+          model, mesh.dp(),
+          dtrain::sharding::FSDPOptions().sync_module_states(false).auto_wrap(
+              dtrain::sharding::AutoWrapPolicy().module_types({"LlamaDecoderLayer"})));
+    }
+    torch::optim::AdamW opt(fsdp ? fsdp->parameters() : model->parameters(),
+                            torch::optim::AdamWOptions(1e-3));
     for (int s = 0; s < steps; ++s) {
       opt.zero_grad();
-      const at::Tensor logits = model(mine);
+      const at::Tensor logits = fsdp ? (*fsdp)(mine) : model(mine);
       const int64_t V = logits.size(-1), T = mine.size(1);
       at::Tensor loss = tp->loss(logits.narrow(1, 0, T - 1).reshape({-1, V}),
                                  mine.narrow(1, 1, T - 1).reshape(-1), model->head_weight());
       loss.backward();
-      std::vector<at::Tensor> replicated;
-      for (const auto& p : model->named_parameters()) {
-        if (!tp->sliced(p.key()) && p.value().grad().defined())
-          replicated.push_back(p.value().grad());
+      std::vector<at::Tensor> replicated;  // the norms' gradients (FSDP: their shards)
+      if (fsdp) {
+        for (const auto& [name, master] : fsdp->state().all_parameters()) {
+          if (!tp->sliced(name) && master.grad().defined()) replicated.push_back(master.grad());
+        }
+      } else {
+        for (const auto& p : model->named_parameters()) {
+          if (!tp->sliced(p.key()) && p.value().grad().defined())
+            replicated.push_back(p.value().grad());
+        }
       }
       tp->sync_replicated_grads(replicated);
       opt.step();
-      losses.push_back(loss.item<double>());
+      at::Tensor mean = loss.detach().to(at::kDouble).reshape({1}).clone();
+      if (fsdp) mesh.dp()->all_reduce(mean).wait();
+      losses.push_back(mean.item<double>() / (fsdp ? dp : 1));
     }
-    for (const auto& p : model->named_parameters()) {
-      final_params.emplace_back(p.key(), tp->full(p.key(), p.value().detach()));
+    if (fsdp) {
+      for (const auto& [name, local] : fsdp->state().full_parameters()) {  // collective
+        final_params.emplace_back(name, tp->full(name, local));
+      }
+    } else {
+      for (const auto& p : model->named_parameters()) {
+        final_params.emplace_back(p.key(), tp->full(p.key(), p.value().detach()));
+      }
     }
   } else if (strategy == "ddp") {
     LlamaForCausalLM model = load_hf_llama(dir);
@@ -102,7 +131,7 @@ int finetune(const std::string& dir, const std::string& tokens_path, const std::
     for (const auto& p : model->named_parameters()) final_params.emplace_back(p.key(), p.value());
   } else {
     DTRAIN_CHECK_AS(dtrain::UsageError, strategy == "fsdp",
-                    "strategy must be ddp, fsdp, tp or tp-sp");
+                    "strategy must be ddp, fsdp, tp, tp-sp, fsdp-tp or fsdp-tp-sp");
     // Built without parameter memory; FSDP loads the checkpoint into it one layer at a time.
     LlamaOptions o = read_hf_llama_config(dir + "/config.json");
     o.deferred_init(true);
