@@ -15,6 +15,13 @@
 #include "core/trace.h"
 
 namespace dtrain::comm {
+
+namespace {
+std::atomic<bool> g_default_check{false};
+}  // namespace
+
+void set_default_call_check(bool on) { g_default_check.store(on, std::memory_order_relaxed); }
+bool default_call_check() { return g_default_check.load(std::memory_order_relaxed); }
 namespace {
 
 std::exception_ptr abandoned_error(const detail::WorkState& state, const std::string& why) {
@@ -46,7 +53,7 @@ Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
         ConfigError, value == "0" || value == "1" || value.empty(),
         "DTRAIN_COMM_CHECK must be 1 (verify every collective across ranks) or 0, got '", value,
         "'");
-    check_calls_ = value == "1";
+    if (!value.empty()) check_mode_ = value == "1" ? 1 : 0;
   }
 }
 
@@ -194,7 +201,7 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
     DTRAIN_CHECK_AS(CommError, root >= 0 && root < size_, name, ": root ", root,
                     " is not a rank of this communicator (size ", size_, ")");
   }
-  if (check_calls_ && !checking_) {
+  if (!checking_ && (check_mode_ == 1 || (check_mode_ < 0 && default_call_check()))) {
     verify_same_call(kind, info, output.defined() ? output.numel() : 0, op, root);
   }
   info.seq = next_seq_++;

@@ -16,7 +16,10 @@
 // breaks the communicator; without the check such a mismatch is undefined behaviour of the
 // backend (MPI may truncate or leave garbage, Gloo may abort the process, a same-size dtype
 // or op mismatch goes unnoticed). The check waits for the collectives before it, so it
-// removes overlap: a debugging tool, see docs/reliability.md.
+// removes overlap: a debugging tool, see docs/reliability.md. Unset, the check follows a
+// process-wide default (set_default_call_check), which dtrain's trainer turns on through its
+// setup and first steps, while the schedule settles, and off after; DTRAIN_COMM_CHECK=0 keeps
+// it off.
 //
 // Supported: ops SUM, AVG, MAX, MIN (AVG only for floating dtypes); dtypes fp32, fp64,
 // fp16, bf16, int32, int64, uint8. fp16/bf16 reductions add pairs in fp32 and round the
@@ -38,6 +41,12 @@
 #include "comm/work.h"
 
 namespace dtrain::comm {
+
+// The collective check's default where DTRAIN_COMM_CHECK is unset (off until set): every
+// communicator of this process checks its collectives while it is on. Every rank must switch it
+// at the same point of its sequence of collectives (the trainer: at a step boundary).
+void set_default_call_check(bool on);
+bool default_call_check();
 
 class Communicator {
  public:
@@ -147,7 +156,7 @@ class Communicator {
   int64_t next_seq_ = 1;
   int64_t next_split_ = 1;
   std::atomic<const char*> backend_name_{nullptr};  // interned backend(), set at first use
-  bool check_calls_ = false;                        // DTRAIN_COMM_CHECK=1
+  int check_mode_ = -1;    // DTRAIN_COMM_CHECK: 1 always, 0 never, -1 (unset) the default
   bool checking_ = false;  // inside verify_same_call: its own all-gather is not checked
   // Shared with pending Works, whose timeout marks it even if this communicator is gone.
   // Marking it fails every op still pending, so a rank that hit one timeout (or error) does

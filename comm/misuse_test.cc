@@ -112,6 +112,40 @@ TEST(CommCheck, EveryMismatchFailsOnEveryRankNamingTheCollectiveAndTheRank) {
   EXPECT_TRUE(x.eq(world().size()).all().item<bool>());
 }
 
+// DTRAIN_COMM_CHECK unset: the check follows the process-wide default (on through the
+// trainer's setup and first steps): on, a mismatch fails with the check's error; off, each
+// collective is issued alone (no all-gather of the check's before it: one sequence number
+// each). DTRAIN_COMM_CHECK=0 keeps it off whatever the default.
+TEST(CommCheck, UnsetFollowsTheDefaultAndZeroKeepsItOff) {
+  const bool odd = world().rank() != 0;
+  ::unsetenv("DTRAIN_COMM_CHECK");
+  auto follows = fresh(), follows_too = fresh();
+  ::setenv("DTRAIN_COMM_CHECK", "0", 1);
+  auto never = fresh();
+  ::setenv("DTRAIN_COMM_CHECK", "1", 1);
+  set_default_call_check(true);
+  // Two matched collectives take four numbers (each after its check's all-gather) where the
+  // check is on, two where it is off.
+  for (auto* c : {follows.get(), never.get()}) {
+    c->all_reduce(at::ones({8})).wait();
+    Work w = c->all_reduce(at::ones({8}));
+    w.wait();
+    EXPECT_EQ(w.info().seq, c == never.get() ? 2 : 4);
+  }
+  try {
+    follows_too->all_reduce(at::ones({odd ? 9 : 8})).wait();
+    ADD_FAILURE() << "a mismatched collective completed under the default check";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("DTRAIN_COMM_CHECK found that the ranks issued"),
+              std::string::npos)
+        << e.what();
+  }
+  set_default_call_check(false);
+  Work w = follows->all_reduce(at::ones({8}));
+  w.wait();
+  EXPECT_EQ(w.info().seq, 5) << "the default off: no check before it";
+}
+
 TEST(CommCheck, RefusesAValueOtherThan0Or1) {
   // Constructing a communicator reads it; a split constructs one.
   ::setenv("DTRAIN_COMM_CHECK", "yes", 1);

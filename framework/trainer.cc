@@ -414,6 +414,20 @@ void Trainer::setup() {
                   "): every rank evaluates its share");
   agree_to_start(comm_.get(), rank_, world_, output_problem(c_, rank_));
   comm::flight::set_dump_dir(flight_dir(c_), rank_);
+  // Misuse caught by default: from here (every rank agreed to start) through the first steps,
+  // each collective is compared across ranks before it runs, so a rank that issues another one
+  // gets an error naming both instead of garbage or an abort.
+  const char* check = std::getenv("DTRAIN_COMM_CHECK");
+  if (world_ > 1 && (check == nullptr || *check == '\0')) {
+    comm::set_default_call_check(true);
+    checking_calls_ = true;
+    if (rank_ == 0) {
+      logging::info(
+          "collective check: every collective compared across ranks through setup "
+          "and the first ",
+          kCheckedSteps, " steps (DTRAIN_COMM_CHECK=1: always; 0: never)");
+    }
+  }
   model_ = task_.make_strategy(&monitor_);
   logging::info("model ready: process peak RSS so far ", logging::fixed(peak_rss_mb(), 0),
                 " MB (building, initializing and sharding the model)");
@@ -903,6 +917,14 @@ TrainResult Trainer::train() {
       logging::warn("DTRAIN_TEST_STOP_AT_STEP: rank ", rank_, " stops itself after step ", step);
       std::raise(SIGSTOP);
     }
+    if (checking_calls_ && step >= first_step_ + kCheckedSteps) {  // every rank, this step
+      comm::set_default_call_check(false);
+      checking_calls_ = false;
+    }
+  }
+  if (checking_calls_) {
+    comm::set_default_call_check(false);
+    checking_calls_ = false;
   }
   if (tty_) std::fprintf(stderr, "\n");
   checkpointer_.finish();  // a save still being written (checkpoint.async)

@@ -175,6 +175,11 @@ class Trainer {
 
   int64_t step_ = 0;        // steps done
   int64_t first_step_ = 0;  // where this process started (a restored step, or 0)
+  // The collective check (comm/communicator.h) is on by default through setup and this many
+  // steps after first_step_, while the schedule settles (DDP rebuilds its buckets after the
+  // first step); DTRAIN_COMM_CHECK=1 keeps it on, 0 off.
+  static constexpr int64_t kCheckedSteps = 2;
+  bool checking_calls_ = false;
   TrainResult result_;
   bool first_logged_ = false;
   double window_loss_ = 0, window_time_ = 0;  // since the last logged step
