@@ -1,6 +1,10 @@
 #include "amp/policy.h"
 
+#include <iterator>
+#include <map>
+#include <mutex>
 #include <sstream>
+#include <utility>
 
 #include "comm/types.h"
 #include "core/error.h"
@@ -85,6 +89,41 @@ std::string MixedPrecisionPolicy::to_string() const {
   os << "{param " << comm::dtype_name(param_dtype) << ", reduce " << name(reduce_dtype)
      << ", buffer " << name(buffer_dtype) << ", output " << name(output_dtype) << "}";
   return os.str();
+}
+
+namespace {
+struct LowPrecisionGrads {
+  std::mutex mu;
+  // By TensorImpl; the weak pointer tells a live entry from a reused address.
+  std::map<const c10::TensorImpl*,
+           std::pair<c10::weak_intrusive_ptr<c10::TensorImpl>, c10::ScalarType>>
+      by_param;
+};
+LowPrecisionGrads& low_precision_grads() {
+  static auto* registry = new LowPrecisionGrads();  // never destroyed: used at exit too
+  return *registry;
+}
+}  // namespace
+
+void note_low_precision_grads(const at::Tensor& param, c10::ScalarType grad_dtype) {
+  auto& r = low_precision_grads();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (auto it = r.by_param.begin(); it != r.by_param.end();) {  // drop the dead ones
+    it = it->second.first.expired() ? r.by_param.erase(it) : std::next(it);
+  }
+  r.by_param.insert_or_assign(
+      param.unsafeGetTensorImpl(),
+      std::make_pair(c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()),
+                     grad_dtype));
+}
+
+std::optional<c10::ScalarType> low_precision_grad_dtype(const at::Tensor& param) {
+  if (!param.defined()) return std::nullopt;
+  auto& r = low_precision_grads();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.by_param.find(param.unsafeGetTensorImpl());
+  if (it == r.by_param.end() || it->second.first.expired()) return std::nullopt;
+  return it->second.second;
 }
 
 }  // namespace dtrain::amp

@@ -10,6 +10,7 @@
 // Presets: fp32 (nothing cast), bf16 and fp16 (param, reduce and buffer dtype all bf16/fp16).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
 #include <optional>
@@ -50,5 +51,13 @@ std::string canonical_dtype_name(const std::string& name);
 // "fp32" | "bf16" | "fp16" | "fp64", or a PyTorch spelling of one -> dtype; throws
 // ConfigError naming the choices.
 c10::ScalarType parse_float_dtype(const std::string& name);
+
+// Parameters whose gradients a strategy leaves in a low-precision dtype (FSDP's masters under
+// keep_low_precision_grads), so that an optimizer built on them can refuse at once what it
+// could not step (dtrain's fused AdamW and SGD step fp32 parameters with fp32 gradients, as
+// PyTorch's fused kernels do). Process-wide, keyed by the tensor; forgets a tensor once it is
+// gone.
+void note_low_precision_grads(const at::Tensor& param, c10::ScalarType grad_dtype);
+std::optional<c10::ScalarType> low_precision_grad_dtype(const at::Tensor& param);
 
 }  // namespace dtrain::amp

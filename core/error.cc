@@ -1,6 +1,7 @@
 #include "core/error.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 namespace dtrain::detail {
@@ -89,3 +90,14 @@ std::string strip_location(const std::string& what) {
 }
 
 }  // namespace dtrain::detail
+
+namespace dtrain {
+
+std::string message_of(const std::exception& e) {
+  const char* level = std::getenv("DTRAIN_LOG_LEVEL");
+  const bool debug =
+      level != nullptr && (std::strcmp(level, "debug") == 0 || std::strcmp(level, "trace") == 0);
+  return detail::user_message(e.what(), debug);
+}
+
+}  // namespace dtrain

@@ -55,6 +55,12 @@ class CheckpointError : public Error {
   using Error::Error;
 };
 
+// What to show a user for `e`: its message without the source locations dtrain's checks append
+// (" [optim/fused.cc:32]") and without LibTorch's backtrace, unless DTRAIN_LOG_LEVEL is debug
+// or trace, when it is whole. For a program's own catch: fprintf(stderr, "%s\n",
+// dtrain::message_of(e).c_str()).
+std::string message_of(const std::exception& e);
+
 namespace detail {
 
 template <typename... Args>

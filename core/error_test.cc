@@ -61,6 +61,20 @@ TEST(Error, UserMessagesDropC10BacktracesAndSourceTagsUnlessDebugging) {
   EXPECT_EQ(detail::user_message(what, /*debug=*/true), what);
 }
 
+// What a program shows for an exception (examples' catch blocks, warnings): the location only
+// at DTRAIN_LOG_LEVEL=debug.
+TEST(Error, MessageOfShowsTheLocationOnlyWhenDebugging) {
+  try {
+    DTRAIN_FAIL(UsageError, "dtrain::optim::AdamW: parameter 3 is wrong");
+  } catch (const Error& e) {
+    ::unsetenv("DTRAIN_LOG_LEVEL");
+    EXPECT_EQ(message_of(e), "dtrain::optim::AdamW: parameter 3 is wrong");
+    ::setenv("DTRAIN_LOG_LEVEL", "debug", 1);
+    EXPECT_NE(message_of(e).find("[core/error_test.cc:"), std::string::npos) << message_of(e);
+    ::unsetenv("DTRAIN_LOG_LEVEL");
+  }
+}
+
 TEST(Env, ParsesIntegersAndRejectsGarbageNamingTheVariable) {
   std::map<std::string, std::string> vars{{"A", "12"}, {"B", "x1"}};
   EnvLookup env = [&](const std::string& k) -> std::optional<std::string> {

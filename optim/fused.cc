@@ -11,6 +11,7 @@
 #include <tuple>
 #include <utility>
 
+#include "amp/policy.h"
 #include "core/error.h"
 
 namespace dtrain::optim {
@@ -116,11 +117,37 @@ void GradScaling::step_only(const std::vector<at::Tensor>& params) {
   only_ = nullptr;
 }
 
+// At construction: a parameter whose gradients its strategy leaves in a low-precision dtype
+// (FSDP's keep_low_precision_grads) is refused, naming both settings, rather than at the first
+// step.
+void check_grad_dtypes(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                       const char* who) {
+  size_t index = 0;
+  for (const auto& g : groups) {
+    for (const auto& p : g.params()) {
+      const auto dtype = amp::low_precision_grad_dtype(p);
+      DTRAIN_CHECK_AS(UsageError, !dtype || *dtype == p.scalar_type(), who, ": parameter ", index,
+                      " (", c10::toString(p.scalar_type()),
+                      ") is an FSDP master whose gradients FSDP leaves in ", c10::toString(*dtype),
+                      " (MixedPrecisionPolicy::keep_low_precision_grads, precision."
+                      "keep_low_precision_grads), and the fused kernel steps a parameter with a "
+                      "gradient of its own dtype, as PyTorch's fused AdamW and SGD do: turn "
+                      "keep_low_precision_grads off, or step with an optimizer that takes "
+                      "low-precision gradients");
+      ++index;
+    }
+  }
+}
+
 AdamW::AdamW(std::vector<at::Tensor> params, torch::optim::AdamWOptions defaults)
-    : torch::optim::AdamW(std::move(params), std::move(defaults)) {}
+    : torch::optim::AdamW(std::move(params), std::move(defaults)) {
+  check_grad_dtypes(param_groups_, "dtrain::optim::AdamW");
+}
 
 AdamW::AdamW(const std::vector<OptimizerParamGroup>& groups, torch::optim::AdamWOptions defaults)
-    : torch::optim::AdamW(groups, std::move(defaults)) {}
+    : torch::optim::AdamW(groups, std::move(defaults)) {
+  check_grad_dtypes(param_groups_, "dtrain::optim::AdamW");
+}
 
 at::Tensor AdamW::step(LossClosure closure) {
   at::Tensor loss = run(closure);
@@ -163,10 +190,14 @@ at::Tensor AdamW::step(LossClosure closure) {
 }
 
 SGD::SGD(std::vector<at::Tensor> params, torch::optim::SGDOptions defaults)
-    : torch::optim::SGD(std::move(params), std::move(defaults)) {}
+    : torch::optim::SGD(std::move(params), std::move(defaults)) {
+  check_grad_dtypes(param_groups_, "dtrain::optim::SGD");
+}
 
 SGD::SGD(const std::vector<OptimizerParamGroup>& groups, torch::optim::SGDOptions defaults)
-    : torch::optim::SGD(groups, std::move(defaults)) {}
+    : torch::optim::SGD(groups, std::move(defaults)) {
+  check_grad_dtypes(param_groups_, "dtrain::optim::SGD");
+}
 
 at::Tensor SGD::step(LossClosure closure) {
   at::Tensor loss = run(closure);

@@ -114,6 +114,9 @@ FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tens
     }
     p.master = flat_slot(shard_, h.pos, {h.count});
     p.master.requires_grad_(p.trainable);
+    if (p.trainable && policy.keep_low_precision_grads && reduce_dtype_ != at::kFloat) {
+      amp::note_low_precision_grads(p.master, reduce_dtype_);
+    }
     p.master_begin = h.begin;
     p.master_at = h.pos;
   }

@@ -384,6 +384,22 @@ TEST_F(Test, EveryMixedPrecisionFieldTakesEffect) {
     for (const auto& p : fsdp->parameters()) {
       EXPECT_EQ(p.grad().scalar_type(), at::kBFloat16) << "keep_low_precision_grads";
     }
+    // The fused optimizers step a parameter with a gradient of its dtype (as PyTorch's fused
+    // kernels): built on these masters they refuse at once, naming both settings.
+    for (int which : {0, 1}) {
+      try {
+        if (which == 0) {
+          optim::AdamW opt(fsdp->parameters(), torch::optim::AdamWOptions(1e-3));
+        } else {
+          optim::SGD opt(fsdp->parameters(), torch::optim::SGDOptions(1e-3));
+        }
+        ADD_FAILURE() << "a fused optimizer accepted masters with bf16 gradients";
+      } catch (const UsageError& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("keep_low_precision_grads"), std::string::npos) << what;
+        EXPECT_NE(what.find("fused kernel"), std::string::npos) << what;
+      }
+    }
   }
   {
     auto mp = bf16;

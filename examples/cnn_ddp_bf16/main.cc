@@ -12,6 +12,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <dtrain/amp/autocast.h>
 #include <dtrain/comm/factory.h>
+#include <dtrain/core/error.h>
 #include <dtrain/core/logging.h>
 #include <dtrain/sharding/ddp.h>
 #include <torch/nn/module.h>
@@ -99,6 +100,6 @@ int main(int argc, char** argv) try {
   }
   return last < first * 0.7 ? 0 : 1;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "cnn_ddp_bf16: %s\n", e.what());
+  std::fprintf(stderr, "cnn_ddp_bf16: %s\n", dtrain::message_of(e).c_str());
   return 1;
 }

@@ -18,6 +18,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <dtrain/amp/autocast.h>
 #include <dtrain/comm/factory.h>
+#include <dtrain/core/error.h>
 #include <dtrain/core/logging.h>
 #include <dtrain/sharding/ddp.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -146,6 +147,6 @@ int main(int argc, char** argv) try {
   }
   return last < first * 0.7 ? 0 : 1;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "custom_op_autocast: %s\n", e.what());
+  std::fprintf(stderr, "custom_op_autocast: %s\n", dtrain::message_of(e).c_str());
   return 1;
 }

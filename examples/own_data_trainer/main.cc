@@ -174,10 +174,10 @@ int main(int argc, char** argv) {
     }
     return result.last_loss < result.first_loss * 0.8 ? 0 : 1;
   } catch (const dtrain::ConfigError& e) {
-    std::fprintf(stderr, "own_data_trainer: %s\n", e.what());
+    std::fprintf(stderr, "own_data_trainer: %s\n", dtrain::message_of(e).c_str());
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "own_data_trainer: %s\n", e.what());
+    std::fprintf(stderr, "own_data_trainer: %s\n", dtrain::message_of(e).c_str());
     return 1;
   }
 }

@@ -16,6 +16,7 @@
 #include <dtrain/amp/policy.h>
 #include <dtrain/amp/sharded_grad_scaler.h>
 #include <dtrain/comm/factory.h>
+#include <dtrain/core/error.h>
 #include <dtrain/core/logging.h>
 #include <dtrain/optim/fused.h>
 #include <dtrain/sharding/fsdp.h>
@@ -161,6 +162,6 @@ int main(int argc, char** argv) try {
   }
   return std::isfinite(last) && last < first * 0.8 ? 0 : 1;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "transformer_fsdp_fp16: %s\n", e.what());
+  std::fprintf(stderr, "transformer_fsdp_fp16: %s\n", dtrain::message_of(e).c_str());
   return 1;
 }

@@ -858,7 +858,7 @@ std::optional<TrainerProgress> Checkpointer::restore(const CheckpointParts& p,
       }
       return progress;
     } catch (const CheckpointError& e) {
-      logging::warn("checkpoint '", dir, "' cannot be resumed: ", e.what());
+      logging::warn("checkpoint '", dir, "' cannot be resumed: ", message_of(e));
       if (damaged.empty()) {
         damaged = dir;
         why = e.what();
