@@ -74,10 +74,23 @@ std::shared_ptr<Communicator> create_world(const CommOptions& options, const Env
                   "rebuild with MPI, or use backend gloo (nccl for CUDA tensors)");
 #else
       comm = make_mpi_world(timeout, info.node_key);
+      // A job whose environment says N ranks never trains as fewer: the MPI library joined
+      // another job than the launcher's (or none: a singleton per process).
       DTRAIN_CHECK_AS(ConfigError, comm->size() == info.world_size || info.source != "torchrun",
                       "mpi backend sees ", comm->size(), " ranks but WORLD_SIZE=", info.world_size,
                       ": ranks started by dtrain-launch are separate MPI jobs; use --backend "
                       "gloo, or start the job with mpirun");
+      DTRAIN_CHECK_AS(
+          ConfigError, comm->size() == info.world_size || info.source == "single process",
+          "the environment says this is rank ", info.rank, " of ", info.world_size, " (",
+          info.source == "mpich"   ? "PMI_RANK/PMI_SIZE: MPICH's or Intel MPI's Hydra launcher"
+          : info.source == "slurm" ? "SLURM_PROCID/SLURM_NTASKS: srun"
+                                   : info.source + "'s variables",
+          "), but the MPI library dtrain was built with sees ", comm->size(), " rank(s): it is ",
+          "not the MPI that started the job, so each process would train alone. Start the job "
+          "with the mpirun of the MPI dtrain was built with (or srun --mpi matching it), or set "
+          "parallel.backend: gloo (or DTRAIN_BACKEND=gloo), which forms the job from these "
+          "variables with MASTER_ADDR and MASTER_PORT");
 #endif
       break;
     }

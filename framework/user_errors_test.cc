@@ -174,6 +174,15 @@ TEST(UserMistakes, EnvironmentVariablesAreNamed) {
        }) {
     check(m);
   }
+  // MPICH's Hydra environment (PMI_RANK/PMI_SIZE) with backend auto picks MPI, and an MPI that
+  // Hydra did not start inits each process alone: refused, not two jobs of one rank each.
+  if (std::system("command -v mpirun >/dev/null 2>&1") == 0) {
+    check({"an MPICH environment around another MPI",
+           "PMI_RANK=0 PMI_SIZE=2 " + train("--set parallel.backend=auto"),
+           2,
+           {"the environment says this is rank 0 of 2", "PMI_RANK/PMI_SIZE", "sees 1 rank(s)",
+            "parallel.backend: gloo"}});
+  }
 }
 
 TEST(UserMistakes, EveryBinaryExplainsItselfAndRefusesBadFlags) {
