@@ -3,6 +3,9 @@
   stop      rank 1 SIGSTOPs itself after step 3: rank 0 times out and dumps, dtrain-launch
             ends rank 1 (SIGTERM), which dumps too; scripts/flight names rank 1, which fell
             behind.
+  sigstop   rank 1 SIGSTOPped from outside at three moments of a run, most often inside a
+            collective it had issued (rank 0 times out on it, rank 1 finishes nothing more):
+            scripts/flight names rank 1 each time.
   skip      rank 1 never issues the world communicator's collective #20: the ranks fall out of
             step (Gloo aborts the process that receives a larger message); scripts/flight
             names rank 1, which skipped it.
@@ -96,6 +99,26 @@ def main():
           f"stop: both ranks dumped (exit {code})", log + report)
     check("verdict: rank 1 at fault" in report and "which fell behind" in report,
           "stop: scripts/flight names rank 1, which fell behind", log + report)
+
+    # sigstop: a rank stopped from outside at any moment, most often inside a collective it
+    # had issued (the others time out on it): still named, in each of three runs.
+    for i in range(3):
+        out = f"{work}/sigstop{i}"
+        os.makedirs(out)
+        p = job(args, out, steps=2000)
+        pid, deadline = None, time.time() + 30
+        while pid is None and time.time() < deadline:
+            time.sleep(0.1)
+            pid = rank_pid(p.pid, 1)
+        while time.time() < deadline and not os.path.exists(f"{out}/metrics.jsonl"):
+            time.sleep(0.1)
+        time.sleep(0.5 + 0.37 * i)
+        if pid is not None:
+            os.kill(pid, signal.SIGSTOP)
+        code, log = finish(p)
+        report = flight(args, out)
+        check(pid is not None and code != 0 and "verdict: rank 1 at fault" in report,
+              f"sigstop {i}: scripts/flight names the stopped rank 1 (exit {code})", log + report)
 
     # skip: a rank that skips a collective.
     out = f"{work}/skip"
