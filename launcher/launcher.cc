@@ -350,12 +350,13 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
     }
     signal_all(ranks, sig);
   };
-  while (true) {
-    // Reap exited ranks. Of the ranks that failed in one sweep, the one a signal killed is
-    // the likely cause (the others saw it die), so it is the one reported; SIGPIPE, what a
-    // write to a dead peer gives, less, and a rank that says it stopped because another
-    // failed (cli::kConsequenceExitCode) least of all: it is named only when no other rank
-    // here fails within kConsequenceWait (the cause may be on another node).
+  // Reaps exited ranks; returns the one failure of this sweep to report. Of the ranks that
+  // failed in one sweep, the one a signal killed is the likely cause (the others saw it die),
+  // so it is the one reported; SIGPIPE, what a write to a dead peer gives, less, and a rank
+  // that says it stopped because another failed (cli::kConsequenceExitCode) least of all: it
+  // is named only when no other rank here fails within kConsequenceWait, nor another node
+  // reports a failure in that time (the cause may be there).
+  auto reap = [&]() -> Rank* {
     int status = 0;
     pid_t pid;
     Rank* first_failed = nullptr;
@@ -406,6 +407,25 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
         }
       }
     }
+    return first_failed;
+  };
+  // Reports `r` as the job's failure: the other ranks here are ended, and the other nodes told.
+  auto fail_with = [&](const Rank& r) {
+    result = {Outcome::kRankFailed, r.exit_code, r.global_rank};
+    std::cerr << "[dtrain-launch] rank " << r.global_rank << " (pid " << r.pid << ") "
+              << (r.exit_code > 128 ? "was killed by signal " + std::to_string(r.exit_code - 128) +
+                                          " (exit code " + std::to_string(r.exit_code) + ")"
+                  : r.exit_code == cli::kConsequenceExitCode
+                      ? "stopped because a rank elsewhere failed (exit code " +
+                            std::to_string(r.exit_code) + ")"
+                      : "exited with code " + std::to_string(r.exit_code))
+              << "; terminating the other ranks" << std::endl;
+    start_termination(SIGTERM, o.grace_period_s);
+    consequence = nullptr;
+    if (agent != nullptr) agent->report_failure(restart_count, r.global_rank, r.exit_code);
+  };
+  while (true) {
+    Rank* first_failed = reap();
     if (first_failed != nullptr && first_failed->exit_code == cli::kConsequenceExitCode) {
       if (consequence == nullptr) {
         consequence = first_failed;
@@ -415,33 +435,21 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
     }
     const bool none_left =
         std::all_of(ranks.begin(), ranks.end(), [](const Rank& r) { return r.exited; });
+    // With other nodes, every rank here having stopped as a consequence still waits for the
+    // cause's node to say so (its launcher may take a poll interval to see its rank die).
     if (first_failed == nullptr && consequence != nullptr && result.outcome == Outcome::kSuccess &&
-        (Clock::now() >= consequence_until || none_left)) {
+        (Clock::now() >= consequence_until || (none_left && agent == nullptr))) {
       first_failed = consequence;
     }
-    if (first_failed != nullptr) {
-      const Rank& r = *first_failed;
-      result = {Outcome::kRankFailed, r.exit_code, r.global_rank};
-      std::cerr << "[dtrain-launch] rank " << r.global_rank << " (pid " << r.pid << ") "
-                << (r.exit_code > 128
-                        ? "was killed by signal " + std::to_string(r.exit_code - 128) +
-                              " (exit code " + std::to_string(r.exit_code) + ")"
-                    : r.exit_code == cli::kConsequenceExitCode
-                        ? "stopped because a rank elsewhere failed (exit code " +
-                              std::to_string(r.exit_code) + ")"
-                        : "exited with code " + std::to_string(r.exit_code))
-                << "; terminating the other ranks" << std::endl;
-      start_termination(SIGTERM, o.grace_period_s);
-      consequence = nullptr;
-      if (agent != nullptr) agent->report_failure(restart_count, r.global_rank, r.exit_code);
-    }
+    if (first_failed != nullptr) fail_with(*first_failed);
+    const bool undecided = consequence != nullptr && result.outcome == Outcome::kSuccess;
     bool all_exited = true;
     bool pipes_open = false;
     for (const auto& r : ranks) {
       all_exited = all_exited && r.exited;
       pipes_open = pipes_open || r.out_fd >= 0 || r.err_fd >= 0;
     }
-    if (all_exited && !pipes_open) break;
+    if (all_exited && !pipes_open && !undecided) break;
     if (all_exited) {
       // A descendant that left the rank's process group may hold the pipes; stop waiting
       // for its output shortly after the ranks themselves are gone.
@@ -488,7 +496,14 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
     int n = ::poll(fds.data(), fds.size(), 50);
     if (agent != nullptr) {  // also on a timeout: a message may wait in the agent's buffer
       const AgentEvent e = agent->handle(fds);
-      if (e.kind == AgentEvent::kStop && result.outcome == Outcome::kSuccess) {
+      // Another node's failure, unless a rank here failed by itself meanwhile (its death not
+      // reaped yet when the other node, told by its ranks, reported theirs): this node's is
+      // then the cause to name.
+      Rank* here =
+          e.kind == AgentEvent::kStop && result.outcome == Outcome::kSuccess ? reap() : nullptr;
+      if (here != nullptr && here->exit_code != cli::kConsequenceExitCode) {
+        fail_with(*here);
+      } else if (e.kind == AgentEvent::kStop && result.outcome == Outcome::kSuccess) {
         std::cerr << "[dtrain-launch] " << e.why << "; stopping this node's ranks" << std::endl;
         result = {Outcome::kStopped, 0, -1};
         start_termination(SIGTERM, o.grace_period_s);
