@@ -522,19 +522,21 @@ std::vector<std::pair<std::string, FSDPOptions>> strategies() {
 
 // The optimizer in backward (FSDPState::set_step_in_backward) on the same pattern: SGD stepped
 // on each unit as its gradients are reduced leaves bitwise the parameters of SGD after
-// backward, with no gradient left when backward returns.
-void check_in_backward(const ZooSpec& spec, FSDPOptions options, const std::string& label) {
-  SCOPED_TRACE(label + ", optimizer in backward | " + spec.describe());
-  const int64_t total = world().size() * kPerRank;
-  FullyShardedDataParallel<ZooNet> after(make_net(spec), world_ptr(), options);
-  FullyShardedDataParallel<ZooNet> during(make_net(spec), world_ptr(), options);
+// backward, with no gradient left when backward returns. `net` makes each model, FSDP runs
+// over `group`, and this rank takes `rows` of batches of `total` rows.
+void check_in_backward_on(const ZooSpec& spec, FSDPOptions options,
+                          const std::function<ZooNet()>& net,
+                          const std::shared_ptr<comm::Communicator>& group, int64_t total,
+                          const std::function<Batch(const Batch&)>& rows) {
+  FullyShardedDataParallel<ZooNet> after(net(), group, options);
+  FullyShardedDataParallel<ZooNet> during(net(), group, options);
   during.state().set_step_in_backward([](const std::vector<at::Tensor>& ps) { sgd_step(ps, kLr); });
   for (int64_t s = 0; s < spec.steps; ++s) {
     for (auto* model : {&after, &during}) {
       zero_grad(model->parameters());
       train_step(
-          spec, s, total, [&](const at::Tensor& x, bool last) { return (*model)(x, last); },
-          my_rows, [&](bool last) { return no_sync_unless(last, *model); });
+          spec, s, total, [&](const at::Tensor& x, bool last) { return (*model)(x, last); }, rows,
+          [&](bool last) { return no_sync_unless(last, *model); });
     }
     for (const auto& p : during.parameters()) {
       EXPECT_FALSE(p.grad().defined()) << "step " << s << ": a gradient outlived its unit's step";
@@ -548,6 +550,13 @@ void check_in_backward(const ZooSpec& spec, FSDPOptions options, const std::stri
     EXPECT_TRUE(at::equal(got[k].second, want[k].second)) << "final parameter " << got[k].first;
   }
   expect_equal_buffers("FSDP, optimizer in backward", *during.module(), *after.module());
+}
+
+void check_in_backward(const ZooSpec& spec, FSDPOptions options, const std::string& label) {
+  SCOPED_TRACE(label + ", optimizer in backward | " + spec.describe());
+  check_in_backward_on(
+      spec, options, [&] { return make_net(spec); }, world_ptr(), world().size() * kPerRank,
+      my_rows);
 }
 
 // --- tensor parallelism ------------------------------------------------------------------------
@@ -644,28 +653,8 @@ void check_tp_in_backward(const ZooSpec& spec, int degree, FSDPOptions options,
                           const std::string& name) {
   TpZoo zoo(degree);
   SCOPED_TRACE(zoo.label("FSDP " + name) + ", optimizer in backward | " + spec.describe());
-  FullyShardedDataParallel<ZooNet> after(zoo.net(spec), zoo.mesh.dp(), options);
-  FullyShardedDataParallel<ZooNet> during(zoo.net(spec), zoo.mesh.dp(), options);
-  during.state().set_step_in_backward([](const std::vector<at::Tensor>& ps) { sgd_step(ps, kLr); });
-  for (int64_t s = 0; s < spec.steps; ++s) {
-    for (auto* model : {&after, &during}) {
-      zero_grad(model->parameters());
-      train_step(
-          spec, s, zoo.total(), [&](const at::Tensor& x, bool last) { return (*model)(x, last); },
-          zoo.rows(), [&](bool last) { return no_sync_unless(last, *model); });
-    }
-    for (const auto& p : during.parameters()) {
-      EXPECT_FALSE(p.grad().defined()) << "step " << s << ": a gradient outlived its unit's step";
-    }
-    sgd_step(after.parameters(), kLr);
-  }
-  const auto want = after.state().full_parameters();
-  const auto got = during.state().full_parameters();
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t k = 0; k < got.size(); ++k) {
-    EXPECT_TRUE(at::equal(got[k].second, want[k].second)) << "final parameter " << got[k].first;
-  }
-  expect_equal_buffers("FSDP x TP, optimizer in backward", *during.module(), *after.module());
+  check_in_backward_on(
+      spec, options, [&] { return zoo.net(spec); }, zoo.mesh.dp(), zoo.total(), zoo.rows());
 }
 
 // DDP over the data-parallel ranks of the tp-sliced zoo net, as check_tp_fsdp.
