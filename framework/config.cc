@@ -449,6 +449,21 @@ void read_train(Section s, TrainConfig& t) {
   s.read("optimizer_in_backward", t.optimizer_in_backward);
   s.read("seed", t.seed);
   s.read("max_nonfinite_steps", t.max_nonfinite_steps);
+  {
+    Section g = s.section("spike_guard");
+    SpikeGuardConfig& sg = t.spike_guard;
+    g.read_choice("action", sg.action);
+    g.read("factor", sg.factor);
+    g.read("steps", sg.steps);
+    g.read("window", sg.window);
+    g.read("max_rollbacks", sg.max_rollbacks);
+    g.check(sg.factor > 1, "factor",
+            "must be > 1 (a spike is a loss above factor times its running median)");
+    g.check(sg.steps >= 1, "steps", "must be >= 1 (judged steps in a row above the threshold)");
+    g.check(sg.window >= 5, "window", "must be >= 5 (the median's steps)");
+    g.check(sg.max_rollbacks >= 0, "max_rollbacks", "must be >= 0");
+    g.finish();
+  }
   s.check(t.steps >= 1, "steps", "must be >= 1, got " + std::to_string(t.steps));
   s.check(t.batch_size >= 1, "batch_size", "must be >= 1, got " + std::to_string(t.batch_size));
   s.check(t.micro_batches >= 1, "micro_batches", "must be >= 1");
@@ -816,6 +831,13 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
                 why +
                     "a GradScaler must judge all of it before any step; use bf16 or fp32 "
                     "(precision.scaler off), or remove optimizer_in_backward");
+  }
+  if (cfg.train.spike_guard.action == SpikeAction::kRollback) {
+    Section g = top.section("train").section("spike_guard");
+    g.check(!cfg.checkpoint.dir.empty() && cfg.checkpoint.every_steps > 0, "action",
+            "rollback goes back to the newest checkpoint before a spike, so it needs "
+            "checkpoints during the run: set checkpoint.dir and checkpoint.every_steps, or use "
+            "action: warn");
   }
   if (cfg.parallel.tp > 1) {
     Section p = top.section("parallel");

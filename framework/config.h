@@ -51,6 +51,15 @@ inline constexpr std::array<std::pair<OptimizerType, const char*>, 2> kOptimizer
 }};
 constexpr const auto& choices(OptimizerType) { return kOptimizerTypes; }
 
+// train.spike_guard.action: what a loss spike does (framework/spike_guard.h).
+enum class SpikeAction { kOff, kWarn, kRollback };
+inline constexpr std::array<std::pair<SpikeAction, const char*>, 3> kSpikeActions{{
+    {SpikeAction::kOff, "off"},
+    {SpikeAction::kWarn, "warn"},
+    {SpikeAction::kRollback, "rollback"},
+}};
+constexpr const auto& choices(SpikeAction) { return kSpikeActions; }
+
 // parallel.strategy
 enum class ParallelStrategy { kNone, kDdp, kFsdp };
 inline constexpr std::array<std::pair<ParallelStrategy, const char*>, 3> kParallelStrategies{{
@@ -145,6 +154,19 @@ struct DataConfig {
   int64_t tokenizer_vocab_size = 0;
 };
 
+// train.spike_guard (framework/spike_guard.h): a loss above `factor` times the median of the
+// last `window` steps' losses (or not finite, where no loss scaler skipped the step) for
+// `steps` judged steps in a row is a spike. warn: a warning says so. rollback: every rank goes
+// back to the newest checkpoint (none is written during a possible spike), skips the batches
+// of the spike's steps and goes on; the (max_rollbacks + 1)-th spike stops the run.
+struct SpikeGuardConfig {
+  SpikeAction action = SpikeAction::kWarn;
+  double factor = 2.0;
+  int64_t steps = 2;
+  int64_t window = 50;
+  int64_t max_rollbacks = 3;
+};
+
 struct TrainConfig {
   int64_t steps = 0;
   int64_t batch_size = 0;  // per rank per optimizer step, split into micro_batches
@@ -165,6 +187,7 @@ struct TrainConfig {
   // Without loss scaling (fp32, bf16), this many consecutive steps with a non-finite loss
   // stop the run (with a scaler, such steps are skipped and the scale backs off).
   int64_t max_nonfinite_steps = 1;
+  SpikeGuardConfig spike_guard;
 };
 
 struct ParallelConfig {

@@ -413,6 +413,24 @@ TEST(ConfigError, TheOptimizerInBackwardIsRefusedWhereItCannotStep) {
                     {"run.yaml:10:", "train.optimizer_in_backward", "GradScaler"});
 }
 
+// train.spike_guard: warn by default; rollback needs checkpoints during the run to go back to.
+TEST(ConfigError, ASpikeGuardRollbackNeedsCheckpointsAndSaneLimits) {
+  RunConfig c = parse_config(kGood, "run.yaml");
+  EXPECT_EQ(c.train.spike_guard.action, SpikeAction::kWarn);
+  const std::string rollback =
+      replace(kGood, "  lr: 1.0e-3\n", "  lr: 1.0e-3\n  spike_guard:\n    action: rollback\n");
+  expect_yaml_error(rollback, {"run.yaml:11:", "train.spike_guard.action", "checkpoint.dir",
+                               "checkpoint.every_steps"});
+  expect_yaml_error(rollback, {"train.spike_guard.action", "checkpoint.every_steps"},
+                    {"checkpoint.dir=/tmp/x"});
+  c = parse_config(rollback, "run.yaml", {"checkpoint.dir=/tmp/x", "checkpoint.every_steps=5"});
+  EXPECT_EQ(c.train.spike_guard.action, SpikeAction::kRollback);
+  expect_yaml_error(kGood, {"train.spike_guard.factor", "must be > 1"},
+                    {"train.spike_guard.factor=0.5"});
+  expect_yaml_error(kGood, {"train.spike_guard.action", "expected one of"},
+                    {"train.spike_guard.action=stop"});
+}
+
 // A check of one key against another, the other given by --set: the --set is named beside the
 // file's line, never the line alone.
 TEST(ConfigError, ACrossKeyCheckNamesTheSetThatGaveTheOtherKey) {

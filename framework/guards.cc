@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
+#include <set>
 #include <sstream>
 
 #include "core/error.h"
@@ -97,6 +99,100 @@ void NonFiniteLossGuard::judge(int64_t step, double loss, bool bad,
               unit ? "The first unit with an inf/NaN: " + *unit + ". "
                    : std::string("logging.numerics: true names the first unit with an inf/NaN. "),
               "Try a lower train.lr, train.clip_grad_norm, or fp32 for the unstable part.");
+}
+
+std::vector<SpikeGuard::Spike> SpikeGuard::after_steps(int64_t first_step,
+                                                       const std::vector<double>& losses,
+                                                       const std::vector<bool>& stepped,
+                                                       comm::Communicator* comm) {
+  std::vector<Spike> found;
+  if (!on() || losses.empty()) return found;
+  // The mean over the ranks (a rank's non-finite loss makes it non-finite): every rank judges
+  // the same numbers, so every rank takes the same decision.
+  at::Tensor agreed = at::tensor(losses, at::TensorOptions(at::kDouble));
+  if (comm != nullptr && comm->size() > 1) {
+    agreed = agreed.to(comm->device());
+    comm->all_reduce(agreed, comm::ReduceOp::kSum).wait();
+    agreed = agreed.cpu() / static_cast<double>(comm->size());
+  }
+  const double* loss = agreed.data_ptr<double>();
+  for (size_t i = 0; i < losses.size(); ++i) {
+    const int64_t step = first_step + static_cast<int64_t>(i);
+    if (!stepped[i]) continue;  // the loss scaler skipped it
+    const bool judged = static_cast<int64_t>(record_.history.size()) >= kMinHistory;
+    const double med = judged ? median() : 0;
+    const bool spike = !std::isfinite(loss[i]) || (judged && loss[i] > c_.factor * med);
+    if (!spike) {
+      record_.streak = record_.streak_start = 0;
+      record_.history.emplace_back(step, loss[i]);
+      if (static_cast<int64_t>(record_.history.size()) > c_.window) {
+        record_.history.erase(record_.history.begin());
+      }
+      continue;
+    }
+    if (record_.streak == 0) record_.streak_start = step;
+    ++record_.streak;
+    if (record_.streak != c_.steps) continue;  // once per run of spike steps
+    found.push_back(Spike{record_.streak_start, step, loss[i], med});
+    if (rolls_back()) break;
+  }
+  return found;
+}
+
+double SpikeGuard::median() const {
+  std::vector<double> v;
+  v.reserve(record_.history.size());
+  for (const auto& h : record_.history) v.push_back(h.second);
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+int64_t SpikeGuard::data_step(int64_t step) const {
+  int64_t d = step;
+  for (int64_t skipped : record_.skipped_batches) {  // ascending
+    if (skipped <= d) ++d;
+  }
+  return d;
+}
+
+void SpikeGuard::roll_back_past(const Spike& spike) {
+  std::set<int64_t> skipped(record_.skipped_batches.begin(), record_.skipped_batches.end());
+  for (int64_t step = spike.first; step <= spike.last; ++step) skipped.insert(data_step(step - 1));
+  record_.spikes.emplace_back(spike.first, spike.last);
+  record_.skipped_batches.assign(skipped.begin(), skipped.end());
+  const auto rollbacks = static_cast<int64_t>(record_.spikes.size());
+  DTRAIN_CHECK(rollbacks <= c_.max_rollbacks, "the loss keeps spiking: ", rollbacks,
+               " spikes, over ", spikes_text(), ", one more than train.spike_guard.max_rollbacks (",
+               c_.max_rollbacks,
+               ") allows; stopping. The batches of every spike were skipped, so the data alone "
+               "does not explain it: try a lower train.lr, a longer train.warmup_steps or "
+               "train.clip_grad_norm");
+}
+
+void SpikeGuard::resume(const SpikeRecord& saved, bool rollback) {
+  SpikeRecord kept = record_;
+  record_ = saved;
+  if (rollback) {
+    record_.skipped_batches = kept.skipped_batches;
+    record_.spikes = kept.spikes;
+  }
+}
+
+void SpikeGuard::skip_batches(int64_t first, int64_t count) {
+  std::set<int64_t> skipped(record_.skipped_batches.begin(), record_.skipped_batches.end());
+  for (int64_t d = first; d < first + count; ++d) skipped.insert(d);
+  record_.skipped_batches.assign(skipped.begin(), skipped.end());
+}
+
+std::string SpikeGuard::spikes_text() const {
+  std::string out = "steps ";
+  for (size_t i = 0; i < record_.spikes.size(); ++i) {
+    const auto& [first, last] = record_.spikes[i];
+    out += (i ? ", " : "") + std::to_string(first) +
+           (last > first ? "-" + std::to_string(last) : std::string());
+  }
+  return out;
 }
 
 }  // namespace dtrain::framework

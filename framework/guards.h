@@ -3,7 +3,9 @@
 //     overflow whatever it is, so every step is skipped.
 //   - NonFiniteLossGuard (loss scaling off): nothing skips a step whose loss is inf/NaN, so
 //     the parameters are corrupt on every rank after it.
-// Both raise dtrain::Error naming the step, what they saw, the first unit with an inf/NaN
+//   - SpikeGuard (train.spike_guard): the loss jumps far above where it was and stays there;
+//     it warns, or has the trainer roll back past the spike and skip its batches.
+// The first two raise dtrain::Error naming the step, what they saw, the first unit with an inf/NaN
 // (amp::NumericsMonitor) and what to try. They judge steps when the trainer reads the steps'
 // figures (at each logged step and checkpoint, and after every step once one went wrong), so
 // a run stops there, naming the step where the limit was reached. Their counts travel in
@@ -11,11 +13,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "amp/numerics.h"
 #include "comm/communicator.h"
+#include "framework/checkpoint/progress.h"
 #include "framework/config.h"
 
 namespace dtrain::framework {
@@ -63,6 +67,66 @@ class NonFiniteLossGuard {
 
   const TrainConfig& c_;
   int64_t run_ = 0;
+};
+
+// Loss spikes (train.spike_guard). Each step's loss is agreed over the ranks (their mean)
+// and judged in order: a spike step's loss is above `factor` times the median of the history
+// (the last `window` steps that were not spike steps; judged once it holds kMinHistory), or is
+// not finite on a step that stepped (a step a loss scaler skipped is the scaler's business and
+// is not judged). `steps` spike steps in a row make a spike. The state travels in checkpoints
+// (SpikeRecord), so a resumed run judges as the uninterrupted one would.
+//
+// The data: training step s trains on the s-th data step not in the skipped batches
+// (data_step), so skipping a spike's batches shifts the rest of the stream, in order, and no
+// other batch is lost or repeated.
+class SpikeGuard {
+ public:
+  static constexpr int64_t kMinHistory = 5;
+
+  struct Spike {
+    int64_t first = 0;  // the first and last step of the run above the threshold (1-based)
+    int64_t last = 0;
+    double loss = 0;    // the agreed loss at `last`
+    double median = 0;  // the history's median it was judged against
+  };
+
+  explicit SpikeGuard(const SpikeGuardConfig& c) : c_(c) {}
+
+  bool on() const { return c_.action != SpikeAction::kOff; }
+  bool rolls_back() const { return c_.action == SpikeAction::kRollback; }
+  // Inside a run of spike steps that may yet become a spike (a checkpoint now could hold it).
+  bool in_streak() const { return record_.streak > 0; }
+  int64_t streak_start() const { return record_.streak_start; }
+  const SpikeRecord& record() const { return record_; }
+
+  // Steps first_step, first_step + 1, ... (1-based), with this rank's loss and whether the
+  // step stepped. Collective: one all-reduce for all of them. Returns each spike found, when
+  // its `steps`-th step is judged; under rollback the first one ends the judging (the steps
+  // after it are rolled back with it).
+  std::vector<Spike> after_steps(int64_t first_step, const std::vector<double>& losses,
+                                 const std::vector<bool>& stepped, comm::Communicator* comm);
+
+  // The data step (0-based) that training step `step` (0-based) trains on.
+  int64_t data_step(int64_t step) const;
+
+  // Before the rollback past `spike`: records it and skips the batches of its steps. Error
+  // naming every spike's steps when this one is more than max_rollbacks allow.
+  void roll_back_past(const Spike& spike);
+  // A restored checkpoint's state. `rollback`: the checkpoint is the one rolled back to, so
+  // this run's skipped batches and spikes (newer than it) stay; otherwise (a resume) the
+  // checkpoint's replace them.
+  void resume(const SpikeRecord& saved, bool rollback);
+  // Batches skipped before any step (a test's reference run: a run that never saw them).
+  void skip_batches(int64_t first, int64_t count);
+
+  // "steps 12-13, 40-41"
+  std::string spikes_text() const;
+
+ private:
+  double median() const;
+
+  const SpikeGuardConfig& c_;
+  SpikeRecord record_;
 };
 
 }  // namespace dtrain::framework

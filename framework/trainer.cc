@@ -393,10 +393,16 @@ Trainer::Trainer(const RunConfig& config, std::shared_ptr<comm::Communicator> co
       checkpointer_(config),
       collapse_(config.precision.scaler),
       nonfinite_(config.train),
+      spike_(config.train.spike_guard),
       kill_at_(kill_hook("KILL_AT_STEP")),
       nan_from_(faults::step_rank("NAN_FROM_STEP")),
       stop_at_(kill_hook("STOP_AT_STEP")),
-      slow_(faults::step_rank("SLOW_RANK")) {}
+      slow_(faults::step_rank("SLOW_RANK")),
+      bad_batches_(faults::range("BAD_BATCHES", 1000.0)) {
+  if (const auto skip = faults::range("SKIP_BATCHES", 0)) {
+    spike_.skip_batches(skip->first - 1, skip->count);
+  }
+}
 
 Trainer::~Trainer() = default;
 
@@ -526,6 +532,8 @@ void Trainer::restore() {
   result_.skipped_steps = p->skipped_steps;
   nonfinite_.resume(p->nonfinite_run);
   collapse_.resume(p->consecutive_skips, monitor_);
+  spike_.resume(p->spike, /*rollback=*/false);
+  newest_checkpoint_ = checkpointer_.restored_dir();
   settle_each_step_ = trouble();
 }
 
@@ -620,7 +628,8 @@ Trainer::PendingStep Trainer::run_step() {
   const auto on_device = at::TensorOptions(at::kDouble).device(device_);
   at::Tensor loss_sum = at::zeros({}, on_device);  // this rank's, over the micro-batches
   for (int64_t m = 0; m < micro_batches; ++m) {
-    Batch b = data_->next(step, m);
+    const int64_t data_step = spike_.data_step(step);  // step, less any skipped batches
+    Batch b = data_->next(data_step, m);
     b.inputs = to_device(b.inputs);
     b.targets = to_device(b.targets);
     // Every micro-batch but the last accumulates locally.
@@ -635,6 +644,11 @@ Trainer::PendingStep Trainer::run_step() {
       if (nan_from_ && nan_from_->step >= 1 && s.step >= nan_from_->step &&
           rank_ == nan_from_->rank) {
         loss = loss * std::numeric_limits<double>::quiet_NaN();
+      }
+      // Fault injection: BAD_BATCHES, batches whose loss spikes (on every rank).
+      if (bad_batches_ && data_step + 1 >= bad_batches_->first &&
+          data_step + 1 < bad_batches_->first + bad_batches_->count) {
+        loss = loss * bad_batches_->factor;
       }
     }
     {
@@ -673,7 +687,7 @@ Trainer::PendingStep Trainer::run_step() {
 
 // A guard is counting: the run's figures are read after every step until a clean one.
 bool Trainer::trouble() const {
-  return c_.precision.scaler.enabled ? collapse_.skips() > 0 : nonfinite_.run() > 0;
+  return save_owed_ || (c_.precision.scaler.enabled ? collapse_.skips() > 0 : nonfinite_.run() > 0);
 }
 
 StepStats Trainer::settle() {
@@ -700,7 +714,40 @@ StepStats Trainer::settle() {
     steps.push_back(s);
   }
   pending_.clear();
-  if (!c_.precision.scaler.enabled) {
+  if (spike_.on()) {
+    std::vector<double> losses;
+    std::vector<bool> stepped;
+    for (const auto& s : steps) {
+      losses.push_back(s.loss);
+      stepped.push_back(s.stepped);
+    }
+    for (const auto& spike : spike_.after_steps(steps.front().step, losses, stepped, comm_.get())) {
+      if (spike_.rolls_back()) {
+        roll_back(spike);
+        StepStats now = steps.back();
+        now.step = step_;
+        now.rolled_back = true;
+        return now;
+      }
+      if (tty_) std::fprintf(stderr, "\r\033[K");
+      logging::warn("step ", spike.last, ": loss spike: the loss (", logging::fixed(spike.loss, 4),
+                    ", over ranks) has been above ", c_.train.spike_guard.factor,
+                    "x the median of the last steps (", logging::fixed(spike.median, 4),
+                    ") since step ", spike.first,
+                    " (train.spike_guard). With checkpoints, train.spike_guard.action: rollback "
+                    "goes back past a spike and skips its batches; a lower train.lr or "
+                    "train.clip_grad_norm may prevent it");
+      JsonObject row;
+      row.integer("step", spike.last)
+          .boolean("spike", true)
+          .integer("spike_from", spike.first)
+          .number("loss", spike.loss)
+          .number("median", spike.median);
+      metrics_->write(row);
+    }
+  }
+  // Under rollback a non-finite loss is a spike step, which train.spike_guard judges.
+  if (!c_.precision.scaler.enabled && !spike_.rolls_back()) {
     std::vector<double> losses;
     for (const auto& s : steps) losses.push_back(s.loss);
     nonfinite_.after_steps(steps.front().step - 1, losses, comm_.get(), monitor_);
@@ -721,6 +768,55 @@ StepStats Trainer::settle() {
   }
   settle_each_step_ = trouble();
   return steps.back();
+}
+
+void Trainer::roll_back(const SpikeGuard::Spike& spike) {
+  const int64_t from = step_;
+  checkpointer_.finish();  // a save still being written (checkpoint.async)
+  const std::vector<int64_t> before = spike_.record().skipped_batches;
+  spike_.roll_back_past(spike);  // stops the run when spikes keep coming
+  std::string skipped;
+  for (int64_t d : spike_.record().skipped_batches) {
+    if (std::find(before.begin(), before.end(), d) == before.end()) {
+      skipped += (skipped.empty() ? "" : ", ") + std::to_string(d + 1);
+    }
+  }
+  DTRAIN_CHECK(!newest_checkpoint_.empty(), "step ", spike.last, ": loss spike since step ",
+               spike.first,
+               ", and this run has no checkpoint before it to roll back to "
+               "(train.spike_guard.action: rollback); stopping. checkpoint.every_steps below ",
+               spike.first, " gives it one");
+  const std::optional<TrainerProgress> p =
+      checkpointer_.restore(checkpoint_parts(), newest_checkpoint_);
+  DTRAIN_CHECK(p && p->step < spike.first, "roll back: the checkpoint '", newest_checkpoint_,
+               "' is not before the spike's first step ", spike.first);
+  step_ = p->step;
+  result_.skipped_steps = p->skipped_steps;
+  nonfinite_.resume(p->nonfinite_run);
+  collapse_.resume(p->consecutive_skips, monitor_);
+  spike_.resume(p->spike, /*rollback=*/true);
+  window_loss_ = window_time_ = window_wait_ = 0;
+  window_steps_ = 0;
+  save_owed_ = false;
+  settle_each_step_ = trouble();
+  if (tty_) std::fprintf(stderr, "\r\033[K");
+  logging::warn("step ", spike.last, ": loss spike: the loss (", logging::fixed(spike.loss, 4),
+                ", over ranks) has been above ", c_.train.spike_guard.factor,
+                "x the median of the last steps (", logging::fixed(spike.median, 4),
+                ") since step ", spike.first, "; rolled back from step ", from,
+                " to the checkpoint of step ", step_, ", skipping the batches of data step(s) ",
+                skipped, " (rollback ", spike_.record().spikes.size(), " of at most ",
+                c_.train.spike_guard.max_rollbacks, ", train.spike_guard)");
+  JsonObject row;
+  row.integer("step", step_)
+      .boolean("rolled_back", true)
+      .integer("rolled_back_from", from)
+      .integer("spike_from", spike.first)
+      .integer("spike_to", spike.last)
+      .number("loss", spike.loss)
+      .number("median", spike.median)
+      .string("skipped_batches", skipped);
+  metrics_->write(row);
 }
 
 StepStats Trainer::train_step() {
@@ -816,10 +912,12 @@ void Trainer::show_progress(int64_t step, bool logged) {
 void Trainer::save_checkpoint(const StepStats& s, bool background) {
   const auto t = Clock::now();
   background = background && c_.checkpoint.async;
-  const std::string path = checkpointer_.save(
-      checkpoint_parts(),
-      TrainerProgress{s.step, result_.skipped_steps, s.lr, collapse_.skips(), nonfinite_.run()},
-      background);
+  const std::string path =
+      checkpointer_.save(checkpoint_parts(),
+                         TrainerProgress{s.step, result_.skipped_steps, s.lr, collapse_.skips(),
+                                         nonfinite_.run(), spike_.record()},
+                         background);
+  newest_checkpoint_ = path;
   if (tty_) std::fprintf(stderr, "\r\033[K");
   if (background) {
     logging::info("checkpoint ", path, " staged in ", logging::fixed(seconds_since(t), 2),
@@ -890,12 +988,35 @@ TrainResult Trainer::train() {
     const bool evaluate = c_.train.eval_every > 0 && (step % c_.train.eval_every == 0 || last);
     const bool logged =
         step % c_.logging.every_steps == 0 || last || step == first_step_ + 1 || evaluate;
-    const bool due =
-        checkpointer_.enabled() &&
-        ((c_.checkpoint.every_steps > 0 && step % c_.checkpoint.every_steps == 0) || last);
+    bool due = checkpointer_.enabled() &&
+               ((c_.checkpoint.every_steps > 0 && step % c_.checkpoint.every_steps == 0) || last ||
+                save_owed_);
     // The figures are read when something needs them; the guards judge them then.
     std::optional<StepStats> s;
     if (logged || due || settle_each_step_) s = settle();
+    if (s && s->rolled_back) {  // train.spike_guard: back at an earlier step
+      if (stop_) {
+        if (const std::optional<int> sig = stop_->poll()) {
+          stop_on_signal(*sig, *s, /*saved=*/true);  // the checkpoint rolled back to stands
+          break;
+        }
+      }
+      continue;
+    }
+    if (due && !last && spike_.rolls_back() && spike_.in_streak()) {
+      // A checkpoint now could hold a spike that a rollback must go back past.
+      if (!save_owed_) {
+        logging::info("checkpoint of step ", step, " postponed: the loss has been above ",
+                      c_.train.spike_guard.factor, "x its median since step ",
+                      spike_.streak_start(),
+                      " (train.spike_guard); saved at the first step that is not a spike");
+      }
+      save_owed_ = true;
+      settle_each_step_ = true;
+      due = false;
+    } else if (due) {
+      save_owed_ = false;
+    }
     std::optional<double> val_loss;
     if (evaluate) val_loss = validation_loss();
     if (logged) log_step(*s, val_loss);

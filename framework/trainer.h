@@ -98,6 +98,9 @@ struct StepStats {
   double scale = 1;       // the loss scale after the step's update (for the next step)
   bool stepped = true;    // false: inf/NaN gradients, the optimizer step was skipped
   double seconds = 0;
+  // train.spike_guard rolled the run back past a loss spike while reading these figures: the
+  // run is at `step` now (the checkpoint's), and steps_done() says so too.
+  bool rolled_back = false;
 };
 
 // The training loop (what both train()s run). setup() builds the strategy, optimizer and
@@ -136,6 +139,9 @@ class Trainer {
   // warnings, the log window); returns the last one's. Collective when the scaler is off.
   StepStats settle();
   bool trouble() const;
+  // train.spike_guard's rollback past `spike`: back to this run's newest checkpoint, its
+  // batches skipped from now on. Collective.
+  void roll_back(const SpikeGuard::Spike& spike);
 
   CheckpointParts checkpoint_parts();
   amp::AutocastGuard autocast() const;
@@ -170,7 +176,9 @@ class Trainer {
   std::optional<MetricsFile> metrics_;
   ScaleCollapseGuard collapse_;
   NonFiniteLossGuard nonfinite_;
+  SpikeGuard spike_;
   std::optional<faults::StepRank> kill_at_, nan_from_, stop_at_, slow_;
+  std::optional<faults::Range> bad_batches_;
   std::unique_ptr<StopAgreement> stop_;  // checkpoint.on_signal: when to stop, agreed
 
   int64_t step_ = 0;        // steps done
@@ -187,6 +195,11 @@ class Trainer {
   int64_t window_steps_ = 0;
   std::vector<PendingStep> pending_;  // taken, not yet read
   bool settle_each_step_ = false;     // the last step read was skipped or not finite
+  // train.spike_guard rollback: a checkpoint due inside a possible spike waits for the first
+  // step that is not one (so every checkpoint precedes any spike), and the newest checkpoint
+  // of this run (the one a rollback goes back to).
+  bool save_owed_ = false;
+  std::string newest_checkpoint_;
   // Progress without a terminal (logging.progress_bar): a line when this long has passed
   // since the last line rank 0 printed.
   std::chrono::steady_clock::time_point train_start_, last_line_;

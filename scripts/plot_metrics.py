@@ -41,6 +41,11 @@ def load(path):
             sys.exit(f"plot: {path}:{n} is not a JSON line (is this a metrics file?)")
         if "run" in row:
             run = row["run"]
+        elif row.get("rolled_back"):
+            # train.spike_guard went back to this step: the steps after it were discarded.
+            rows = [r for r in rows if r["step"] <= row["step"]]
+        elif "spike" in row:
+            continue  # a warning's row, not a step's
         elif "step" in row and "loss" in row:
             rows.append(row)
     if not rows:

@@ -758,6 +758,7 @@ Checkpointer::Staged Checkpointer::stage(const CheckpointParts& p, const Trainer
     m.lr = progress.lr;
     m.consecutive_skips = progress.consecutive_skips;
     m.nonfinite_run = progress.nonfinite_run;
+    m.spike = progress.spike;
     m.job = job_;
   }
   return s;
@@ -1429,6 +1430,8 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
   progress.lr = meta.lr;
   progress.consecutive_skips = meta.consecutive_skips;
   progress.nonfinite_run = meta.nonfinite_run;
+  progress.spike = meta.spike;
+  restored_dir_ = dir;
   logging::info("resumed from ", dir, " at step ", progress.step, " (", meta.mode, ", written at ",
                 meta.world_size, " rank(s))");
   return progress;

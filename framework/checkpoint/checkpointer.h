@@ -54,6 +54,7 @@
 #include <string>
 #include <vector>
 
+#include "framework/checkpoint/progress.h"
 #include "framework/config.h"
 
 namespace at {
@@ -100,14 +101,6 @@ struct CheckpointParts {
   sharding::Reducer* ddp = nullptr;
 };
 
-struct TrainerProgress {
-  int64_t step = 0;  // optimizer steps completed
-  int64_t skipped_steps = 0;
-  double lr = 0;
-  int64_t consecutive_skips = 0;  // the scale-collapse guard's count
-  int64_t nonfinite_run = 0;      // steps with a non-finite loss in a row (no scaler)
-};
-
 // A module's parameters and buffers by name, as a torch.save file Python's
 // `module.load_state_dict(torch.load(path, weights_only=True))` reads; and back: a PyTorch
 // `state_dict()` saved with torch.save loads into a dtrain module of the same architecture
@@ -146,6 +139,8 @@ class Checkpointer {
   // After restore(): whether the checkpoint was trained on other data or another tokenizer
   // (resumed so under checkpoint.allow_data_change).
   bool data_changed() const { return data_changed_; }
+  // After restore(): the checkpoint directory it restored.
+  const std::string& restored_dir() const { return restored_dir_; }
   // Loads what `resume` names ("auto": the newest complete checkpoint in checkpoint.dir that
   // reads back intact, warning about any newer damaged one, which is kept; "never"; or a
   // checkpoint directory) into `parts` (collective: rank 0's choice is everyone's, and a file
@@ -175,6 +170,7 @@ class Checkpointer {
   RunConfig config_;
   std::map<std::string, std::string> job_;
   bool data_changed_ = false;
+  std::string restored_dir_;
   std::unique_ptr<Async> async_;
 };
 

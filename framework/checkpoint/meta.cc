@@ -31,6 +31,22 @@ std::string number(double v) {
   return buf;
 }
 
+std::string spike_json(const SpikeRecord& sp) {
+  std::string out = "{\"history\": [";
+  for (size_t i = 0; i < sp.history.size(); ++i) {
+    out += (i ? ", [" : "[") + std::to_string(sp.history[i].first) + ", " +
+           number(sp.history[i].second) + "]";
+  }
+  out += "], \"streak\": " + std::to_string(sp.streak) +
+         ", \"streak_start\": " + std::to_string(sp.streak_start) +
+         ", \"skipped_batches\": " + ints(sp.skipped_batches) + ", \"spikes\": [";
+  for (size_t i = 0; i < sp.spikes.size(); ++i) {
+    out += (i ? ", [" : "[") + std::to_string(sp.spikes[i].first) + ", " +
+           std::to_string(sp.spikes[i].second) + "]";
+  }
+  return out + "]}";
+}
+
 std::string file_json(const FileInfo& f) {
   return "{\"name\": " + json::quote(f.name) + ", \"bytes\": " + std::to_string(f.bytes) +
          ", \"xxh64\": \"" + hex(f.checksum) + "\"}";
@@ -286,6 +302,41 @@ Meta parse_meta(const std::string& text, const std::string& where) {
   }
   if (trainer["nonfinite_run"])
     m.nonfinite_run = r.integer(trainer, "trainer", "nonfinite_run", 0, kMost);
+  if (trainer["spike_guard"]) {
+    const std::string at = "trainer.spike_guard";
+    const YAML::Node g = r.field(trainer, "trainer", "spike_guard");
+    SpikeRecord& sp = m.spike;
+    const YAML::Node history = r.sequence(g, at, "history");
+    for (size_t i = 0; i < history.size(); ++i) {
+      const std::string path = Reader::at(at + ".history", i);
+      if (!history[i].IsSequence() || history[i].size() != 2) r.fail(path, "expected [step, loss]");
+      const int64_t step = r.scalar<int64_t>(history[i][0], path);
+      const double loss = r.scalar<double>(history[i][1], path);
+      if (step < 1 || step > m.step || !std::isfinite(loss)) {
+        r.fail(path, "not a step of this checkpoint with a finite loss");
+      }
+      sp.history.emplace_back(step, loss);
+    }
+    sp.streak = r.integer(g, at, "streak", 0, m.step);
+    sp.streak_start = r.integer(g, at, "streak_start", 0, m.step);
+    const YAML::Node skipped = r.sequence(g, at, "skipped_batches");
+    for (size_t i = 0; i < skipped.size(); ++i) {
+      const int64_t d = r.scalar<int64_t>(skipped[i], Reader::at(at + ".skipped_batches", i));
+      if (d < 0 || (!sp.skipped_batches.empty() && d <= sp.skipped_batches.back())) {
+        r.fail(Reader::at(at + ".skipped_batches", i), "expected ascending data steps");
+      }
+      sp.skipped_batches.push_back(d);
+    }
+    const YAML::Node spikes = r.sequence(g, at, "spikes");
+    for (size_t i = 0; i < spikes.size(); ++i) {
+      const std::string path = Reader::at(at + ".spikes", i);
+      if (!spikes[i].IsSequence() || spikes[i].size() != 2) r.fail(path, "expected [first, last]");
+      const int64_t first = r.scalar<int64_t>(spikes[i][0], path);
+      const int64_t last = r.scalar<int64_t>(spikes[i][1], path);
+      if (first < 1 || last < first) r.fail(path, "not a range of steps");
+      sp.spikes.emplace_back(first, last);
+    }
+  }
   const YAML::Node job = root["job"];
   if (job.IsDefined() && !job.IsNull()) {
     if (!job.IsMap()) r.fail("job", "expected a mapping");
@@ -304,7 +355,7 @@ std::string write_meta(const Meta& m) {
     << ", \"strategy\": " << json::quote(m.strategy) << ", \"mode\": " << json::quote(m.mode)
     << ",\n \"trainer\": {\"step\": " << m.step << ", \"skipped_steps\": " << m.skipped_steps
     << ", \"lr\": " << number(m.lr) << ", \"consecutive_skips\": " << m.consecutive_skips
-    << ", \"nonfinite_run\": " << m.nonfinite_run
+    << ", \"nonfinite_run\": " << m.nonfinite_run << ", \"spike_guard\": " << spike_json(m.spike)
     << ", \"data\": \"a function of the step\"},\n \"parameters\": [";
   for (size_t i = 0; i < m.parameters.size(); ++i) {
     const ParamMeta& p = m.parameters[i];

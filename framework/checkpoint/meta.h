@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "framework/checkpoint/atomic_file.h"
+#include "framework/checkpoint/progress.h"
 
 namespace dtrain::framework::ckpt {
 
@@ -81,6 +82,8 @@ struct Meta {
   // Absent from checkpoints written before they were saved: 0.
   int64_t consecutive_skips = 0;
   int64_t nonfinite_run = 0;
+  // The loss-spike guard's state. Absent from checkpoints written before it was saved: empty.
+  SpikeRecord spike = {};
   // What the run was trained on, by key (framework/job.h): "data", "tokenizer", "model" and
   // "mesh", each a description a person can read, which a resume compares with its own. Absent
   // from checkpoints written before it was recorded: empty.

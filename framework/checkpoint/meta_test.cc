@@ -40,6 +40,11 @@ Meta sharded_meta() {
   m.lr = 0.1 + 0.2;  // 0.30000000000000004: every digit must survive
   m.consecutive_skips = 2;
   m.nonfinite_run = 1;
+  m.spike.history = {{37, 2.5}, {39, 0.1 + 0.7}, {40, 1e-300}};
+  m.spike.streak = 1;
+  m.spike.streak_start = 38;
+  m.spike.skipped_batches = {3, 4, 17};
+  m.spike.spikes = {{4, 5}, {18, 18}};
   m.job = {{"data", "corpus \"a.txt\" (12 bytes, xxh64 0123)"}, {"mesh", "3 rank(s)"}};
   return m;
 }
@@ -88,6 +93,11 @@ void expect_same(const Meta& a, const Meta& b) {
   EXPECT_EQ(a.lr, b.lr);  // bitwise
   EXPECT_EQ(a.consecutive_skips, b.consecutive_skips);
   EXPECT_EQ(a.nonfinite_run, b.nonfinite_run);
+  EXPECT_EQ(a.spike.history, b.spike.history);  // the losses bitwise
+  EXPECT_EQ(a.spike.streak, b.spike.streak);
+  EXPECT_EQ(a.spike.streak_start, b.spike.streak_start);
+  EXPECT_EQ(a.spike.skipped_batches, b.spike.skipped_batches);
+  EXPECT_EQ(a.spike.spikes, b.spike.spikes);
   EXPECT_EQ(a.job, b.job);
 }
 
