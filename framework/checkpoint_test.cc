@@ -45,6 +45,7 @@ namespace fs = std::filesystem;
 std::string g_launcher, g_trainer, g_python, g_interop;
 
 using Result = dtrain::testing::CommandResult;
+using dtrain::testing::final_checksum;
 using dtrain::testing::run_command;
 
 Result run(const std::string& cmd) { return run_command(cmd); }
@@ -81,12 +82,6 @@ std::map<int, std::map<std::string, std::string>> metrics(const std::string& dir
     for (const auto& kv : n) row[kv.first.as<std::string>()] = kv.second.Scalar();
   }
   return rows;
-}
-
-std::string final_checksum(const std::string& output) {
-  std::smatch m;
-  const std::regex re("parameters identical on all [0-9]+ rank\\(s\\) \\(xxh64 ([0-9a-f]+)\\)");
-  return std::regex_search(output, m, re) ? m[1].str() : "";
 }
 
 // An uninterrupted run, and one killed after its step-20 checkpoint then resumed: the same

@@ -35,6 +35,7 @@ namespace fs = std::filesystem;
 std::string g_launcher, g_trainer;
 
 using Result = dtrain::testing::CommandResult;
+using dtrain::testing::final_checksum;
 using dtrain::testing::run_command;
 
 // --- the judging, one process ------------------------------------------------------------
@@ -169,12 +170,6 @@ Metrics metrics(const std::string& dir) {
     }
   }
   return m;
-}
-
-std::string final_checksum(const std::string& output) {
-  std::smatch m;
-  const std::regex re("parameters identical on all [0-9]+ rank\\(s\\) \\(xxh64 ([0-9a-f]+)\\)");
-  return std::regex_search(output, m, re) ? m[1].str() : "";
 }
 
 // Batches 12 and 13 make the loss spike (steps 12 and 13 read them): step 12's checkpoint is

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <regex>
 #include <string>
 
 namespace dtrain::testing {
@@ -28,6 +29,14 @@ inline CommandResult run_command(const std::string& cmd) {
 inline std::string scratch_path(const std::string& name) {
   const char* base = std::getenv("TEST_TMPDIR");
   return std::string(base ? base : "/tmp") + "/" + name;
+}
+
+// The final parameters' xxh64 in dtrain-train's output ("parameters identical on all N
+// rank(s) (xxh64 ...)"); empty when it printed none.
+inline std::string final_checksum(const std::string& output) {
+  std::smatch m;
+  const std::regex re("parameters identical on all [0-9]+ rank\\(s\\) \\(xxh64 ([0-9a-f]+)\\)");
+  return std::regex_search(output, m, re) ? m[1].str() : "";
 }
 
 }  // namespace dtrain::testing
