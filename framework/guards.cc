@@ -156,11 +156,12 @@ int64_t SpikeGuard::data_step(int64_t step) const {
   return d;
 }
 
-void SpikeGuard::roll_back_past(const Spike& spike) {
-  std::set<int64_t> skipped(record_.skipped_batches.begin(), record_.skipped_batches.end());
-  for (int64_t step = spike.first; step <= spike.last; ++step) skipped.insert(data_step(step - 1));
+std::vector<int64_t> SpikeGuard::roll_back_past(const Spike& spike) {
+  std::vector<int64_t> batches;
+  for (int64_t step = spike.first; step <= spike.last; ++step)
+    batches.push_back(data_step(step - 1));
+  skip(batches);
   record_.spikes.emplace_back(spike.first, spike.last);
-  record_.skipped_batches.assign(skipped.begin(), skipped.end());
   const auto rollbacks = static_cast<int64_t>(record_.spikes.size());
   DTRAIN_CHECK(rollbacks <= c_.max_rollbacks, "the loss keeps spiking: ", rollbacks,
                " spikes, over ", spikes_text(), ", one more than train.spike_guard.max_rollbacks (",
@@ -168,6 +169,7 @@ void SpikeGuard::roll_back_past(const Spike& spike) {
                ") allows; stopping. The batches of every spike were skipped, so the data alone "
                "does not explain it: try a lower train.lr, a longer train.warmup_steps or "
                "train.clip_grad_norm");
+  return batches;
 }
 
 void SpikeGuard::resume(const SpikeRecord& saved, bool rollback) {
@@ -180,8 +182,14 @@ void SpikeGuard::resume(const SpikeRecord& saved, bool rollback) {
 }
 
 void SpikeGuard::skip_batches(int64_t first, int64_t count) {
+  std::vector<int64_t> batches;
+  for (int64_t d = first; d < first + count; ++d) batches.push_back(d);
+  skip(batches);
+}
+
+void SpikeGuard::skip(const std::vector<int64_t>& data_steps) {
   std::set<int64_t> skipped(record_.skipped_batches.begin(), record_.skipped_batches.end());
-  for (int64_t d = first; d < first + count; ++d) skipped.insert(d);
+  skipped.insert(data_steps.begin(), data_steps.end());
   record_.skipped_batches.assign(skipped.begin(), skipped.end());
 }
 

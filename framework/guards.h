@@ -109,9 +109,10 @@ class SpikeGuard {
   // The data step (0-based) that training step `step` (0-based) trains on.
   int64_t data_step(int64_t step) const;
 
-  // Before the rollback past `spike`: records it and skips the batches of its steps. Error
-  // naming every spike's steps when this one is more than max_rollbacks allow.
-  void roll_back_past(const Spike& spike);
+  // Before the rollback past `spike`: records it and skips the batches of its steps; returns
+  // those data steps (0-based). Error naming every spike's steps when this one is more than
+  // max_rollbacks allow.
+  std::vector<int64_t> roll_back_past(const Spike& spike);
   // A restored checkpoint's state. `rollback`: the checkpoint is the one rolled back to, so
   // this run's skipped batches and spikes (newer than it) stay; otherwise (a resume) the
   // checkpoint's replace them.
@@ -124,6 +125,8 @@ class SpikeGuard {
 
  private:
   double median() const;
+  // Adds `data_steps` to the skipped batches, kept ascending and without repeats.
+  void skip(const std::vector<int64_t>& data_steps);
 
   const SpikeGuardConfig& c_;
   SpikeRecord record_;

@@ -104,7 +104,7 @@ TEST(SpikeGuardJudging, SkippedBatchesShiftTheDataStepsInOrder) {
   EXPECT_EQ(got, (std::vector<int64_t>{0, 1, 2, 5, 6, 7}));
   // A spike over training steps 5-6 (1-based: 0-based 4 and 5) read data steps 6 and 7; a
   // rollback skips those too, and the stream goes on at 8.
-  g.roll_back_past(SpikeGuard::Spike{5, 6, 10, 1});
+  EXPECT_EQ(g.roll_back_past(SpikeGuard::Spike{5, 6, 10, 1}), (std::vector<int64_t>{6, 7}));
   EXPECT_EQ(g.record().skipped_batches, (std::vector<int64_t>{3, 4, 6, 7}));
   got.clear();
   for (int64_t s = 0; s < 6; ++s) got.push_back(g.data_step(s));

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <limits>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -626,9 +627,9 @@ Trainer::PendingStep Trainer::run_step() {
   for (auto& g : opt_->param_groups()) g.options().set_lr(s.lr);
   opt_->zero_grad(/*set_to_none=*/true);
   const auto on_device = at::TensorOptions(at::kDouble).device(device_);
-  at::Tensor loss_sum = at::zeros({}, on_device);  // this rank's, over the micro-batches
+  at::Tensor loss_sum = at::zeros({}, on_device);    // this rank's, over the micro-batches
+  const int64_t data_step = spike_.data_step(step);  // step, less any skipped batches
   for (int64_t m = 0; m < micro_batches; ++m) {
-    const int64_t data_step = spike_.data_step(step);  // step, less any skipped batches
     Batch b = data_->next(data_step, m);
     b.inputs = to_device(b.inputs);
     b.targets = to_device(b.targets);
@@ -730,10 +731,7 @@ StepStats Trainer::settle() {
         return now;
       }
       if (tty_) std::fprintf(stderr, "\r\033[K");
-      logging::warn("step ", spike.last, ": loss spike: the loss (", logging::fixed(spike.loss, 4),
-                    ", over ranks) has been above ", c_.train.spike_guard.factor,
-                    "x the median of the last steps (", logging::fixed(spike.median, 4),
-                    ") since step ", spike.first,
+      logging::warn(spike_text(spike),
                     " (train.spike_guard). With checkpoints, train.spike_guard.action: rollback "
                     "goes back past a spike and skips its batches; a lower train.lr or "
                     "train.clip_grad_norm may prevent it");
@@ -770,16 +768,22 @@ StepStats Trainer::settle() {
   return steps.back();
 }
 
+// "step 13: loss spike: the loss (...) has been above 2x the median ... since step 12"
+std::string Trainer::spike_text(const SpikeGuard::Spike& spike) const {
+  std::ostringstream o;
+  o << "step " << spike.last << ": loss spike: the loss (" << logging::fixed(spike.loss, 4)
+    << ", over ranks) has been above " << c_.train.spike_guard.factor
+    << "x the median of the last steps (" << logging::fixed(spike.median, 4) << ") since step "
+    << spike.first;
+  return o.str();
+}
+
 void Trainer::roll_back(const SpikeGuard::Spike& spike) {
   const int64_t from = step_;
-  checkpointer_.finish();  // a save still being written (checkpoint.async)
-  const std::vector<int64_t> before = spike_.record().skipped_batches;
-  spike_.roll_back_past(spike);  // stops the run when spikes keep coming
-  std::string skipped;
-  for (int64_t d : spike_.record().skipped_batches) {
-    if (std::find(before.begin(), before.end(), d) == before.end()) {
-      skipped += (skipped.empty() ? "" : ", ") + std::to_string(d + 1);
-    }
+  checkpointer_.finish();                           // a save still being written (checkpoint.async)
+  std::string skipped;                              // 1-based, as the log counts steps
+  for (int64_t d : spike_.roll_back_past(spike)) {  // stops the run when spikes keep coming
+    skipped += (skipped.empty() ? "" : ", ") + std::to_string(d + 1);
   }
   DTRAIN_CHECK(!newest_checkpoint_.empty(), "step ", spike.last, ": loss spike since step ",
                spike.first,
@@ -800,13 +804,10 @@ void Trainer::roll_back(const SpikeGuard::Spike& spike) {
   save_owed_ = false;
   settle_each_step_ = trouble();
   if (tty_) std::fprintf(stderr, "\r\033[K");
-  logging::warn("step ", spike.last, ": loss spike: the loss (", logging::fixed(spike.loss, 4),
-                ", over ranks) has been above ", c_.train.spike_guard.factor,
-                "x the median of the last steps (", logging::fixed(spike.median, 4),
-                ") since step ", spike.first, "; rolled back from step ", from,
-                " to the checkpoint of step ", step_, ", skipping the batches of data step(s) ",
-                skipped, " (rollback ", spike_.record().spikes.size(), " of at most ",
-                c_.train.spike_guard.max_rollbacks, ", train.spike_guard)");
+  logging::warn(spike_text(spike), "; rolled back from step ", from, " to the checkpoint of step ",
+                step_, ", skipping the batches of data step(s) ", skipped, " (rollback ",
+                spike_.record().spikes.size(), " of at most ", c_.train.spike_guard.max_rollbacks,
+                ", train.spike_guard)");
   JsonObject row;
   row.integer("step", step_)
       .boolean("rolled_back", true)

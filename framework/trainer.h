@@ -142,6 +142,7 @@ class Trainer {
   // train.spike_guard's rollback past `spike`: back to this run's newest checkpoint, its
   // batches skipped from now on. Collective.
   void roll_back(const SpikeGuard::Spike& spike);
+  std::string spike_text(const SpikeGuard::Spike& spike) const;
 
   CheckpointParts checkpoint_parts();
   amp::AutocastGuard autocast() const;
