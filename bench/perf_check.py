@@ -12,13 +12,18 @@ Figures (speed ratios: bigger is better; margin 10% unless said):
                       margin (bench/attention_bench --check)
   default_bf16        configs/default.yaml at 2 ranks, logging every step: the fastest fp32 step
                       over the fastest bf16 step, in alternating rounds (a round that something
-                      else on the machine slowed is not the job's speed). Bound: 2.2 (what the
-                      job reached on a CPU with AVX512-BF16 and full-width AVX-512), or 70% of
-                      what this CPU's own bf16 matrix products gain over fp32 at the model's
-                      shapes, measured in the same run, when that is lower: a CPU whose bf16
-                      products are only 2.1-2.3x fp32's (Zen 4, which splits 512-bit work in
-                      two) cannot take a whole step to 2.2x. Only on a CPU with bf16 arithmetic
-                      (AVX512-BF16 or AMX-BF16); elsewhere bf16 is emulated and skipped.
+                      else on the machine slowed is not the job's speed). Bound: what PyTorch's
+                      own AMP gains on the same job here, measured in the same rounds (PyTorch
+                      2.13's DDP over Gloo, the same model, batch, micro-batches under no_sync(),
+                      clip_grad_norm_ and fused AdamW, autocast and bf16 buckets for bf16;
+                      bench/reference/ddp_reference.py), up to 2.2 (the issue's target, what the
+                      job reached once on an AVX512-BF16 CPU). How much bf16 can gain is the
+                      machine's: on a 2-core Zen 4 (bf16 products 2.0-2.3x fp32's) PyTorch's
+                      job gains 1.5-1.6x, and on an AMX Xeon the products gain 4-7x but the
+                      rest of the step (GELU, norms, casts, the optimizer, the reduction) does
+                      not. The row also gives this CPU's bf16 / fp32 matrix-product speed at the
+                      model's shapes. Only on a CPU with bf16 arithmetic (AVX512-BF16 or
+                      AMX-BF16); elsewhere bf16 is emulated and skipped.
   default_bf16_kernel the same job's bf16 step with the attention kernel the rule does not pick
                       (model.attention pinned) over its step with the rule's: bound 1.00
   ddp_vs_pytorch      PyTorch 2.13's DDP step (Gloo, AdamW fused=True) over dtrain's DDP step
@@ -161,30 +166,50 @@ def default_job_step(a, precision, work, extra=()):
     return statistics.median(times)
 
 
+def pytorch_default_job_step(a, precision):
+    """PyTorch's DDP on configs/default.yaml's job, as a PyTorch user would write it: the same
+    model (d_model 192, 4 layers, 4 heads, d_ff 768, seq_len 64, vocabulary 256), 16 sequences
+    per rank in 2 micro-batches, clip_grad_norm_ 1.0, fused AdamW; the median step after the
+    fifth, as default_job_step reads dtrain's."""
+    out = run([os.path.join(a.bin, "launcher/dtrain-launch"), "--nproc-per-node", "2",
+               "--master-port", "0", "--", PY, "-W", "ignore",
+               os.path.join(ROOT, "bench/reference/ddp_reference.py"), "--fused",
+               "--precision", precision, "--d-model", "192", "--layers", "4", "--heads", "4",
+               "--d-ff", "768", "--seq", "64", "--batch", "16", "--micro-batches", "2",
+               "--clip", "1.0", "--warmup", "5", "--steps", "35"],
+              env={"PYTHONPATH": os.path.join(ROOT, "bench/reference")})
+    return last_json(out)["median_step_s"]
+
+
 def default_bf16(c, a, work):
     if not cpu_has_bf16():
         c.skip("default_bf16", "this CPU has no AVX512-BF16 or AMX-BF16: bf16 is emulated")
         return
     ceiling = gemm_ceiling()
-    bound = min(2.2, 0.7 * ceiling)
     # The kernel the rule picks for the default job's shape (the log's "attention:" line).
     picked = run([os.path.join(a.bin, "framework/dtrain-train"), "--config",
                   "configs/default.yaml", "--set", "precision.policy=bf16", "--estimate"])
     if "attention: the" not in picked:
         raise RuntimeError("dtrain-train --estimate names no attention kernel:\n" + picked)
     other = "fused" if "attention: the explicit softmax" in picked else "explicit"
-    fp32, bf16, pinned = [], [], []
+    fp32, bf16, pinned, torch32, torch16 = [], [], [], [], []
     for r in range(a.rounds):
         fp32.append(default_job_step(a, "fp32", work))
+        torch32.append(pytorch_default_job_step(a, "fp32"))
         bf16.append(default_job_step(a, "bf16", work))
+        torch16.append(pytorch_default_job_step(a, "bf16"))
         pinned.append(default_job_step(a, "bf16", work, ["--set", f"model.attention={other}"]))
         say(f"default job round {r + 1}: fp32 step {fp32[-1] * 1e3:.1f} ms, "
             f"bf16 {bf16[-1] * 1e3:.1f} ms, bf16 with the {other} attention "
-            f"{pinned[-1] * 1e3:.1f} ms")
-    f, b, o = (min(x) for x in (fp32, bf16, pinned))
-    c.judge("default_bf16", f / b, bound,
-            f"fp32 step {f * 1e3:.1f} ms, bf16 {b * 1e3:.1f} ms; bf16 matrix products "
-            f"{ceiling:.2f}x fp32's here, bound min(2.2, 0.7 x {ceiling:.2f})")
+            f"{pinned[-1] * 1e3:.1f} ms; PyTorch's: fp32 {torch32[-1] * 1e3:.1f} ms, "
+            f"bf16 {torch16[-1] * 1e3:.1f} ms")
+    f, b, o, tf, tb = (min(x) for x in (fp32, bf16, pinned, torch32, torch16))
+    theirs = tf / tb
+    c.judge("default_bf16", f / b, min(2.2, theirs),
+            f"fp32 step {f * 1e3:.1f} ms, bf16 {b * 1e3:.1f} ms; PyTorch's AMP on the same job "
+            f"{theirs:.2f}x (fp32 {tf * 1e3:.1f} ms, bf16 {tb * 1e3:.1f} ms), bound "
+            f"min(2.2, {theirs:.2f}); bf16 matrix products {ceiling:.2f}x fp32's here"
+            + ("" if f / b >= 2.2 else "; the 2.2x target is not reached"))
     c.judge("default_bf16_kernel", o / b, 1.0,
             f"bf16 step {b * 1e3:.1f} ms with the rule's kernel, {o * 1e3:.1f} ms with {other}")
 

@@ -8,6 +8,9 @@ Prints one JSON line on rank 0.
     --local   one process, no DDP and no communication: the local step, the limit of data
               parallelism (run it without a launcher)
     --fused   AdamW(fused=True) instead of PyTorch's default (foreach)
+    --micro-batches M, --clip C
+              gradient accumulation under no_sync() and clip_grad_norm_, as dtrain's trainer
+              (bench/perf_check.py times the default job this way)
     --precision bf16|fp16
               the forward and the loss under torch.autocast, DDP's buckets reduced in that
               dtype (as step_bench's), and fp16 with torch.amp.GradScaler
@@ -120,6 +123,12 @@ def main():
                           ("d-ff", 2048), ("seq", 64), ("batch", 4)]:
         ap.add_argument("--" + name, type=int, default=default)
     ap.add_argument("--bucket-cap-mb", type=float, default=25)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="split each step's batch into this many micro-batches, all but the last "
+                         "under no_sync(), each loss divided by their number (dtrain's "
+                         "train.micro_batches)")
+    ap.add_argument("--clip", type=float, default=0.0,
+                    help="clip_grad_norm_ to this before the step (dtrain's train.clip_grad_norm)")
     ap.add_argument("--local", action="store_true")
     ap.add_argument("--fused", action="store_true")
     ap.add_argument("--local-ab", action="store_true",
@@ -141,6 +150,10 @@ def main():
             status = max(status, parity(argparse.Namespace(**{**vars(a), **run})))
             dist.barrier()
         common.leave(status)
+    if a.micro_batches < 1 or a.batch % a.micro_batches:
+        ap.error(f"--micro-batches {a.micro_batches} must divide --batch {a.batch}")
+    if a.micro_batches > 1 and (a.local or a.local_ab):
+        ap.error("--micro-batches is a DDP step's (no_sync); not with --local or --local-ab")
     if not a.local:
         dist.init_process_group("gloo")
     rank = 0 if a.local else dist.get_rank()
@@ -165,18 +178,25 @@ def main():
             dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        with guard:
-            with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
-                loss = F.cross_entropy(ddp(x).reshape(-1, vocab), y.reshape(-1))
-            tb = time.perf_counter()
-            scaler.scale(loss).backward()
-            te = time.perf_counter()
+        tb = 0.0
+        for m, (xm, ym) in enumerate(zip(x.chunk(a.micro_batches), y.chunk(a.micro_batches))):
+            last = m == a.micro_batches - 1
+            with guard if last else ddp.no_sync():
+                with torch.autocast("cpu", dtype=low or torch.bfloat16, enabled=low is not None):
+                    loss = F.cross_entropy(ddp(xm).reshape(-1, vocab), ym.reshape(-1))
+                tm = time.perf_counter()
+                scaler.scale(loss / a.micro_batches if a.micro_batches > 1 else loss).backward()
+                te = time.perf_counter()
+                tb += te - tm
+        if a.clip > 0:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), a.clip)
         scaler.step(opt)
         scaler.update()
         t1 = time.perf_counter()
         if s >= a.warmup:
             steps.append(t1 - t0)
-            backwards.append(te - tb)
+            backwards.append(tb)
             optimizer.append(t1 - te)
             synced.append(not local_step)
     ab = {}
