@@ -14,6 +14,10 @@
 //                                             loss spike the data caused
 //   DTRAIN_TEST_SKIP_BATCHES=<first>:<count>  framework/trainer.cc: a run that never trains on
 //                                             those data steps (what a spike's rollback skips)
+//   DTRAIN_TEST_RECORD_SAMPLES=<file>         framework/data.cc: each micro-batch's sample ids
+//                                             (corpus windows, token-file windows) appended
+//                                             as "<data step> <micro> <ids...>" to
+//                                             <file>.<rank> (the data-parallel rank)
 //   DTRAIN_TEST_SKIP_COLLECTIVE=<seq>:<rank>  comm/communicator.cc: that rank never issues the
 //                                             world communicator's collective #seq
 //   DTRAIN_TEST_CRASH_BEFORE_RENAME=<name>    framework/checkpoint/atomic_file.cc: SIGKILL

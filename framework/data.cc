@@ -18,6 +18,7 @@
 #include <iterator>
 
 #include "core/error.h"
+#include "core/faults.h"
 #include "core/glob.h"
 
 namespace dtrain::framework {
@@ -61,19 +62,47 @@ DistributedSampler::DistributedSampler(int64_t num_samples, int world_size, int 
 void DistributedSampler::set_epoch(int64_t epoch) {
   if (epoch == epoch_) return;
   epoch_ = epoch;
-  std::vector<int64_t> order(num_samples_);
+  order_.resize(static_cast<size_t>(num_samples_));
   if (shuffle_) {
     at::Tensor perm = at::randperm(num_samples_, generator(seed_, static_cast<uint64_t>(epoch)));
-    std::copy(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + num_samples_, order.begin());
+    std::copy(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + num_samples_, order_.begin());
   } else {
-    for (int64_t i = 0; i < num_samples_; ++i) order[i] = i;
+    for (int64_t i = 0; i < num_samples_; ++i) order_[i] = i;
   }
-  const int64_t per_rank = (num_samples_ + world_size_ - 1) / world_size_;
   indices_.clear();
-  for (int64_t k = 0; k < per_rank; ++k) {
+  for (int64_t k = 0; k < per_epoch(); ++k) {
     int64_t pos = (k * world_size_ + rank_) % num_samples_;  // wrap to pad
-    indices_.push_back(order[pos]);
+    indices_.push_back(order_[pos]);
   }
+}
+
+DataPosition DistributedSampler::locate(int64_t k) const {
+  const int64_t w = world_size_, per = per_epoch();
+  if (k < origin_k_ || (origin_k_ == 0 && origin_.epoch == 0 && origin_.position == 0)) {
+    return {k / per, (k % per) * w};
+  }
+  const int64_t rel = k - origin_k_;
+  const int64_t first = (num_samples_ - origin_.position + w - 1) / w;  // the origin epoch's rest
+  if (rel < first) return {origin_.epoch, origin_.position + rel * w};
+  const int64_t later = rel - first;
+  return {origin_.epoch + 1 + later / per, (later % per) * w};
+}
+
+int64_t DistributedSampler::sample(int64_t k) {
+  const DataPosition at = locate(k);
+  set_epoch(at.epoch);
+  return order_[static_cast<size_t>((at.position + rank_) % num_samples_)];
+}
+
+DataPosition DistributedSampler::position(int64_t k) const { return locate(k); }
+
+void DistributedSampler::set_origin(int64_t k, DataPosition at) {
+  DTRAIN_CHECK_AS(ConfigError, k >= 0 && at.epoch >= 0 && at.position >= 0,
+                  "a data position of epoch ", at.epoch, ", position ", at.position,
+                  " cannot be resumed from");
+  if (at.position >= num_samples_) at = {at.epoch + 1, 0};  // the epoch was over
+  origin_k_ = k;
+  origin_ = at;
 }
 
 ByteCorpusSource::ByteCorpusSource(const std::string& path, int64_t seq_len, int64_t batch_size,
@@ -121,22 +150,40 @@ namespace {
 // counted over steps, micro-batches and batch rows, across epochs.
 std::vector<int64_t> drawn(DistributedSampler& sampler, int64_t step, int64_t micro,
                            int64_t batch_size, int64_t micro_batches) {
-  const int64_t per_epoch = static_cast<int64_t>(sampler.indices().size());
   std::vector<int64_t> ids;
   for (int64_t b = 0; b < batch_size; ++b) {
-    const int64_t k = (step * micro_batches + micro) * batch_size + b;
-    sampler.set_epoch(k / per_epoch);
-    ids.push_back(sampler.indices()[k % per_epoch]);
+    ids.push_back(sampler.sample((step * micro_batches + micro) * batch_size + b));
   }
   return ids;
+}
+
+// The record of every sample drawn, for a test (DTRAIN_TEST_RECORD_SAMPLES=<file>): one line
+// "<step> <micro> <sample ids...>" per micro-batch, appended to <file>.<rank>.
+void record_samples(const DistributedSampler& sampler, int64_t step, int64_t micro,
+                    const std::vector<int64_t>& ids) {
+  const std::optional<std::string> path = faults::text("RECORD_SAMPLES");
+  if (!path) return;
+  std::ofstream f(*path + "." + std::to_string(sampler.rank()), std::ios::app);
+  f << step << " " << micro;
+  for (int64_t id : ids) f << " " << id;
+  f << "\n";
 }
 
 }  // namespace
 
 Batch ByteCorpusSource::next(int64_t step, int64_t micro) {
   std::vector<int64_t> starts = drawn(sampler_, step, micro, batch_size_, micro_batches_);
+  record_samples(sampler_, step, micro, starts);
   for (auto& s : starts) s *= seq_len_;
   return windows(starts);
+}
+
+std::optional<DataPosition> ByteCorpusSource::position(int64_t step) const {
+  return sampler_.position(step * micro_batches_ * batch_size_);
+}
+
+void ByteCorpusSource::resume_at(int64_t step, DataPosition at) {
+  sampler_.set_origin(step * micro_batches_ * batch_size_, at);
 }
 
 Batch ByteCorpusSource::validation(int rank, int world) {
@@ -394,7 +441,17 @@ Batch TokenFileSource::windows(const std::vector<File>& files,
 }
 
 Batch TokenFileSource::next(int64_t step, int64_t micro) {
-  return windows(train_, drawn(sampler_, step, micro, batch_size_, micro_batches_));
+  std::vector<int64_t> ids = drawn(sampler_, step, micro, batch_size_, micro_batches_);
+  record_samples(sampler_, step, micro, ids);
+  return windows(train_, ids);
+}
+
+std::optional<DataPosition> TokenFileSource::position(int64_t step) const {
+  return sampler_.position(step * micro_batches_ * batch_size_);
+}
+
+void TokenFileSource::resume_at(int64_t step, DataPosition at) {
+  sampler_.set_origin(step * micro_batches_ * batch_size_, at);
 }
 
 Batch TokenFileSource::validation(int rank, int world) {

@@ -9,12 +9,13 @@
 // bytes starting at i * seq_len (inputs = first seq_len, targets = shifted by one).
 //
 // BatchSource: what the trainer pulls per micro-batch. Every batch is a function of (step,
-// micro) alone, so a resumed run continues exactly where the checkpoint left it with nothing
-// but the step: the corpus source's position in its sampler is (step x micro_batches +
-// micro) x batch_size, and the synthetic sources draw from a generator seeded by (seed,
-// rank, step, micro). For the TransformerLM, synthetic sequences follow a per-sequence
-// arithmetic progression mod vocab (learnable, so the loss falls); for the MLP, labels come
-// from a fixed random teacher.
+// micro), so a resumed run continues exactly where the checkpoint left it: the corpus
+// source's index in its sampler is (step x micro_batches + micro) x batch_size, and the
+// synthetic sources draw from a generator seeded by (seed, rank, step, micro). A run resumed
+// at another world size also needs where the global order stood (position(), kept in the
+// checkpoint; resume_at() continues from it), since each rank's index strides by the world. For the
+// TransformerLM, synthetic sequences follow a per-sequence arithmetic progression mod vocab
+// (learnable, so the loss falls); for the MLP, labels come from a fixed random teacher.
 //
 // Validation: a fixed set of `eval_samples` samples, the same at any world size (the corpus'
 // last windows, never trained on; synthetic ones from a seed of their own); rank r takes
@@ -26,8 +27,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "framework/checkpoint/progress.h"
 
 namespace dtrain::framework {
 
@@ -37,18 +41,36 @@ class DistributedSampler {
                      bool shuffle = true);
   void set_epoch(int64_t epoch);
   int64_t epoch() const { return epoch_; }
-  // This rank's sample indices for the current epoch.
+  // This rank's sample indices for the current epoch (without an origin).
   const std::vector<int64_t>& indices() const { return indices_; }
   int64_t num_samples() const { return num_samples_; }
+  int rank() const { return rank_; }
+
+  // This rank's k-th sample (k counted over steps, micro-batches and rows, across epochs).
+  // Without an origin: position k x world + rank of epoch k / ceil(n / world), as indices().
+  // From an origin (k0, p) on: the rest of p's epoch, positions p.position + (k - k0) x world +
+  // rank (wrapping to its start to pad, as an epoch's tail is padded), then whole epochs.
+  int64_t sample(int64_t k);
+  // Where the stream stands before this rank's k-th sample (the same on every rank).
+  DataPosition position(int64_t k) const;
+  // Continue from `at` with this rank's k-th sample: a run resumed at another world size.
+  void set_origin(int64_t k, DataPosition at);
 
  private:
+  int64_t per_epoch() const { return (num_samples_ + world_size_ - 1) / world_size_; }
+  // This rank's index k, relative to the origin, as (epoch, global position) of its sample.
+  DataPosition locate(int64_t k) const;
+
   int64_t num_samples_;
   int world_size_;
   int rank_;
   uint64_t seed_;
   bool shuffle_;
   int64_t epoch_ = -1;
-  std::vector<int64_t> indices_;
+  std::vector<int64_t> order_;    // epoch_'s permutation of [0, n)
+  std::vector<int64_t> indices_;  // this rank's positions of it, padded
+  int64_t origin_k_ = 0;
+  DataPosition origin_ = {};
 };
 
 struct Batch {
@@ -67,6 +89,18 @@ class BatchSource {
   virtual int64_t items_per_sample() const = 0;
   // What the data is, for the run's first log line ("corpus GPL-3 (35 KB)").
   virtual std::string describe() const { return "custom data"; }
+  // Where the data stands before data step `step` (the same on every rank), for a checkpoint:
+  // empty for a source whose batches follow from the step alone (the synthetic ones).
+  virtual std::optional<DataPosition> position(int64_t step) const {
+    (void)step;
+    return std::nullopt;
+  }
+  // From data step `step` on, continue from `at` (a checkpoint's position, written at any
+  // world size): every sample of the epoch is drawn once across the change.
+  virtual void resume_at(int64_t step, DataPosition at) {
+    (void)step;
+    (void)at;
+  }
   // What tells this data from other data, for a checkpoint to record and a resume to compare:
   // the content's size and a hash (of the whole corpus; of each token file's size and its first
   // and last 64 KiB), and the order's seed. Equal for the same data under another path. Empty:
@@ -88,6 +122,8 @@ class ByteCorpusSource : public BatchSource {
   Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return seq_len_; }
   std::string describe() const override { return description_; }
+  std::optional<DataPosition> position(int64_t step) const override;
+  void resume_at(int64_t step, DataPosition at) override;
   std::string fingerprint() const override { return fingerprint_; }
   int64_t num_samples() const { return sampler_.num_samples(); }
 
@@ -125,6 +161,8 @@ class TokenFileSource : public BatchSource {
   Batch validation(int rank, int world) override;
   int64_t items_per_sample() const override { return seq_len_; }
   std::string describe() const override { return description_; }
+  std::optional<DataPosition> position(int64_t step) const override;
+  void resume_at(int64_t step, DataPosition at) override;
   std::string fingerprint() const override { return fingerprint_; }
   int64_t num_samples() const { return sampler_.num_samples(); }
 

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <set>
+#include <vector>
 
 namespace dtrain::framework {
 namespace {
@@ -33,6 +34,89 @@ TEST(DistributedSampler, RanksPartitionEachEpochDeterministically) {
   EXPECT_NE(a.indices(), b.indices()) << "a new epoch reshuffles";
   DistributedSampler c(n, 3, 0, 43);
   EXPECT_NE(a.indices(), c.indices()) << "another seed reshuffles";
+}
+
+// Without an origin, a rank's k-th sample is its indices()[k % ceil(n / world)] of epoch
+// k / ceil(n / world): the order every run before data positions drew.
+TEST(DistributedSampler, SampleFollowsTheEpochsIndices) {
+  const int64_t n = 23;
+  for (int world : {1, 2, 5}) {
+    for (int r = 0; r < world; ++r) {
+      DistributedSampler s(n, world, r, 9), ref(n, world, r, 9);
+      const int64_t per = (n + world - 1) / world;
+      for (int64_t k = 0; k < 3 * per + 2; ++k) {
+        ref.set_epoch(k / per);
+        ASSERT_EQ(s.sample(k), ref.indices()[static_cast<size_t>(k % per)])
+            << "world " << world << " rank " << r << " k " << k;
+      }
+    }
+  }
+}
+
+// Each rank's samples k0 .. k1 - 1, in order.
+std::vector<int64_t> draw(DistributedSampler& s, int64_t k0, int64_t k1) {
+  std::vector<int64_t> out;
+  for (int64_t k = k0; k < k1; ++k) out.push_back(s.sample(k));
+  return out;
+}
+
+// A job resized between restarts: 3 ranks draw part of an epoch, the checkpoint keeps where
+// the data stands, and 2 (or 5) ranks go on from it. Across the change every sample of the
+// epoch is drawn once, apart from the padding that ends any epoch (ranks that wrap to its
+// start so that all draw alike, PyTorch's DistributedSampler with drop_last=false).
+TEST(DistributedSampler, AResumeAtAnotherWorldSizeDrawsEverySampleOnce) {
+  const int64_t n = 29;
+  for (int64_t k0 : {0, 1, 4, 9, 10}) {  // 10: the first epoch over (ceil(29 / 3) = 10)
+    for (int now : {1, 2, 3, 5}) {
+      std::multiset<int64_t> seen;
+      std::vector<DataPosition> at;
+      for (int r = 0; r < 3; ++r) {
+        DistributedSampler s(n, 3, r, 5);
+        for (int64_t id : draw(s, 0, k0)) seen.insert(id);
+        at.push_back(s.position(k0));
+      }
+      for (const DataPosition& p : at) {
+        EXPECT_EQ(p.epoch, at[0].epoch);
+        EXPECT_EQ(p.position, at[0].position) << "every rank stands at the same place";
+      }
+      const int64_t k1 = 100;  // the resumed run's own step count: its index goes on
+      const int64_t epoch0 = at[0].epoch;
+      const int64_t rest = (n - at[0].position + now - 1) / now;  // each new rank's share
+      std::multiset<int64_t> epoch_seen = epoch0 == 0 ? seen : std::multiset<int64_t>{};
+      for (int r = 0; r < now; ++r) {
+        DistributedSampler s(n, now, r, 5);
+        s.set_origin(k1, at[0]);
+        for (int64_t id : draw(s, k1, k1 + rest)) epoch_seen.insert(id);
+        EXPECT_EQ(s.position(k1 + rest).epoch, epoch0 + 1) << "the epoch ends there";
+        EXPECT_EQ(s.position(k1 + rest).position, 0);
+        // The next epoch is a whole one at this world size: as a run that started at it.
+        DistributedSampler fresh(n, now, r, 5);
+        const int64_t per = (n + now - 1) / now;
+        EXPECT_EQ(draw(s, k1 + rest, k1 + rest + per),
+                  draw(fresh, per * (epoch0 + 1), per * (epoch0 + 2)));
+      }
+      const int64_t padding = rest * now - (n - at[0].position);
+      for (int64_t i = 0; i < n; ++i) {
+        EXPECT_GE(epoch_seen.count(i), 1u)
+            << "sample " << i << " never drawn (k0 " << k0 << ", " << now << " ranks)";
+      }
+      EXPECT_EQ(static_cast<int64_t>(epoch_seen.size()), n + padding)
+          << "k0 " << k0 << ", " << now << " ranks: only the epoch's padding repeats";
+    }
+  }
+}
+
+// Resumed at the same world size, the origin changes nothing: the same samples as a run
+// that never stopped, across epochs.
+TEST(DistributedSampler, AResumeAtTheSameWorldSizeDrawsWhatAnUnbrokenRunDraws) {
+  const int64_t n = 17;
+  for (int64_t k0 : {0, 3, 6, 7}) {
+    for (int r = 0; r < 3; ++r) {
+      DistributedSampler unbroken(n, 3, r, 11), resumed(n, 3, r, 11);
+      resumed.set_origin(k0, unbroken.position(k0));
+      EXPECT_EQ(draw(resumed, k0, k0 + 40), draw(unbroken, k0, k0 + 40)) << k0 << " " << r;
+    }
+  }
 }
 
 TEST(ByteCorpus, WindowsAreShiftedByOneAndComeFromTheFile) {

@@ -534,6 +534,7 @@ void Trainer::restore() {
   nonfinite_.resume(p->nonfinite_run);
   collapse_.resume(p->consecutive_skips, monitor_);
   spike_.resume(p->spike, /*rollback=*/false);
+  resume_data(*p);
   newest_checkpoint_ = checkpointer_.restored_dir();
   settle_each_step_ = trouble();
 }
@@ -778,6 +779,13 @@ std::string Trainer::spike_text(const SpikeGuard::Spike& spike) const {
   return o.str();
 }
 
+// The data goes on from where the checkpoint left it, at this run's world size: the same
+// samples as from its step alone when the world is the checkpoint's, and at another world
+// (a job resized between restarts) the rest of the epoch once, none repeated or skipped.
+void Trainer::resume_data(const TrainerProgress& p) {
+  if (p.data) data_->resume_at(p.data_step, *p.data);
+}
+
 void Trainer::roll_back(const SpikeGuard::Spike& spike) {
   const int64_t from = step_;
   checkpointer_.finish();                           // a save still being written (checkpoint.async)
@@ -799,6 +807,7 @@ void Trainer::roll_back(const SpikeGuard::Spike& spike) {
   nonfinite_.resume(p->nonfinite_run);
   collapse_.resume(p->consecutive_skips, monitor_);
   spike_.resume(p->spike, /*rollback=*/true);
+  resume_data(*p);
   window_loss_ = window_time_ = window_wait_ = 0;
   window_steps_ = 0;
   save_owed_ = false;
@@ -913,11 +922,11 @@ void Trainer::show_progress(int64_t step, bool logged) {
 void Trainer::save_checkpoint(const StepStats& s, bool background) {
   const auto t = Clock::now();
   background = background && c_.checkpoint.async;
-  const std::string path =
-      checkpointer_.save(checkpoint_parts(),
-                         TrainerProgress{s.step, result_.skipped_steps, s.lr, collapse_.skips(),
-                                         nonfinite_.run(), spike_.record()},
-                         background);
+  TrainerProgress progress{s.step,           result_.skipped_steps, s.lr, collapse_.skips(),
+                           nonfinite_.run(), spike_.record()};
+  progress.data_step = spike_.data_step(s.step);  // the next step's
+  progress.data = data_->position(progress.data_step);
+  const std::string path = checkpointer_.save(checkpoint_parts(), progress, background);
   newest_checkpoint_ = path;
   if (tty_) std::fprintf(stderr, "\r\033[K");
   if (background) {

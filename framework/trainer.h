@@ -141,6 +141,7 @@ class Trainer {
   bool trouble() const;
   // train.spike_guard's rollback past `spike`: back to this run's newest checkpoint, its
   // batches skipped from now on. Collective.
+  void resume_data(const TrainerProgress& p);
   void roll_back(const SpikeGuard::Spike& spike);
   std::string spike_text(const SpikeGuard::Spike& spike) const;
 

@@ -19,9 +19,14 @@ every step after the resume, and the final parameters' hash that dtrain logs
                    restored validation loss says it is on other data.
   other-tokenizer  token files of another tokenizer: refused the same way.
   other-model      a resume with another model shape: one message (exit 2), printed once.
+  other-world      6 steps at 2 ranks, resumed for 6 more at 3 (a job resized between
+                   restarts, the per-rank batch kept): the samples drawn (each rank's record,
+                   DTRAIN_TEST_RECORD_SAMPLES) are those of one rank drawing 30 steps' worth,
+                   each once, none repeated and none skipped across the change.
 Usage: resume_test.py --launcher PATH --trainer PATH --prepare PATH [--only NAME] [--no-mpi]
 """
 import argparse
+import glob
 import json
 import os
 import random
@@ -58,7 +63,7 @@ class Runner:
     def __init__(self, args, work):
         self.args, self.work = args, work
 
-    def command(self, kind, name, extra):
+    def command(self, kind, name, extra, nproc=2):
         run = os.path.join(self.work, name)
         os.makedirs(run, exist_ok=True)
         train = [self.args.trainer, "--config", "configs/tiny/ddp_fp32.yaml",
@@ -71,16 +76,17 @@ class Runner:
         if kind == "mpi":
             return ["mpirun", "-np", "2", "--oversubscribe", "--allow-run-as-root",
                     "--bind-to", "none", "-x", "OMP_NUM_THREADS=1", "-x", "DTRAIN_BACKEND=mpi"] + train
-        return [self.args.launcher, "--nproc-per-node", "2", "--master-port", "0", "--"] + train
+        return [self.args.launcher, "--nproc-per-node", str(nproc), "--master-port", "0",
+                "--"] + train
 
-    def start(self, kind, name, extra=(), env=None):
+    def start(self, kind, name, extra=(), env=None, nproc=2):
         e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-        return subprocess.Popen(self.command(kind, name, list(extra)), stdout=subprocess.PIPE,
+        return subprocess.Popen(self.command(kind, name, list(extra), nproc), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=e,
                                 start_new_session=True)
 
-    def run(self, kind, name, extra=(), env=None, timeout=180):
-        p = self.start(kind, name, extra, env)
+    def run(self, kind, name, extra=(), env=None, timeout=180, nproc=2):
+        p = self.start(kind, name, extra, env, nproc)
         out, _ = p.communicate(timeout=timeout)
         return p.returncode, out
 
@@ -280,6 +286,35 @@ def main():
               "no intact checkpoint" not in out,
               f"{name}: a resume with another model shape is one message, exit 2 (exit {code})",
               out)
+
+    if want("other-world"):
+        name = "other-world"
+
+        def drawn(prefix):
+            """Every sample id the ranks' records hold (DTRAIN_TEST_RECORD_SAMPLES)."""
+            ids = []
+            for path in sorted(glob.glob(prefix + ".*")):
+                with open(path) as f:
+                    ids += [int(x) for line in f for x in line.split()[2:]]
+            return ids
+
+        def resized(tag, steps, nproc):
+            return r.run("launch", name, ["--set", f"train.steps={steps}",
+                                          "--set", "checkpoint.every_steps=6"],
+                         env={"DTRAIN_TEST_RECORD_SAMPLES": f"{work}/{name}.{tag}"}, nproc=nproc)
+
+        code1, out1 = resized("before", 6, 2)
+        code2, out2 = resized("after", 12, 3)
+        ours = drawn(f"{work}/{name}.before") + drawn(f"{work}/{name}.after")
+        code3, out3 = r.run("launch", name + "-one-rank", ["--set", "train.steps=30"],
+                            env={"DTRAIN_TEST_RECORD_SAMPLES": f"{work}/{name}.one"}, nproc=1)
+        one = drawn(f"{work}/{name}.one")
+        repeated = len(ours) - len(set(ours))
+        check(code1 == 0 and code2 == 0 and code3 == 0 and "written at 2 ranks, this run has 3"
+              in out2 and len(one) == 240 and len(set(one)) == 240 and sorted(ours) == sorted(one),
+              f"{name}: 2 ranks for 6 steps, then 3 for 6: {len(ours)} samples, {repeated} "
+              f"repeated, {len(set(one) - set(ours))} of one rank's 240 never drawn",
+              out1 + out2 + out3)
 
     shutil.rmtree(work, ignore_errors=True)
     print(f"{len(failures)} failure(s)" if failures else "PASS")

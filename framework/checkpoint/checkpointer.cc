@@ -759,6 +759,8 @@ Checkpointer::Staged Checkpointer::stage(const CheckpointParts& p, const Trainer
     m.consecutive_skips = progress.consecutive_skips;
     m.nonfinite_run = progress.nonfinite_run;
     m.spike = progress.spike;
+    m.data = progress.data;
+    m.data_step = progress.data_step;
     m.job = job_;
   }
   return s;
@@ -1431,6 +1433,10 @@ std::optional<TrainerProgress> Checkpointer::restore_from(const CheckpointParts&
   progress.consecutive_skips = meta.consecutive_skips;
   progress.nonfinite_run = meta.nonfinite_run;
   progress.spike = meta.spike;
+  // On other data (checkpoint.allow_data_change) the position means nothing: the run goes on
+  // from its step alone.
+  if (!data_changed_) progress.data = meta.data;
+  progress.data_step = meta.data_step;
   restored_dir_ = dir;
   logging::info("resumed from ", dir, " at step ", progress.step, " (", meta.mode, ", written at ",
                 meta.world_size, " rank(s))");

@@ -337,6 +337,15 @@ Meta parse_meta(const std::string& text, const std::string& where) {
       sp.spikes.emplace_back(first, last);
     }
   }
+  if (trainer["data_position"]) {
+    const std::string at = "trainer.data_position";
+    const YAML::Node d = r.field(trainer, "trainer", "data_position");
+    DataPosition pos;
+    m.data_step = r.integer(d, at, "data_step", 0, kMost);
+    pos.epoch = r.integer(d, at, "epoch", 0, kMost);
+    pos.position = r.integer(d, at, "position", 0, kMost);
+    m.data = pos;
+  }
   const YAML::Node job = root["job"];
   if (job.IsDefined() && !job.IsNull()) {
     if (!job.IsMap()) r.fail("job", "expected a mapping");
@@ -356,7 +365,13 @@ std::string write_meta(const Meta& m) {
     << ",\n \"trainer\": {\"step\": " << m.step << ", \"skipped_steps\": " << m.skipped_steps
     << ", \"lr\": " << number(m.lr) << ", \"consecutive_skips\": " << m.consecutive_skips
     << ", \"nonfinite_run\": " << m.nonfinite_run << ", \"spike_guard\": " << spike_json(m.spike)
-    << ", \"data\": \"a function of the step\"},\n \"parameters\": [";
+    << ", \"data\": "
+    << (m.data ? "\"a function of the step and data_position\"" : "\"a function of the step\"");
+  if (m.data) {
+    o << ", \"data_position\": {\"data_step\": " << m.data_step << ", \"epoch\": " << m.data->epoch
+      << ", \"position\": " << m.data->position << "}";
+  }
+  o << "},\n \"parameters\": [";
   for (size_t i = 0; i < m.parameters.size(); ++i) {
     const ParamMeta& p = m.parameters[i];
     o << (i ? ", " : "") << "{\"name\": " << json::quote(p.name) << ", \"shape\": " << ints(p.shape)

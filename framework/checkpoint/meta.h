@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -84,6 +85,10 @@ struct Meta {
   int64_t nonfinite_run = 0;
   // The loss-spike guard's state. Absent from checkpoints written before it was saved: empty.
   SpikeRecord spike = {};
+  // Where the data stood before data step `data_step` (TrainerProgress::data). Absent for data
+  // that follows from the step alone, and from checkpoints written before it was kept.
+  std::optional<DataPosition> data = std::nullopt;
+  int64_t data_step = 0;
   // What the run was trained on, by key (framework/job.h): "data", "tokenizer", "model" and
   // "mesh", each a description a person can read, which a resume compares with its own. Absent
   // from checkpoints written before it was recorded: empty.

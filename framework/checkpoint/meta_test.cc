@@ -45,6 +45,8 @@ Meta sharded_meta() {
   m.spike.streak_start = 38;
   m.spike.skipped_batches = {3, 4, 17};
   m.spike.spikes = {{4, 5}, {18, 18}};
+  m.data = DataPosition{2, 41};
+  m.data_step = 77;
   m.job = {{"data", "corpus \"a.txt\" (12 bytes, xxh64 0123)"}, {"mesh", "3 rank(s)"}};
   return m;
 }
@@ -98,6 +100,12 @@ void expect_same(const Meta& a, const Meta& b) {
   EXPECT_EQ(a.spike.streak_start, b.spike.streak_start);
   EXPECT_EQ(a.spike.skipped_batches, b.spike.skipped_batches);
   EXPECT_EQ(a.spike.spikes, b.spike.spikes);
+  ASSERT_EQ(a.data.has_value(), b.data.has_value());
+  if (a.data) {
+    EXPECT_EQ(a.data->epoch, b.data->epoch);
+    EXPECT_EQ(a.data->position, b.data->position);
+  }
+  EXPECT_EQ(a.data_step, b.data_step);
   EXPECT_EQ(a.job, b.job);
 }
 

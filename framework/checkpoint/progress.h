@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -25,6 +26,15 @@ struct SpikeRecord {
   std::vector<std::pair<int64_t, int64_t>> spikes;
 };
 
+// Where a data stream stands between two samples: the epoch, and how many positions of that
+// epoch's global order (the permutation the ranks stride through, framework/data.h) lie
+// behind it. The same on every rank and meaningful at any world size: a run resumed at
+// another one continues from it, so every sample of the epoch is still drawn once.
+struct DataPosition {
+  int64_t epoch = 0;
+  int64_t position = 0;  // in [0, the source's sample count)
+};
+
 struct TrainerProgress {
   int64_t step = 0;  // optimizer steps completed
   int64_t skipped_steps = 0;
@@ -32,6 +42,11 @@ struct TrainerProgress {
   int64_t consecutive_skips = 0;  // the scale-collapse guard's count
   int64_t nonfinite_run = 0;      // steps with a non-finite loss in a row (no scaler)
   SpikeRecord spike = {};
+  // Where the data stood before data step `data_step` (the next step's, past any skipped
+  // batches); absent for data that follows from the step alone, in checkpoints written before
+  // it was kept, and on a resume onto other data (checkpoint.allow_data_change).
+  std::optional<DataPosition> data = std::nullopt;
+  int64_t data_step = 0;
 };
 
 }  // namespace dtrain::framework
