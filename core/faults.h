@@ -17,7 +17,8 @@
 //   DTRAIN_TEST_RECORD_SAMPLES=<file>         framework/data.cc: each micro-batch's sample ids
 //                                             (corpus windows, token-file windows) appended
 //                                             as "<data step> <micro> <ids...>" to
-//                                             <file>.<rank> (the data-parallel rank)
+//                                             <file>.<attempt>.<rank> (the launcher's
+//                                             restart count; the data-parallel rank)
 //   DTRAIN_TEST_SKIP_COLLECTIVE=<seq>:<rank>  comm/communicator.cc: that rank never issues the
 //                                             world communicator's collective #seq
 //   DTRAIN_TEST_CRASH_BEFORE_RENAME=<name>    framework/checkpoint/atomic_file.cc: SIGKILL

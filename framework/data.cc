@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -158,12 +159,16 @@ std::vector<int64_t> drawn(DistributedSampler& sampler, int64_t step, int64_t mi
 }
 
 // The record of every sample drawn, for a test (DTRAIN_TEST_RECORD_SAMPLES=<file>): one line
-// "<step> <micro> <sample ids...>" per micro-batch, appended to <file>.<rank>.
+// "<step> <micro> <sample ids...>" per micro-batch, appended to <file>.<attempt>.<rank> (the
+// launcher's restart count, TORCHELASTIC_RESTART_COUNT).
 void record_samples(const DistributedSampler& sampler, int64_t step, int64_t micro,
                     const std::vector<int64_t>& ids) {
   const std::optional<std::string> path = faults::text("RECORD_SAMPLES");
   if (!path) return;
-  std::ofstream f(*path + "." + std::to_string(sampler.rank()), std::ios::app);
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  std::ofstream f(*path + "." + (attempt != nullptr && *attempt ? attempt : "0") + "." +
+                      std::to_string(sampler.rank()),
+                  std::ios::app);
   f << step << " " << micro;
   for (int64_t id : ids) f << " " << id;
   f << "\n";

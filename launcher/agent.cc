@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -188,6 +189,53 @@ class Coordinator final : public JobAgent {
     for (auto& c : pending_) c.close();
   }
 
+  Verdict begin() override {
+    Verdict v;
+    if (!o_.elastic()) {
+      running_ = true;
+      v.restart = true;
+      v.nodes = o_.nnodes;
+      return v;
+    }
+    // Elastic: the first attempt starts with every node, or with MIN of them once
+    // --elastic-wait has passed since MIN had joined.
+    std::optional<Clock::time_point> min_since;
+    bool said = false;
+    while (true) {
+      const int live = live_nodes();
+      if (live >= o_.min_nodes && !min_since) min_since = Clock::now();
+      if (live < o_.min_nodes) min_since.reset();
+      const bool waited = min_since && Clock::now() - *min_since >=
+                                           std::chrono::milliseconds(
+                                               static_cast<int64_t>(o_.elastic_wait_s * 1000));
+      if (live == o_.nnodes || waited) break;
+      if (live < o_.min_nodes && Clock::now() >= join_deadline_) {
+        return end(1, "only " + std::to_string(live) + " node(s) joined within --join-timeout " +
+                          std::to_string(int(o_.join_timeout_s)) + " s, fewer than --nnodes " +
+                          o_.nnodes_text() + " needs");
+      }
+      if (!said && live >= o_.min_nodes) {
+        std::cerr << "[dtrain-launch] " << live << " of --nnodes " << o_.nnodes_text()
+                  << " node(s) have joined; starting in " << o_.elastic_wait_s << " s unless all "
+                  << o_.nnodes << " join first (--elastic-wait)" << std::endl;
+        said = true;
+      }
+      std::vector<pollfd> fds;
+      add_fds(fds);
+      fds.push_back({signal_fd_, POLLIN, 0});
+      if (::poll(fds.data(), fds.size(), 100) <= 0) continue;
+      if (readable(fds, signal_fd_)) {
+        unsigned char sig = 0;
+        if (::read(signal_fd_, &sig, 1) == 1) {
+          return end(128 + sig, "node 0's dtrain-launch was interrupted (signal " +
+                                    std::to_string(sig) + ") before the job started");
+        }
+      }
+      handle(fds);
+    }
+    return start(0, "");
+  }
+
   void add_fds(std::vector<pollfd>& fds) const override {
     fds.push_back({listen_fd_, POLLIN, 0});
     for (const auto& c : pending_) fds.push_back({c.fd, POLLIN, 0});
@@ -243,14 +291,14 @@ class Coordinator final : public JobAgent {
     if (mine.kind == NodeEnd::kFailed) stop(describe(mine.rank, 0, mine.code), 0, mine.code);
     bool said = false;
     while (!all_ended(attempt)) {
-      for (size_t node = 1; node < peers_.size() && !said; ++node) {
+      for (size_t node = 1; node < peers_.size() && !said && !o_.elastic(); ++node) {
         if (peers_[node].joined || peers_[node].lost) continue;
         std::cerr << "[dtrain-launch] waiting for node " << node
                   << " to join (up to --join-timeout " << o_.join_timeout_s
                   << " s from the start) before ending the attempt" << std::endl;
         said = true;
       }
-      if (Clock::now() >= join_deadline_) {
+      if (Clock::now() >= join_deadline_ && !o_.elastic()) {
         for (size_t node = 1; node < peers_.size(); ++node) {
           if (!peers_[node].joined) {
             lose(static_cast<int>(node),
@@ -274,14 +322,18 @@ class Coordinator final : public JobAgent {
       }
       handle(fds);
     }
-    return verdict(attempt);
+    return o_.elastic() ? elastic_verdict(attempt) : verdict(attempt);
   }
 
  private:
+  // Why an elastic attempt was stopped first.
+  enum class Cause { kNone, kFailure, kLost, kJoin };
+
   struct Peer {
     Conn conn;
     bool joined = false;
     bool lost = false;
+    int in_attempt = -1;  // elastic: the attempt it runs in (-1: waits for the next)
     int ended_attempt = -1;
     NodeEnd end;
   };
@@ -293,20 +345,31 @@ class Coordinator final : public JobAgent {
     pending_.push_back(Conn{fd, "", false});
   }
 
-  // "hello <node> <nproc> <max_restarts> <run_id> <token digest>"
+  // Nodes joined and not lost, node 0 included.
+  int live_nodes() const {
+    int live = 1;
+    for (size_t node = 1; node < peers_.size(); ++node) {
+      live += peers_[node].joined && !peers_[node].lost;
+    }
+    return live;
+  }
+
+  // "hello <node> <nproc> <max_restarts> <run_id> <token digest> <nnodes>"
   AgentEvent hello(Conn& c, const std::string& line) {
-    auto w = words(line, 6);
+    auto w = words(line, 7);
     std::string refusal;
-    const int node = w.size() == 6 && w[0] == "hello" ? to_int(w[1]) : -1;
+    const int node = w.size() == 7 && w[0] == "hello" ? to_int(w[1]) : -1;
     if (node < 1 || node >= o_.nnodes) {
       refusal = "node 0 expects --node-rank 1 to " + std::to_string(o_.nnodes - 1) +
-                " of --nnodes " + std::to_string(o_.nnodes) + ", and was sent '" +
-                line.substr(0, 80) + "'";
-    } else if (peers_[node].joined) {
+                " of --nnodes " + o_.nnodes_text() + ", and was sent '" + line.substr(0, 80) + "'";
+    } else if (peers_[node].joined && !peers_[node].lost) {
       refusal = "node " + std::to_string(node) +
                 " has already joined: two launchers were given "
                 "--node-rank " +
                 std::to_string(node);
+    } else if (w[6] != o_.nnodes_text()) {
+      refusal = "node " + std::to_string(node) + " has --nnodes " + w[6] + ", node 0 " +
+                o_.nnodes_text() + "; give every node the same";
     } else if (to_int(w[2]) != o_.nproc_per_node) {
       refusal = "node " + std::to_string(node) + " has --nproc-per-node " + w[2] + ", node 0 " +
                 std::to_string(o_.nproc_per_node) + "; give every node the same";
@@ -320,25 +383,42 @@ class Coordinator final : public JobAgent {
       refusal = "node " + std::to_string(node) +
                 " presented a different DTRAIN_JOB_TOKEN (or none): set the same token on "
                 "every node";
-    } else if (attempt_ > 0 || ended_) {
+    } else if (ended_) {
+      refusal = "node " + std::to_string(node) + " joined after the job ended";
+    } else if (!o_.elastic() && attempt_ > 0) {
       refusal = "node " + std::to_string(node) +
                 " joined after the job's first attempt ended; "
-                "start every node's dtrain-launch again";
+                "start every node's dtrain-launch again (or give --nnodes MIN:MAX for a job "
+                "that takes nodes in)";
     }
     if (!refusal.empty()) {
       send_line(c.fd, "refuse " + refusal);
       c.close();
-      // A node that cannot join would leave the others' ranks waiting at the rendezvous.
-      if (node < 1 || node >= o_.nnodes || peers_[node].joined) return {};
+      // An elastic job goes on without the refused node. A fixed-size job's node that cannot
+      // join would leave the others' ranks waiting at the rendezvous.
+      if (o_.elastic() || node < 1 || node >= o_.nnodes || peers_[node].joined) return {};
       return lose(node, "it was refused: " + refusal);
     }
     Peer& p = peers_[node];
     p.conn = std::move(c);
     c.fd = -1;
     p.joined = true;
+    p.lost = false;
+    p.ended_attempt = -1;
+    p.in_attempt = o_.elastic() ? -1 : attempt_;
     send_line(p.conn.fd, "welcome " + std::to_string(attempt_));
-    // A node that joins after a failure was decided stops at once.
-    if (stopped_) send_line(p.conn.fd, "stop " + std::to_string(attempt_) + " " + stop_why_);
+    if (!o_.elastic()) {
+      // A node that joins after a failure was decided stops at once.
+      if (stopped_) send_line(p.conn.fd, "stop " + std::to_string(attempt_) + " " + stop_why_);
+      return {};
+    }
+    if (!running_) return {};  // before the first attempt, or between two: the next takes it
+    // While an attempt runs: it stops, saving, and the job restarts with this node.
+    std::cerr << "[dtrain-launch] node " << node << " joins the job: stopping attempt " << attempt_
+              << " to restart with " << live_nodes() << " node(s)" << std::endl;
+    const std::string why = "node " + std::to_string(node) + " joined: restarting with " +
+                            std::to_string(live_nodes()) + " node(s)";
+    if (stop(why, -1, 1, Cause::kJoin)) return {AgentEvent::kResize, why};
     return {};
   }
 
@@ -367,20 +447,35 @@ class Coordinator final : public JobAgent {
     if (p.lost) return {};
     p.lost = true;
     const std::string why = "node " + std::to_string(node) + " is lost: " + how;
+    if (o_.elastic()) {
+      // Waiting for an attempt, it is only gone; in one, the attempt stops without it.
+      if (!running_ || p.in_attempt != attempt_) {
+        std::cerr << "[dtrain-launch] " << why << std::endl;
+        return {};
+      }
+      // The cause to name, even when a rank's failure (its peer gone) was heard first.
+      if (attempt_lost_why_.empty()) attempt_lost_why_ = why;
+      if (stop(why, node, 1, Cause::kLost)) return {AgentEvent::kStop, why};
+      return {};
+    }
     if (lost_why_.empty()) lost_why_ = why;
     stop(why, node, 1);
     return {AgentEvent::kLost, why};
   }
 
-  // Tells every other node to stop its ranks (once per attempt); true the first time.
-  bool stop(const std::string& why, int from_node, int code) {
+  // Tells every other node to stop its ranks (once per attempt); true the first time. A join
+  // asks for a graceful stop ("resize": the ranks may save first).
+  bool stop(const std::string& why, int from_node, int code, Cause cause = Cause::kFailure) {
     if (stopped_) return false;
     stopped_ = true;
+    cause_ = cause;
     stop_why_ = why;
     stop_code_ = code == 0 ? 1 : code;
+    const std::string word = cause == Cause::kJoin ? "resize " : "stop ";
     for (size_t node = 1; node < peers_.size(); ++node) {
-      if (static_cast<int>(node) != from_node) {
-        send_line(peers_[node].conn.fd, "stop " + std::to_string(attempt_) + " " + why);
+      if (static_cast<int>(node) != from_node &&
+          (!o_.elastic() || peers_[node].in_attempt == attempt_)) {
+        send_line(peers_[node].conn.fd, word + std::to_string(attempt_) + " " + why);
       }
     }
     return true;
@@ -389,9 +484,91 @@ class Coordinator final : public JobAgent {
   bool all_ended(int attempt) const {
     for (size_t node = 1; node < peers_.size(); ++node) {
       const Peer& p = peers_[node];
+      if (o_.elastic() && p.in_attempt != attempt) continue;
       if (!p.lost && p.ended_attempt != attempt) return false;
     }
     return true;
+  }
+
+  // Ends the job on every node with `code`.
+  Verdict end(int code, const std::string& why) {
+    ended_ = true;
+    running_ = false;
+    Verdict v;
+    v.code = code;
+    v.why = why;
+    v.restarts = restarts_;
+    for (size_t node = 1; node < peers_.size(); ++node) {
+      send_line(peers_[node].conn.fd,
+                "exit " + std::to_string(code) + " " + std::to_string(restarts_) + " " + why);
+    }
+    return v;
+  }
+
+  // Starts attempt `attempt` with every live node, each told its place (node 0 first, then
+  // the others by node rank); returns node 0's.
+  Verdict start(int attempt, std::string why, bool counted = true) {
+    attempt_ = attempt;
+    stopped_ = false;
+    cause_ = Cause::kNone;
+    stop_why_.clear();
+    attempt_lost_why_.clear();
+    running_ = true;
+    const int nodes = live_nodes();
+    int slot = 1;
+    std::string names = "0";
+    for (size_t node = 1; node < peers_.size(); ++node) {
+      Peer& p = peers_[node];
+      if (!p.joined || p.lost) continue;
+      p.in_attempt = attempt;
+      send_line(p.conn.fd, "start " + std::to_string(attempt) + " " + std::to_string(slot++) + " " +
+                               std::to_string(nodes) + " " + std::to_string(restarts_) + " " +
+                               (counted ? "1" : "0") + " " + why);
+      names += ", " + std::to_string(node);
+    }
+    if (attempt == 0) {
+      std::cerr << "[dtrain-launch] starting with " << nodes << " of --nnodes " << o_.nnodes_text()
+                << " node(s): node " << names << std::endl;
+    }
+    Verdict v;
+    v.restart = true;
+    v.attempt = attempt;
+    v.nodes = nodes;
+    v.restarts = restarts_;
+    v.counted = counted;
+    v.why = why;
+    return v;
+  }
+
+  Verdict elastic_verdict(int attempt) {
+    running_ = false;
+    bool all_ok = mine_.kind == NodeEnd::kOk;
+    int interrupted = mine_.kind == NodeEnd::kInterrupted ? mine_.code : 0;
+    for (size_t node = 1; node < peers_.size(); ++node) {
+      const Peer& p = peers_[node];
+      if (p.in_attempt != attempt) continue;
+      all_ok = all_ok && !p.lost && p.end.kind == NodeEnd::kOk;
+      if (!p.lost && p.end.kind == NodeEnd::kInterrupted && interrupted == 0) {
+        interrupted = p.end.code;
+      }
+    }
+    const int live = live_nodes();
+    if (!attempt_lost_why_.empty()) {
+      if (cause_ == Cause::kFailure) cause_ = Cause::kLost;
+      if (cause_ == Cause::kLost) stop_why_ = attempt_lost_why_;
+    }
+    if (all_ok) return end(0, "");  // the job's steps are done (before any stop took hold)
+    if (interrupted != 0) return end(interrupted, stop_why_);
+    if (cause_ == Cause::kJoin) return start(attempt + 1, stop_why_, /*counted=*/false);
+    if (live < o_.min_nodes) {
+      return end(1, stop_why_ + "; " + std::to_string(live) + " node(s) remain, fewer than the " +
+                        std::to_string(o_.min_nodes) + " --nnodes " + o_.nnodes_text() + " needs");
+    }
+    if (restarts_ < o_.max_restarts) {
+      ++restarts_;
+      return start(attempt + 1, stop_why_);
+    }
+    return end(cause_ == Cause::kLost ? 1 : stop_code_, stop_why_);
   }
 
   Verdict verdict(int attempt) {
@@ -417,18 +594,26 @@ class Coordinator final : public JobAgent {
     } else if (attempt < o_.max_restarts) {
       v.restart = true;
       v.attempt = attempt + 1;
+      v.nodes = o_.nnodes;
+      v.restarts = v.attempt;
     } else {
       v.code = stop_code_;
       v.why = stop_why_;
     }
+    v.restarts = v.restart ? v.attempt : attempt;
     if (v.restart) {
+      ended_ = false;
       attempt_ = v.attempt;
       stopped_ = false;
       stop_why_.clear();
     }
     for (size_t node = 1; node < peers_.size(); ++node) {
-      send_line(peers_[node].conn.fd, v.restart ? "start " + std::to_string(v.attempt)
-                                                : "exit " + std::to_string(v.code) + " " + v.why);
+      send_line(
+          peers_[node].conn.fd,
+          v.restart
+              ? "start " + std::to_string(v.attempt) + " " + std::to_string(node) + " " +
+                    std::to_string(o_.nnodes) + " " + std::to_string(v.restarts) + " 1"
+              : "exit " + std::to_string(v.code) + " " + std::to_string(v.restarts) + " " + v.why);
     }
     return v;
   }
@@ -440,11 +625,15 @@ class Coordinator final : public JobAgent {
   std::vector<Conn> pending_;
   Clock::time_point join_deadline_;
   int attempt_ = 0;
-  bool ended_ = false;    // an attempt has ended: no node may join any more
+  int restarts_ = 0;      // elastic: restarts counted against --max-restarts
+  bool running_ = false;  // an attempt runs
+  bool ended_ = false;    // fixed size: an attempt has ended, no node may join; elastic: the job
   bool stopped_ = false;  // this attempt's nodes were told to stop
+  Cause cause_ = Cause::kNone;
   std::string stop_why_;
   int stop_code_ = 1;
   std::string lost_why_;
+  std::string attempt_lost_why_;  // elastic: the first node lost in this attempt
   NodeEnd mine_;
 };
 
@@ -472,7 +661,8 @@ class Member final : public JobAgent {
     keep_alive(conn_.fd);
     send_line(conn_.fd, "hello " + std::to_string(o.node_rank) + " " +
                             std::to_string(o.nproc_per_node) + " " +
-                            std::to_string(o.max_restarts) + " " + o.run_id + " " + token_digest());
+                            std::to_string(o.max_restarts) + " " + o.run_id + " " + token_digest() +
+                            " " + o.nnodes_text());
     std::string line = next_line(deadline, signal_fd);
     std::string rest;
     auto w = words(line, 1, &rest);
@@ -484,6 +674,20 @@ class Member final : public JobAgent {
     // A stop sent right after the welcome waits in the buffer for the first handle().
   }
   ~Member() override { conn_.close(); }
+
+  Verdict begin() override {
+    Verdict v;
+    if (!o_.elastic()) {
+      v.restart = true;
+      v.attempt = attempt_;
+      v.slot = o_.node_rank;
+      v.nodes = o_.nnodes;
+      return v;
+    }
+    std::cerr << "[dtrain-launch] joined node 0 at " << where_
+              << "; waiting for it to start an attempt with this node" << std::endl;
+    return next_verdict();
+  }
 
   void add_fds(std::vector<pollfd>& fds) const override {
     if (conn_.fd >= 0) fds.push_back({conn_.fd, POLLIN, 0});
@@ -498,6 +702,9 @@ class Member final : public JobAgent {
       auto w = words(line, 2, &why);
       if (w.size() == 2 && w[0] == "stop" && to_int(w[1]) == attempt_) {
         return {AgentEvent::kStop, why};
+      }
+      if (w.size() == 2 && w[0] == "resize" && to_int(w[1]) == attempt_) {
+        return {AgentEvent::kResize, why};
       }
     }
     if (conn_.closed && conn_.fd >= 0) {
@@ -521,6 +728,15 @@ class Member final : public JobAgent {
     }
     send_line(conn_.fd, "ended " + std::to_string(attempt) + " " + kind_word(mine.kind) + " " +
                             std::to_string(mine.rank) + " " + std::to_string(mine.code));
+    return next_verdict();
+  }
+
+ private:
+  // Node 0's next word on the job: "start <attempt> <slot> <nodes> <restarts> <counted>
+  // [why]" or "exit <code> <restarts> [why]" (other lines, a stop for an attempt already over, are
+  // passed over).
+  Verdict next_verdict() {
+    Verdict v;
     while (true) {
       std::string line = next_line(Clock::time_point::max(), signal_fd_);
       if (line.empty() && conn_.closed) {
@@ -529,21 +745,27 @@ class Member final : public JobAgent {
         return v;
       }
       std::string rest;
-      auto w = words(line, 2, &rest);
-      if (w.size() == 2 && w[0] == "start") {
+      auto w = words(line, 6, &rest);
+      if (w.size() == 6 && w[0] == "start") {
         v.restart = true;
         v.attempt = attempt_ = to_int(w[1]);
+        v.slot = to_int(w[2]);
+        v.nodes = to_int(w[3]);
+        v.restarts = to_int(w[4]);
+        v.counted = w[5] == "1";
+        v.why = rest;
         return v;
       }
-      if (w.size() == 2 && w[0] == "exit") {
+      w = words(line, 3, &rest);
+      if (w.size() == 3 && w[0] == "exit") {
         v.code = to_int(w[1]);
+        v.restarts = to_int(w[2]);
         v.why = rest;
         return v;
       }
     }
   }
 
- private:
   int connect_once(std::string* error) const {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;

@@ -18,6 +18,17 @@
 //   ranks. No restart follows: the lost node's launcher is gone, and it is what would meet
 //   the others again.
 // - A launcher interrupted by a signal (Ctrl-C, scancel) stops the job without a restart.
+// - Elastic jobs (--nnodes MIN:MAX, MIN < MAX; torchrun's elastic agent). Node 0 starts the
+//   first attempt once MAX nodes have joined, or MIN and --elastic-wait seconds have passed,
+//   sending each node "start <attempt> <slot> <nodes> ...": its place, which numbers its ranks
+//   (slot x nproc ...) and the attempt's world size. A lost node stops the attempt as a
+//   failure does, and the job restarts without it while MIN nodes remain and --max-restarts
+//   allows. A node that joins while an attempt runs (a new one, or a lost one started again)
+//   stops it gracefully ("resize": SIGTERM with --preempt-timeout, so the trainer saves a
+//   checkpoint, checkpoint.on_signal) and the job restarts with it; such a restart is not
+//   counted against --max-restarts. Node 0 hosts the job (the store and the agent): losing
+//   it ends the job, as losing torchrun's rendezvous host does. Each node keeps its
+//   --node-rank as its name; its slot is its place among the attempt's nodes, in that order.
 //
 // Every message is one text line. A wait for the coordinator's verdict is bounded only by
 // the other nodes' ranks, which are bounded by their collectives' timeouts, and by the
@@ -44,17 +55,22 @@ struct NodeEnd {
 
 // What the agent saw while the ranks run.
 struct AgentEvent {
-  enum Kind { kNone, kStop, kLost };
+  enum Kind { kNone, kStop, kLost, kResize };  // kResize: stop to restart with more nodes
   Kind kind = kNone;
   std::string why;  // for the launcher's line: "rank 3 on node 1 exited with code 1"
 };
 
-// The job's verdict once an attempt has ended on every node.
+// The job's verdict once an attempt has ended on every node (or, from begin(), the first
+// attempt this node runs).
 struct Verdict {
   bool restart = false;
-  int attempt = 0;  // restart: the next attempt's number
-  int code = 0;     // otherwise: the launcher's exit code
-  std::string why;  // otherwise, when not 0: why the job ends
+  int attempt = 0;      // restart: the attempt's number
+  int slot = 0;         // restart: this node's place in it (its ranks are slot x nproc ...)
+  int nodes = 0;        // restart: how many nodes it has
+  int restarts = 0;     // restart: --max-restarts used so far, job-wide
+  bool counted = true;  // restart: counted against --max-restarts (elastic: not for a join)
+  int code = 0;         // otherwise: the launcher's exit code
+  std::string why;      // why the job ends (code != 0), or (elastic) why it restarts
 };
 
 class JobAgent {
@@ -65,6 +81,11 @@ class JobAgent {
   // (UsageError for a refused hello, Error when node 0 cannot be reached). `signal_fd`
   // becoming readable (the launcher was signalled) ends a wait to join.
   static std::unique_ptr<JobAgent> open(const LaunchOptions& o, int signal_fd);
+
+  // The first attempt this node runs: at once in a fixed-size job (attempt 0, its
+  // --node-rank of --nnodes); in an elastic one once node 0 starts an attempt with it, or the
+  // job's end (restart false) when it ends first.
+  virtual Verdict begin() = 0;
 
   // The sockets to poll while the ranks run; `handle` reads what they have.
   virtual void add_fds(std::vector<pollfd>& fds) const = 0;

@@ -507,6 +507,13 @@ Result run_group(const LaunchOptions& o, int restart_count, int port, JobAgent* 
         std::cerr << "[dtrain-launch] " << e.why << "; stopping this node's ranks" << std::endl;
         result = {Outcome::kStopped, 0, -1};
         start_termination(SIGTERM, o.grace_period_s);
+      } else if (e.kind == AgentEvent::kResize && result.outcome == Outcome::kSuccess) {
+        // The job grows: the ranks finish their step and save (checkpoint.on_signal) before
+        // every node restarts with the new one.
+        std::cerr << "[dtrain-launch] " << e.why << "; stopping this node's ranks (SIGTERM: "
+                  << "they save a checkpoint first)" << std::endl;
+        result = {Outcome::kStopped, 0, -1};
+        start_termination(SIGTERM, std::max(o.grace_period_s, o.preempt_timeout_s));
       } else if (e.kind == AgentEvent::kLost) {
         std::cerr << "[dtrain-launch] " << e.why << "; stopping this node's ranks" << std::endl;
         if (result.outcome != Outcome::kInterrupted) result.outcome = Outcome::kLost;
@@ -559,7 +566,7 @@ std::string usage() {
   for (const auto& [b, name] : comm::kBackends) {
     backends += (backends.empty() ? "" : "|") + std::string(name);
   }
-  return "usage: dtrain-launch [--nproc-per-node N] [--nnodes M --node-rank R] "
+  return "usage: dtrain-launch [--nproc-per-node N] [--nnodes M|MIN:MAX --node-rank R] "
          "[--master-addr A] [--master-port P] [--max-restarts K] [--backend " +
          backends + "] [--grace-period S] [--version] [--] program [args...]";
 }
@@ -581,7 +588,15 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
   // torchrun spells them with underscores too.
   app.add_option("--nproc-per-node,--nproc_per_node", o.nproc_per_node, "ranks on this node")
       ->check(CLI::Range(1, 65536));
-  app.add_option("--nnodes", o.nnodes, "nodes in the job")->check(CLI::Range(1, 1 << 20));
+  std::string nnodes = "1";
+  app.add_option("--nnodes", nnodes,
+                 "nodes in the job: N, or MIN:MAX for an elastic job (torchrun's form): it "
+                 "starts with the nodes that joined (at least MIN), goes on without a lost node "
+                 "while MIN remain, and takes in nodes that join later, up to MAX, each change "
+                 "a restart from the last checkpoint");
+  app.add_option("--elastic-wait", o.elastic_wait_s,
+                 "with --nnodes MIN:MAX: once MIN nodes have joined, seconds node 0 waits for "
+                 "more before it starts (default 10)");
   app.add_option("--node-rank,--node_rank", o.node_rank, "this node's index, 0 to nnodes-1");
   app.add_option("--master-addr,--master_addr", o.master_addr,
                  "host of node 0, where the rendezvous store listens");
@@ -622,6 +637,26 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
     DTRAIN_FAIL(UsageError, e.what(), "\n", usage(),
                 "\n(dtrain-launch --help explains each option)");
   }
+  {
+    // "N" or "MIN:MAX", whole numbers only.
+    auto whole = [](const std::string& t, int& out) {
+      if (t.empty() || t.size() > 8 || t.find_first_not_of("0123456789") != std::string::npos) {
+        return false;
+      }
+      out = std::stoi(t);
+      return true;
+    };
+    const size_t colon = nnodes.find(':');
+    const bool ok = colon == std::string::npos ? whole(nnodes, o.nnodes)
+                                               : whole(nnodes.substr(0, colon), o.min_nodes) &&
+                                                     whole(nnodes.substr(colon + 1), o.nnodes);
+    DTRAIN_CHECK_AS(UsageError, ok && o.nnodes >= 1 && o.nnodes <= (1 << 20),
+                    "--nnodes takes N or MIN:MAX (whole numbers from 1 to ", 1 << 20, "), got '",
+                    nnodes, "'\n", usage());
+    DTRAIN_CHECK_AS(UsageError,
+                    colon == std::string::npos || (o.min_nodes >= 1 && o.min_nodes <= o.nnodes),
+                    "--nnodes ", nnodes, ": MIN must be from 1 to MAX\n", usage());
+  }
   o.command = app.remaining();
   if (!o.command.empty() && o.command.front() == "--") {
     o.command.erase(o.command.begin());
@@ -651,6 +686,9 @@ LaunchOptions parse_args(const std::vector<std::string>& args) {
       "--agent-port must differ from --master-port (node 0's launcher listens on "
       "one, rank 0's store on the other)\n",
       usage());
+  DTRAIN_CHECK_AS(UsageError, o.elastic_wait_s >= 0 && o.elastic_wait_s <= kMaxGracePeriodS,
+                  "--elastic-wait must be a number of seconds in [0, ", kMaxGracePeriodS, "], got ",
+                  o.elastic_wait_s, "\n", usage());
   DTRAIN_CHECK_AS(UsageError, o.join_timeout_s > 0 && o.join_timeout_s <= kMaxGracePeriodS,
                   "--join-timeout must be a number of seconds in (0, ", kMaxGracePeriodS, "], got ",
                   o.join_timeout_s, "\n", usage());
@@ -717,8 +755,17 @@ namespace {
 // A multi-node job: every attempt's end is agreed with the other nodes (launcher/agent.h).
 int run_job(const LaunchOptions& options, int port) {
   std::unique_ptr<JobAgent> agent = JobAgent::open(options, g_signal_pipe[0]);
-  for (int attempt = 0;;) {
-    const Result r = run_group(options, attempt, port, agent.get());
+  Verdict v = agent->begin();
+  if (v.restart && v.attempt > 0) {
+    std::cerr << "[dtrain-launch] the job takes this node in at attempt " << v.attempt << ": "
+              << v.nodes << " node(s), this one as node slot " << v.slot << std::endl;
+  }
+  while (v.restart) {
+    // This attempt's place: the node's slot among its nodes numbers its ranks.
+    LaunchOptions here = options;
+    here.node_rank = v.slot;
+    here.nnodes = v.nodes;
+    const Result r = run_group(here, v.attempt, port, agent.get());
     NodeEnd mine;
     if (r.interrupted || r.outcome == Outcome::kInterrupted || r.outcome == Outcome::kRequeue) {
       mine = {NodeEnd::kInterrupted, -1, r.code};
@@ -729,24 +776,37 @@ int run_job(const LaunchOptions& options, int port) {
     } else if (r.outcome == Outcome::kLost) {
       mine = {NodeEnd::kLost, -1, 1};
     }
-    const Verdict v = agent->finish(attempt, mine);
-    if (v.restart) {
+    const int attempt = v.attempt;
+    v = agent->finish(attempt, mine);
+    if (!v.restart) {
+      if (v.code != 0) {
+        std::cerr << "[dtrain-launch] the job ends on every node"
+                  << (v.why.empty() ? "" : ": " + v.why)
+                  << (options.max_restarts > 0 && v.restarts >= options.max_restarts
+                          ? " (after " + std::to_string(options.max_restarts) + " restart(s))"
+                          : "")
+                  << std::endl;
+      }
+      return v.code;
+    }
+    if (!options.elastic()) {
       std::cerr << "[dtrain-launch] restarting every node's ranks (restart " << v.attempt << " of "
                 << options.max_restarts << ", agreed by all " << options.nnodes << " nodes)"
                 << std::endl;
-      attempt = v.attempt;
-      continue;
+    } else {
+      std::cerr << "[dtrain-launch] restarting every node's ranks with " << v.nodes
+                << " node(s), this one as node slot " << v.slot << " ("
+                << (v.counted ? "restart " + std::to_string(v.restarts) + " of " +
+                                    std::to_string(options.max_restarts)
+                              : std::string("not counted against --max-restarts"))
+                << (v.why.empty() ? "" : ": " + v.why) << ")" << std::endl;
     }
-    if (v.code != 0) {
-      std::cerr << "[dtrain-launch] the job ends on every node"
-                << (v.why.empty() ? "" : ": " + v.why)
-                << (options.max_restarts > 0 && attempt >= options.max_restarts
-                        ? " (after " + std::to_string(options.max_restarts) + " restart(s))"
-                        : "")
-                << std::endl;
-    }
-    return v.code;
   }
+  if (v.code != 0) {
+    std::cerr << "[dtrain-launch] the job ended before this node ran"
+              << (v.why.empty() ? "" : ": " + v.why) << std::endl;
+  }
+  return v.code;
 }
 
 }  // namespace

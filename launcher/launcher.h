@@ -9,7 +9,9 @@
 // its last checkpoint). With --nnodes > 1 the nodes' launchers act as one (launcher/agent.h):
 // a rank failing on any node stops every node's ranks, and every node restarts together at
 // the next attempt, --max-restarts counted job-wide; a lost node ends the job on every node,
-// naming it. Each rank runs in its own process group, so a rank's children are
+// naming it. With --nnodes MIN:MAX (elastic, as torchrun's) the job starts with the nodes
+// that joined, restarts without a lost node while MIN remain, and restarts to take in a node
+// that joins later, up to MAX. Each rank runs in its own process group, so a rank's children are
 // ended with it, and dies with the launcher (PR_SET_PDEATHSIG); a guardian process
 // (core/guardian.h) ends the ranks' children too when the launcher itself is SIGKILLed. A
 // stopped rank is reported and, when the group ends, continued so that it receives SIGTERM.
@@ -33,7 +35,8 @@ namespace dtrain::launcher {
 
 struct LaunchOptions {
   int nproc_per_node = 1;
-  int nnodes = 1;
+  int nnodes = 1;     // --nnodes N, or the MAX of --nnodes MIN:MAX
+  int min_nodes = 0;  // --nnodes MIN:MAX's MIN (0: --nnodes N)
   int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
@@ -43,6 +46,9 @@ struct LaunchOptions {
   // for node 0.
   int agent_port = 0;
   double join_timeout_s = 600;
+  // Elastic jobs (--nnodes MIN:MAX with MIN < MAX): once MIN nodes have joined, node 0 waits
+  // this long for more before it starts the job's first attempt.
+  double elastic_wait_s = 10;
   std::string backend;  // empty: leave DTRAIN_BACKEND alone
   double grace_period_s = 10.0;
   // After this launcher gets SIGTERM: the ranks' time to save and stop before SIGKILL.
@@ -54,6 +60,14 @@ struct LaunchOptions {
   std::string job_token;
   std::vector<std::string> command;  // program and its arguments
   std::string print_and_exit;        // --help or --version: print this, exit 0
+
+  bool elastic() const { return min_nodes > 0 && min_nodes < nnodes; }
+  // "N", or "MIN:MAX" for an elastic job: what every node must be given alike.
+  std::string nnodes_text() const {
+    return min_nodes > 0 && min_nodes != nnodes
+               ? std::to_string(min_nodes) + ":" + std::to_string(nnodes)
+               : std::to_string(nnodes);
+  }
 };
 
 std::string usage();

@@ -104,6 +104,22 @@ TEST(LaunchArgs, ParsesTorchrunStyleOptionsAndTheProgram) {
   EXPECT_EQ(d.command, (std::vector<std::string>{"prog", "--flag"}));
 }
 
+// torchrun's elastic form: MIN:MAX nodes; node ranks name nodes up to MAX - 1.
+TEST(LaunchArgs, NnodesMinColonMaxMakesAnElasticJob) {
+  auto e = parse_args({"--nnodes", "2:4", "--node-rank", "3", "--elastic-wait", "2.5", "prog"});
+  EXPECT_EQ(e.min_nodes, 2);
+  EXPECT_EQ(e.nnodes, 4);
+  EXPECT_TRUE(e.elastic());
+  EXPECT_EQ(e.nnodes_text(), "2:4");
+  EXPECT_EQ(e.elastic_wait_s, 2.5);
+  auto fixed = parse_args({"--nnodes", "3:3", "prog"});
+  EXPECT_FALSE(fixed.elastic()) << "MIN = MAX is a fixed-size job";
+  EXPECT_EQ(fixed.nnodes_text(), "3");
+  auto plain = parse_args({"--nnodes", "3", "prog"});
+  EXPECT_FALSE(plain.elastic());
+  EXPECT_EQ(plain.nnodes_text(), "3");
+}
+
 TEST(LaunchArgs, RefusesBadArgumentsWithAUsageLine) {
   for (const auto& args : std::vector<std::vector<std::string>>{
            {"--nproc-per-node", "two", "prog"},
@@ -111,6 +127,13 @@ TEST(LaunchArgs, RefusesBadArgumentsWithAUsageLine) {
            {"--nproc-per-node", "2"},
            {"--nproc-per-node", "0", "prog"},
            {"--nnodes", "2", "--node-rank", "2", "prog"},
+           {"--nnodes", "3:2", "prog"},
+           {"--nnodes", "0:2", "prog"},
+           {"--nnodes", "2:", "prog"},
+           {"--nnodes", "1:x", "prog"},
+           {"--nnodes", "-1", "prog"},
+           {"--nnodes", "2:3", "--node-rank", "3", "prog"},
+           {"--elastic-wait", "-1", "prog"},
            {"--backend", "tcp", "prog"},
            {"--master-port", "70000", "prog"},
            {"--nnodes", "2", "--master-port", "0", "prog"},

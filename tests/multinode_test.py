@@ -1,4 +1,5 @@
-"""Multi-node jobs on one machine: two "nodes" in Linux network namespaces.
+"""Multi-node jobs on one machine: two "nodes" in Linux network namespaces (Nodes makes more
+for tests/elastic_test.py).
 
 Each node is a network namespace with its own address (198.51.100.1 and .2, a documentation
 range), joined to the other by a veth pair, and its own host name (a UTS namespace per
@@ -43,20 +44,23 @@ import sys
 import tempfile
 import time
 
-ADDRS = ["198.51.100.1", "198.51.100.2"]
-HOSTS = ["node0", "node1"]
+ADDRS = ["198.51.100.1", "198.51.100.2", "198.51.100.3"]
+HOSTS = ["node0", "node1", "node2"]
 PORT = 29500  # inside the namespaces nothing else listens
 STEPS = 4
 JOB_TIMEOUT_S = 120
 
 
 class Nodes:
-    """Two network namespaces joined by a veth pair; removed by close()."""
+    """`count` network namespaces: two joined by a veth pair; more by veth pairs to a bridge in
+    a namespace of its own (the switch). Removed by close()."""
 
-    def __init__(self):
+    def __init__(self, count=2):
         tag = f"{os.getpid() % 100000}"
-        self.ns = [f"dtn{tag}a", f"dtn{tag}b"]
-        self.veth = [f"dtv{tag}a", f"dtv{tag}b"]
+        self.count = count
+        self.ns = [f"dtn{tag}{'abcdefgh'[i]}" for i in range(count)]
+        self.veth = [f"dtv{tag}{'abcdefgh'[i]}" for i in range(count)]
+        self.switch = f"dtn{tag}s" if count > 2 else None
         self.made = []
 
     def sh(self, *args):
@@ -64,11 +68,20 @@ class Nodes:
                        stderr=subprocess.PIPE, timeout=30)
 
     def open(self):
-        for i, ns in enumerate(self.ns):
+        for i, ns in enumerate(self.ns + ([self.switch] if self.switch else [])):
             self.sh("ip", "netns", "add", ns)
             self.made.append(ns)
-        self.sh("ip", "link", "add", self.veth[0], "type", "veth", "peer", "name",
-                self.veth[1])
+        if self.switch is None:
+            self.sh("ip", "link", "add", self.veth[0], "type", "veth", "peer", "name",
+                    self.veth[1])
+        else:
+            self.sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+            self.sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+            for v in self.veth:
+                self.sh("ip", "link", "add", v, "type", "veth", "peer", "name", v + "s")
+                self.sh("ip", "link", "set", v + "s", "netns", self.switch)
+                self.sh("ip", "-n", self.switch, "link", "set", v + "s", "master", "br0")
+                self.sh("ip", "-n", self.switch, "link", "set", v + "s", "up")
         for i, ns in enumerate(self.ns):
             self.sh("ip", "link", "set", self.veth[i], "netns", ns)
             self.sh("ip", "-n", ns, "addr", "add", f"{ADDRS[i]}/24", "dev", self.veth[i])
@@ -79,7 +92,9 @@ class Nodes:
             with open(f"/etc/netns/{ns}/hosts", "w") as f:
                 f.write("127.0.0.1 localhost\n")
                 f.write(f"127.0.1.1 {HOSTS[i]}\n")
-                f.write(f"{ADDRS[1 - i]} {HOSTS[1 - i]}\n")
+                for j in range(self.count):
+                    if j != i:
+                        f.write(f"{ADDRS[j]} {HOSTS[j]}\n")
 
     def close(self):
         for ns in self.made:
