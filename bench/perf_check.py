@@ -22,8 +22,9 @@ Figures (speed ratios: bigger is better; margin 10% unless said):
                       job gains 1.5-1.6x, and on an AMX Xeon the products gain 4-7x but the
                       rest of the step (GELU, norms, casts, the optimizer, the reduction) does
                       not. The row also gives this CPU's bf16 / fp32 matrix-product speed at the
-                      model's shapes. Only on a CPU with bf16 arithmetic (AVX512-BF16 or
-                      AMX-BF16); elsewhere bf16 is emulated and skipped.
+                      model's shapes. Margin 15%: the figure is a ratio held to another
+                      ratio, and the noise of both adds. Only on a CPU with bf16 arithmetic
+                      (AVX512-BF16 or AMX-BF16); elsewhere bf16 is emulated and skipped.
   default_bf16_kernel the same job's bf16 step with the attention kernel the rule does not pick
                       (model.attention pinned) over its step with the rule's: bound 1.00
   ddp_vs_pytorch      PyTorch 2.13's DDP step (Gloo, AdamW fused=True) over dtrain's DDP step
@@ -91,15 +92,16 @@ class Check:
         self.rows = []  # (figure, value, bound, verdict)
         self.failed = []
 
-    def judge(self, figure, value, bound, detail=""):
-        floor = bound * (1 - self.margin)
+    def judge(self, figure, value, bound, detail="", extra_margin=0.0):
+        margin = self.margin + extra_margin
+        floor = bound * (1 - margin)
         ok = value >= floor
         verdict = "ok" if ok else "FAIL"
         self.rows.append((figure, f"{value:.2f}x", f"{bound:.2f}x (fail below {floor:.2f}x)",
                           verdict, detail))
         if not ok:
             self.failed.append(f"{figure} is {value:.2f}x, below its bound {bound:.2f}x less the "
-                               f"{self.margin:.0%} margin ({floor:.2f}x){': ' + detail if detail else ''}")
+                               f"{margin:.0%} margin ({floor:.2f}x){': ' + detail if detail else ''}")
 
     def skip(self, figure, why):
         self.rows.append((figure, "-", "-", "skipped", why))
@@ -209,7 +211,8 @@ def default_bf16(c, a, work):
             f"fp32 step {f * 1e3:.1f} ms, bf16 {b * 1e3:.1f} ms; PyTorch's AMP on the same job "
             f"{theirs:.2f}x (fp32 {tf * 1e3:.1f} ms, bf16 {tb * 1e3:.1f} ms), bound "
             f"min(2.2, {theirs:.2f}); bf16 matrix products {ceiling:.2f}x fp32's here"
-            + ("" if f / b >= 2.2 else "; the 2.2x target is not reached"))
+            + ("" if f / b >= 2.2 else "; the 2.2x target is not reached"),
+            extra_margin=0.05)
     c.judge("default_bf16_kernel", o / b, 1.0,
             f"bf16 step {b * 1e3:.1f} ms with the rule's kernel, {o * 1e3:.1f} ms with {other}")
 
