@@ -79,9 +79,8 @@ void DistributedSampler::set_epoch(int64_t epoch) {
 
 DataPosition DistributedSampler::locate(int64_t k) const {
   const int64_t w = world_size_, per = per_epoch();
-  if (k < origin_k_ || (origin_k_ == 0 && origin_.epoch == 0 && origin_.position == 0)) {
-    return {k / per, (k % per) * w};
-  }
+  // Without an origin (0 at position 0 of epoch 0) the formula below is this one.
+  if (k < origin_k_) return {k / per, (k % per) * w};
   const int64_t rel = k - origin_k_;
   const int64_t first = (num_samples_ - origin_.position + w - 1) / w;  // the origin epoch's rest
   if (rel < first) return {origin_.epoch, origin_.position + rel * w};

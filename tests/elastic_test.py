@@ -20,16 +20,11 @@ Nothing may be left running in the namespaces. Needs root; prints "SKIPPED: <rea
 exits 0 where namespaces cannot be made. The namespaces are removed on exit, whatever happens.
 Usage: elastic_test.py --launcher PATH --trainer PATH
 """
-import argparse
-import atexit
 import glob
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -127,23 +122,10 @@ def final_samples(prefix):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--launcher", required=True)
-    ap.add_argument("--trainer", required=True)
-    args = ap.parse_args()
-    args.launcher = os.path.abspath(args.launcher)
-    args.trainer = os.path.abspath(args.trainer)
-    reason = mn.skip_reason()
-    if reason:
-        print(f"SKIPPED: {reason}")
+    ready = mn.setup(3, "dtrain_elastic_")
+    if ready is None:
         return 0
-    nodes = mn.Nodes(3)
-    atexit.register(nodes.close)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: sys.exit(1))
-    work = tempfile.mkdtemp(prefix="dtrain_elastic_")
-    atexit.register(shutil.rmtree, work, True)
-    nodes.open()
+    args, nodes, work = ready
     failures = []
     started = time.time()
 

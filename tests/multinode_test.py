@@ -255,7 +255,10 @@ def namespace_pids(nodes):
     return pids
 
 
-def main():
+def setup(count, prefix):
+    """A test's start: its arguments (--launcher, --trainer), then `count` nodes and a work
+    folder, both removed on exit whatever happens; None (after printing SKIPPED and the
+    reason) where namespaces cannot be made."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--launcher", required=True)
     ap.add_argument("--trainer", required=True)
@@ -265,14 +268,22 @@ def main():
     reason = skip_reason()
     if reason:
         print(f"SKIPPED: {reason}")
-        return 0
-    nodes = Nodes()
+        return None
+    nodes = Nodes(count)
     atexit.register(nodes.close)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(1))
-    work = tempfile.mkdtemp(prefix="dtrain_multinode_")
+    work = tempfile.mkdtemp(prefix=prefix)
     atexit.register(shutil.rmtree, work, True)
     nodes.open()
+    return args, nodes, work
+
+
+def main():
+    ready = setup(2, "dtrain_multinode_")
+    if ready is None:
+        return 0
+    args, nodes, work = ready
     failures = []
 
     def check(ok, what, output=""):
