@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
+#include <tuple>
 
 #include "comm/communicator.h"
 #include "core/error.h"
@@ -324,6 +326,116 @@ TEST_F(Test, BadArgumentsRaiseClearErrorsWithoutDesynchronizing) {
   at::Tensor x = at::ones({3});
   world().all_reduce(x).wait();
   EXPECT_EQ(x[0].item<float>(), size);
+}
+
+// Point-to-point: every dtype (those collectives refuse too), 0-d, empty and odd shapes.
+const std::vector<at::ScalarType> kP2PDtypes = {
+    at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kInt,         at::kLong,
+    at::kByte,  at::kBool,   at::kChar, at::kShort,    at::kComplexFloat};
+const std::vector<std::vector<int64_t>> kP2PShapes = {{},     {0},       {1},     {7},
+                                                      {3, 5}, {2, 0, 3}, {300007}};
+
+// What rank `from` sends: small integers, exact in every dtype.
+at::Tensor p2p_values(int from, at::ScalarType t, at::IntArrayRef shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  at::Tensor v = at::remainder(at::arange(n, at::kDouble) * 7 + from * 3 + 1, 13).reshape(shape);
+  return t == at::kBool ? v.gt(6) : v.to(t);
+}
+
+TEST_F(Test, PointToPointRingCarriesEveryDtypeAndShape) {
+  const int rank = world().rank(), size = world().size();
+  const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+  for (auto t : kP2PDtypes) {
+    for (const auto& shape : kP2PShapes) {
+      SCOPED_TRACE(::testing::Message() << c10::toString(t) << " " << at::IntArrayRef(shape));
+      at::Tensor out = p2p_values(rank, t, shape);
+      at::Tensor in = at::zeros(shape, out.options());
+      // Every rank sends first: only a batch, posted at once, cannot deadlock.
+      world()
+          .batch_p2p({{Communicator::P2POp::kSend, out, next, 3},
+                      {Communicator::P2POp::kRecv, in, prev, 3}})
+          .wait();
+      EXPECT_TRUE(at::equal(in, p2p_values(prev, t, shape)));
+      EXPECT_TRUE(at::equal(out, p2p_values(rank, t, shape))) << "a send leaves its tensor";
+    }
+  }
+}
+
+TEST_F(Test, PointToPointPairsByPeerTagAndOrder) {
+  const int rank = world().rank(), size = world().size();
+  if (rank % 2 == 1 || rank + 1 < size) {
+    const int peer = rank % 2 == 0 ? rank + 1 : rank - 1;
+    if (rank % 2 == 0) {
+      // Three messages: tag 0, tag 5, tag 0; single sends, in order.
+      for (int i = 0; i < 3; ++i) {
+        world().send(at::full({4}, double(10 * rank + i), at::kLong), peer, i == 1 ? 5 : 0).wait();
+      }
+      // And back: a recv from the odd rank.
+      at::Tensor back = at::zeros({2, 2}, at::kFloat);
+      world().recv(back, peer, 0).wait();
+      EXPECT_EQ(back[1][1].item<float>(), peer + 0.5f);
+    } else {
+      // Posted in another order in one batch: the tag, then the order under a tag, pairs them.
+      at::Tensor t5 = at::zeros({4}, at::kLong), first = at::zeros({4}, at::kLong),
+                 third = at::zeros({4}, at::kLong);
+      world()
+          .batch_p2p({{Communicator::P2POp::kRecv, t5, peer, 5},
+                      {Communicator::P2POp::kRecv, first, peer, 0},
+                      {Communicator::P2POp::kRecv, third, peer, 0}})
+          .wait();
+      EXPECT_EQ(first[0].item<int64_t>(), 10 * peer);
+      EXPECT_EQ(t5[3].item<int64_t>(), 10 * peer + 1);
+      EXPECT_EQ(third[2].item<int64_t>(), 10 * peer + 2);
+      world().send(at::full({2, 2}, rank + 0.5, at::kFloat), peer, 0).wait();
+    }
+  }
+  world().barrier().wait();  // point-to-point work left the collectives in step
+}
+
+TEST_F(Test, PointToPointMisuseIsRefusedNamingBothRanks) {
+  const int rank = world().rank(), size = world().size();
+  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  at::Tensor x = at::zeros({4});
+  expect_error([&] { world().send(x, rank); }, "is not another rank");
+  expect_error([&] { world().recv(x, size); }, "is not another rank");
+  expect_error([&] { world().send(x, (rank + 1) % size, Communicator::kMaxTag + 1); }, "tag");
+  expect_error([&] { world().send(at::zeros({4, 4}).t(), (rank + 1) % size); }, "contiguous");
+  expect_error([&] { world().batch_p2p({}); }, "no send or receive");
+  // A receive into another dtype, then another shape, between ranks 0 and 1 (each on a
+  // communicator of their own: the receiver's breaks). The receiver names both ranks.
+  for (const auto& [dtype, shape, want] :
+       std::vector<std::tuple<at::ScalarType, std::vector<int64_t>, std::string>>{
+           {at::kBFloat16,
+            {4, 8},
+            "rank 0 sent fp32 [4, 8] (tag 2), but rank 1 receives into "
+            "bf16 [4, 8]"},
+           {at::kFloat,
+            {4, 9},
+            "rank 0 sent fp32 [4, 8] (tag 2), but rank 1 receives into "
+            "fp32 [4, 9]"},
+           {at::kFloat, {}, "rank 0 sent fp32 [4, 8] (tag 2), but rank 1 receives into fp32 []"}}) {
+    auto pair = world().split(rank < 2 ? 0 : -1, rank);
+    if (rank == 0) {
+      // Its bytes are never received: the send completes where the transport buffers them
+      // (MPI's eager messages) and otherwise times out here, as a pipeline's would.
+      try {
+        pair->send(at::ones({4, 8}), 1, 2).wait(std::chrono::seconds(1));
+      } catch (const TimeoutError&) {
+      }
+    } else if (rank == 1) {
+      expect_error([&] { pair->recv(at::zeros(shape, dtype), 0, 2).wait(); }, want);
+      EXPECT_TRUE(pair->is_broken());
+    }
+    world().barrier().wait();
+  }
 }
 
 }  // namespace

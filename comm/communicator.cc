@@ -4,12 +4,16 @@
 #include <ATen/ops/tensor.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <numeric>
 #include <sstream>
+#include <thread>
 
 #include "comm/flight_recorder.h"
+#include "comm/staging.h"
 #include "core/error.h"
 #include "core/faults.h"
 #include "core/trace.h"
@@ -217,9 +221,242 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
   state->on_break = on_break_;
   state->flight_ticket = flight::issued(state->info(), state->enqueued_ns());
   health_->track(state);
-  Collective c{kind, input, output, op, root, state};
+  Collective c{kind, input, output, op, root, state, {}};
   enqueue(std::move(c));
   return Work(state);
+}
+
+namespace {
+
+// A point-to-point message's header: what was sent, for the receiver to check.
+constexpr int kHeaderSlots = 16;
+constexpr int kMaxP2PDims = kHeaderSlots - 4;
+constexpr int64_t kP2PMagic = 0x7032706474726e;  // pairs only with another header
+using Header = std::array<int64_t, kHeaderSlots>;
+
+Header header_of(const at::Tensor& t) {
+  Header h{};
+  h[0] = kP2PMagic;
+  h[1] = static_cast<int64_t>(t.scalar_type());
+  h[2] = t.dim();
+  h[3] = t.numel();
+  for (int64_t d = 0; d < t.dim(); ++d) h[4 + d] = t.size(d);
+  return h;
+}
+
+// "bf16 [4, 8]"
+std::string header_text(const Header& h) {
+  if (h[0] != kP2PMagic || h[2] < 0 || h[2] > kMaxP2PDims || h[1] < 0 ||
+      h[1] >= static_cast<int64_t>(c10::ScalarType::NumOptions)) {
+    return "something that is not a point-to-point message";
+  }
+  std::ostringstream os;
+  os << dtype_name(static_cast<c10::ScalarType>(h[1])) << " [";
+  for (int64_t d = 0; d < h[2]; ++d) os << (d ? ", " : "") << h[4 + d];
+  os << "]";
+  return os.str();
+}
+
+int transport_tag(int tag, bool payload) { return 2 * tag + (payload ? 1 : 0); }
+
+}  // namespace
+
+Work Communicator::send(const at::Tensor& tensor, int dst, int tag) {
+  return batch_p2p({P2POp{P2POp::kSend, tensor, dst, tag}});
+}
+
+Work Communicator::recv(const at::Tensor& tensor, int src, int tag) {
+  return batch_p2p({P2POp{P2POp::kRecv, tensor, src, tag}});
+}
+
+Work Communicator::batch_p2p(std::vector<P2POp> ops) {
+  const char* name = ops.size() != 1 ? "batch_p2p" : ops[0].kind == P2POp::kSend ? "send" : "recv";
+  DTRAIN_CHECK_AS(CommError, !is_broken(), name, " on rank ", rank_,
+                  ": this communicator is unusable after an earlier failure (", broken_reason(),
+                  "). Restart the job; ranks cannot be brought back in step.");
+  DTRAIN_CHECK_AS(CommError, !ops.empty(), name, ": no send or receive to run");
+  std::vector<int> ranks{world_ranks_[static_cast<size_t>(rank_)]};
+  int64_t numel = 0;
+  for (P2POp& op : ops) {
+    const char* role = op.kind == P2POp::kSend ? "send" : "recv";
+    DTRAIN_CHECK_AS(CommError, op.peer >= 0 && op.peer < size_ && op.peer != rank_, name, ": ",
+                    role, " peer ", op.peer,
+                    " is not another rank of this communicator (ranks 0 to ", size_ - 1,
+                    "; this one is ", rank_, ")");
+    DTRAIN_CHECK_AS(CommError, op.tag >= 0 && op.tag <= kMaxTag, name, ": ", role, " tag ", op.tag,
+                    " is outside [0, ", kMaxTag, "]");
+    const at::Tensor& t = op.tensor;
+    DTRAIN_CHECK_AS(CommError, t.defined(), name, ": the ", role, " tensor is undefined");
+    DTRAIN_CHECK_AS(CommError, t.is_contiguous(), name, ": the ", role,
+                    " tensor must be contiguous (sizes ", t.sizes(), ", strides ", t.strides(),
+                    "); pass tensor.contiguous()");
+    DTRAIN_CHECK_AS(CommError, t.dim() <= kMaxP2PDims, name, ": the ", role, " tensor has ",
+                    t.dim(), " dimensions; point-to-point messages carry at most ", kMaxP2PDims);
+    DTRAIN_CHECK_AS(CommError, device_type() != c10::kCUDA || t.is_cuda(), name, ": the ", role,
+                    " tensor is on ", t.device(),
+                    " but this communicator (nccl) needs CUDA tensors");
+    op.world_peer = world_ranks_[static_cast<size_t>(op.peer)];
+    if (std::find(ranks.begin(), ranks.end(), op.world_peer) == ranks.end()) {
+      ranks.push_back(op.world_peer);
+    }
+    numel += t.numel();
+  }
+  CollectiveInfo info;
+  info.op = name;
+  const char* backend_name = backend_name_.load(std::memory_order_relaxed);
+  if (backend_name == nullptr) {
+    backend_name = interned_name(backend());
+    backend_name_.store(backend_name, std::memory_order_relaxed);
+  }
+  info.backend = backend_name;
+  info.rank = rank_;
+  info.ranks = std::make_shared<const std::vector<int>>(std::move(ranks));
+  info.dtype = ops[0].tensor.scalar_type();
+  info.numel = numel;
+  info.seq = next_p2p_++;
+  info.comm_id = id_;
+  if (trace::enabled()) info.label = trace::current_label();
+  auto state = std::make_shared<detail::WorkState>(std::move(info), timeout_);
+  state->on_break = on_break_;
+  state->flight_ticket = flight::issued(state->info(), state->enqueued_ns());
+  health_->track(state);
+  Collective c{OpKind::kP2P, at::Tensor(), at::Tensor(), ReduceOp::kSum, 0, state, std::move(ops)};
+  enqueue(std::move(c));
+  return Work(state);
+}
+
+void Communicator::run_p2p(const P2PTransport& t, const Collective& c) {
+  const size_t n = c.p2p.size();
+  auto bytes_of = [](const at::Tensor& flat) {
+    return flat.view(at::kByte);  // 1-D host tensor: its bytes, in place
+  };
+  std::vector<at::Tensor> headers(n);  // int64 x kHeaderSlots each
+  std::vector<P2PWait> header_done(n);
+  std::vector<at::Tensor> host(n);  // the bytes that travel: on the host (CUDA is staged)
+  std::vector<P2PWait> data_done;
+  try {
+    for (size_t i = 0; i < n; ++i) {
+      const P2POp& op = c.p2p[i];
+      const bool sends = op.kind == P2POp::kSend;
+      headers[i] = at::empty({kHeaderSlots}, at::kLong);
+      if (sends) {
+        const Header h = header_of(op.tensor);
+        std::copy(h.begin(), h.end(), headers[i].data_ptr<int64_t>());
+      }
+      header_done[i] =
+          (sends ? t.isend : t.irecv)(bytes_of(headers[i]), op.peer, transport_tag(op.tag, false));
+    }
+    for (size_t i = 0; i < n; ++i) {
+      const P2POp& op = c.p2p[i];
+      if (op.kind != P2POp::kSend) continue;
+      host[i] = to_host_flat(op.tensor);
+      if (host[i].numel() > 0) {
+        data_done.push_back(t.isend(bytes_of(host[i]), op.peer, transport_tag(op.tag, true)));
+      }
+    }
+    // Each receive's bytes are posted once its header is in and checked, in the order the
+    // headers arrive: a sender's message under another tag may wait for its turn.
+    auto checked = [&](size_t i) {
+      const P2POp& op = c.p2p[i];
+      Header theirs;
+      std::copy(headers[i].data_ptr<int64_t>(), headers[i].data_ptr<int64_t>() + kHeaderSlots,
+                theirs.begin());
+      const Header mine = header_of(op.tensor);
+      if (theirs != mine) {
+        DTRAIN_FAIL(CommError, describe(c.state->info()), ": rank ", op.world_peer, " sent ",
+                    header_text(theirs), " (tag ", op.tag, "), but rank ",
+                    c.state->info().ranks->front(), " receives into ", header_text(mine),
+                    ": a send and its receive must agree on dtype and shape (for a pipeline: "
+                    "both stages' idea of the activation, micro-batch size included)");
+      }
+      host[i] = host_flat_like(op.tensor);
+      return host[i].numel() > 0 ? t.irecv(bytes_of(host[i]), op.peer, transport_tag(op.tag, true))
+                                 : P2PWait{};
+    };
+    std::vector<size_t> waiting;
+    for (size_t i = 0; i < n; ++i) {
+      if (c.p2p[i].kind == P2POp::kRecv) waiting.push_back(i);
+    }
+    if (!waiting.empty() && !header_done[waiting[0]].done) {
+      // A transport that cannot be polled (Gloo's works complete in wait()): a thread per
+      // receive waits for its header, and all are joined.
+      std::vector<P2PWait> bytes_done(n);
+      std::vector<std::exception_ptr> errors(n);
+      std::vector<std::thread> threads;
+      for (size_t i : waiting) {
+        threads.emplace_back([&, i] {
+          try {
+            header_done[i].wait();
+            header_done[i] = {};
+            bytes_done[i] = checked(i);
+            if (bytes_done[i]) bytes_done[i].wait();
+            bytes_done[i] = {};
+          } catch (...) {
+            errors[i] = std::current_exception();
+          }
+        });
+      }
+      for (auto& th : threads) th.join();
+      for (auto& e : errors) {
+        if (e) std::rethrow_exception(e);
+      }
+    } else {
+      while (!waiting.empty()) {
+        bool progressed = false;
+        for (size_t k = 0; k < waiting.size();) {
+          const size_t i = waiting[k];
+          if (!header_done[i].done()) {
+            ++k;
+            continue;
+          }
+          progressed = true;
+          waiting.erase(waiting.begin() + static_cast<long>(k));
+          header_done[i].wait();
+          header_done[i] = {};
+          P2PWait bytes = checked(i);
+          if (bytes) data_done.push_back(std::move(bytes));
+        }
+        if (!progressed) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+    for (auto& done : data_done) {
+      done.wait();
+      done = {};
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (c.p2p[i].kind == P2POp::kSend) {
+        header_done[i].wait();
+        header_done[i] = {};
+      } else {
+        copy_back(c.p2p[i].tensor, host[i]);
+      }
+    }
+  } catch (...) {
+    // The pair's messages are out of step (a payload left unreceived): the communicator
+    // breaks, as after a timeout, and this op fails with its own error.
+    // The communicator breaks before the op fails: a caller whose wait() throws finds it
+    // broken already.
+    try {
+      throw;
+    } catch (const std::exception& e) {
+      c.state->notify_break(e.what());
+    } catch (...) {
+      c.state->notify_break("a point-to-point transfer failed");
+    }
+    c.state->fail(std::current_exception());
+    // Transfers still posted hold their buffers (in their waits) for good: the backend may
+    // still touch them, and this communicator is done.
+    static std::mutex mu;
+    static auto* kept = new std::vector<P2PWait>();
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& w : header_done) {
+      if (w) kept->push_back(std::move(w));
+    }
+    for (auto& w : data_done) {
+      if (w) kept->push_back(std::move(w));
+    }
+    throw;
+  }
 }
 
 namespace {

@@ -32,6 +32,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -78,6 +79,28 @@ class Communicator {
   Work all_gather(const at::Tensor& input_shard, const at::Tensor& output_flat);
   // In place: every rank ends with root's tensor.
   Work broadcast(const at::Tensor& tensor, int root);
+
+  // Point-to-point (pipeline parallelism; PyTorch's send/recv and batch_isend_irecv). `tensor`
+  // goes to rank `peer` of this communicator (kSend), or is filled from it (kRecv). A send
+  // and a receive pair up in the order each rank issues them for that peer and tag. Each
+  // message carries its dtype and shape first (MPI and Gloo), and a receive whose tensor
+  // differs fails naming both ranks and what each had. Any dtype; 0-d and empty tensors too.
+  // They run in issue order with this communicator's collectives, and outside their
+  // numbering (the collective check and the flight analyser's matching skip them): two ranks
+  // that both send first to each other pair up only in a batch, which posts all its sends and
+  // receives at once and completes when all have (no order within it can deadlock).
+  struct P2POp {
+    enum Kind { kSend, kRecv };
+    Kind kind = kSend;
+    at::Tensor tensor;
+    int peer = 0;
+    int tag = 0;          // in [0, kMaxTag]
+    int world_peer = -1;  // set by batch_p2p: the peer's world rank, for messages
+  };
+  static constexpr int kMaxTag = (1 << 14) - 1;
+  Work send(const at::Tensor& tensor, int dst, int tag = 0);
+  Work recv(const at::Tensor& tensor, int src, int tag = 0);
+  Work batch_p2p(std::vector<P2POp> ops);
   // Completes once every rank has called it.
   Work barrier();
 
@@ -103,7 +126,7 @@ class Communicator {
  protected:
   Communicator(int rank, int size, std::vector<int> world_ranks, std::chrono::milliseconds timeout);
 
-  enum class OpKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kBarrier };
+  enum class OpKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kBarrier, kP2P };
 
   // One validated collective. For kAllReduce / kBroadcast `input` is the in-place tensor.
   struct Collective {
@@ -113,6 +136,7 @@ class Communicator {
     ReduceOp op = ReduceOp::kSum;
     int root = 0;
     std::shared_ptr<detail::WorkState> state;
+    std::vector<P2POp> p2p;  // kP2P: the batch, in issue order
 
     // A synchronous backend drops its references before completing `state`: a caller whose
     // wait() has returned then holds the only ones, so the memory of a buffer it lets go is
@@ -122,6 +146,7 @@ class Communicator {
     void release_tensors() {
       input = at::Tensor();
       output = at::Tensor();
+      p2p.clear();
     }
   };
 
@@ -138,6 +163,24 @@ class Communicator {
                                                    int64_t split_id) = 0;
 
   void mark_broken(const std::string& reason);
+
+  // A point-to-point batch on a backend that moves bytes (MPI, Gloo): each message's header
+  // (dtype and shape) first, checked against the receiving tensor, then its bytes. Runs on
+  // the backend's worker; `isend` / `irecv` post a transfer of `bytes` (a 1-D uint8 host
+  // tensor, which the returned wait keeps alive) with a transport tag in [0, 2 x kMaxTag + 1].
+  // Throws CommError on a header that differs; transfers still pending then keep their
+  // buffers for the rest of the process (the communicator is broken).
+  struct P2PWait {
+    // Complete (or failed: wait() then throws), without blocking; empty where the transport
+    // cannot tell (Gloo): run_p2p then waits for each receive's header on a thread of its own.
+    std::function<bool()> done;
+    std::function<void()> wait;
+    explicit operator bool() const { return static_cast<bool>(wait); }
+  };
+  struct P2PTransport {
+    std::function<P2PWait(const at::Tensor&bytes, int peer, int tag)> isend, irecv;
+  };
+  static void run_p2p(const P2PTransport& t, const Collective& c);
   // World ranks of `members` (ranks of this communicator).
   std::vector<int> to_world_ranks(const std::vector<int>& members) const;
 
@@ -154,6 +197,7 @@ class Communicator {
   std::chrono::milliseconds timeout_;
   int64_t id_ = 0;  // this process's communicators, numbered in creation order
   int64_t next_seq_ = 1;
+  int64_t next_p2p_ = 1;  // point-to-point ops, numbered apart from the collectives
   int64_t next_split_ = 1;
   std::atomic<const char*> backend_name_{nullptr};  // interned backend(), set at first use
   int check_mode_ = -1;    // DTRAIN_COMM_CHECK: 1 always, 0 never, -1 (unset) the default

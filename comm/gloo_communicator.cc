@@ -265,6 +265,25 @@ class GlooCommunicator : public Communicator {
       case OpKind::kBarrier:
         pg.barrier()->wait();
         break;
+      case OpKind::kP2P: {
+        // Tags above the ring collectives' (below 2^26), which share these pairs.
+        constexpr int kP2PTags = 1 << 27;
+        auto post = [&pg](bool send, const at::Tensor& bytes, int peer, int tag) -> P2PWait {
+          std::vector<at::Tensor> v{bytes};
+          auto w = send ? pg.send(v, peer, kP2PTags + tag) : pg.recv(v, peer, kP2PTags + tag);
+          // No poll: Gloo's send and receive works complete inside wait().
+          return P2PWait{nullptr, [w, v]() { w->wait(); }};
+        };
+        P2PTransport t;
+        t.isend = [&post](const at::Tensor& b, int peer, int tag) {
+          return post(true, b, peer, tag);
+        };
+        t.irecv = [&post](const at::Tensor& b, int peer, int tag) {
+          return post(false, b, peer, tag);
+        };
+        run_p2p(t, c);
+        break;
+      }
     }
   }
 

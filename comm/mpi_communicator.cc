@@ -311,6 +311,43 @@ class MpiCommunicator : public Communicator {
       DTRAIN_MPI(MPI_Barrier(comm));
       return;
     }
+    if (c.kind == OpKind::kP2P) {
+      // Bytes, in pieces of MPI's int count; the pieces of one message share its tag, and MPI
+      // matches messages between two ranks under one tag in order.
+      auto post = [comm](bool send, const at::Tensor& bytes, int peer, int tag) -> P2PWait {
+        auto requests = std::make_shared<std::vector<MPI_Request>>();
+        char* p = static_cast<char*>(bytes.data_ptr());
+        for (int64_t off = 0; off < bytes.numel(); off += kMaxCount) {
+          const int n = static_cast<int>(std::min(kMaxCount, bytes.numel() - off));
+          requests->emplace_back();
+          if (send) {
+            DTRAIN_MPI(MPI_Isend(p + off, n, MPI_BYTE, peer, tag, comm, &requests->back()));
+          } else {
+            DTRAIN_MPI(MPI_Irecv(p + off, n, MPI_BYTE, peer, tag, comm, &requests->back()));
+          }
+        }
+        auto done = [requests]() {
+          int flag = 0;
+          DTRAIN_MPI(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &flag,
+                                 MPI_STATUSES_IGNORE));
+          return flag != 0;
+        };
+        auto wait = [requests, bytes]() {
+          DTRAIN_MPI(MPI_Waitall(static_cast<int>(requests->size()), requests->data(),
+                                 MPI_STATUSES_IGNORE));
+        };
+        return P2PWait{done, wait};
+      };
+      P2PTransport t;
+      t.isend = [&post](const at::Tensor& b, int peer, int tag) {
+        return post(true, b, peer, tag);
+      };
+      t.irecv = [&post](const at::Tensor& b, int peer, int tag) {
+        return post(false, b, peer, tag);
+      };
+      run_p2p(t, c);
+      return;
+    }
     const auto dtype = c.input.scalar_type();
     const MPI_Datatype dt = rt.datatype(dtype);
     const int64_t elem = c.input.element_size();
@@ -366,6 +403,7 @@ class MpiCommunicator : public Communicator {
         break;
       }
       case OpKind::kBarrier:
+      case OpKind::kP2P:
         break;
     }
   }

@@ -322,8 +322,27 @@ class NcclCommunicator : public Communicator {
         DTRAIN_NCCL(ncclAllReduce(g.scratch(), g.scratch(), 1, ncclFloat32, ncclSum, comm, s),
                     comm);
         break;
+      case OpKind::kP2P: {
+        // One NCCL group: its sends and receives progress together. NCCL carries no header:
+        // a receive of another size is NCCL's undefined behaviour (the collective check's
+        // counterpart for pipelines is the schedule, the same on both stages).
+        DTRAIN_NCCL(ncclGroupStart(), comm);
+        for (const P2POp& op : c.p2p) {
+          const size_t bytes = static_cast<size_t>(op.tensor.numel() * op.tensor.element_size());
+          if (bytes == 0) continue;
+          if (op.kind == P2POp::kSend) {
+            DTRAIN_NCCL(ncclSend(op.tensor.data_ptr(), bytes, ncclUint8, op.peer, comm, s), comm);
+          } else {
+            DTRAIN_NCCL(ncclRecv(op.tensor.data_ptr(), bytes, ncclUint8, op.peer, comm, s), comm);
+          }
+        }
+        DTRAIN_NCCL(ncclGroupEnd(), comm);
+        break;
+      }
     }
-    g.track(c.state, std::move(start), {c.input, c.output});
+    std::vector<at::Tensor> keep{c.input, c.output};
+    for (const P2POp& op : c.p2p) keep.push_back(op.tensor);
+    g.track(c.state, std::move(start), std::move(keep));
   }
 
   std::shared_ptr<Communicator> split_impl(int color, int key, const std::vector<int>& members,

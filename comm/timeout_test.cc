@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <string>
 #include <thread>
 
 #include "comm/communicator.h"
@@ -15,6 +16,40 @@ namespace dtrain::comm {
 namespace {
 
 using dtrain::testing::world;
+
+// Collectives the world issued in the tests before (they run in this file's order).
+int64_t world_issued = 0;
+
+// First, on a communicator of ranks 0 and 1 (the world stays in step for the next test): a
+// receive whose send comes late times out the same way, naming the op and both ranks.
+TEST(CommTimeout, ALateSendTimesOutItsReceiveNamingTheOpAndRanks) {
+  const auto timeout = world().timeout();
+  ASSERT_LE(timeout.count(), 10000) << "run with DTRAIN_COMM_TIMEOUT_S=2";
+  auto pair = world().split(world().rank() < 2 ? 0 : -1, world().rank());
+  if (world().rank() == 0) {
+    std::this_thread::sleep_for(timeout + std::chrono::milliseconds(1500));
+    try {  // late: the receiver gave up; where the transport waits for it, this times out too
+      pair->send(at::ones({2, 3}), 1, 4).wait();
+    } catch (const TimeoutError&) {
+    }
+  } else if (world().rank() == 1) {
+    at::Tensor x = at::zeros({2, 3});
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+      pair->recv(x, 0, 4).wait();
+      FAIL() << "no TimeoutError";
+    } catch (const TimeoutError& e) {
+      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::string what = e.what();
+      EXPECT_LT(waited, timeout.count() / 1000.0 + 5.0);
+      EXPECT_GE(waited, timeout.count() / 1000.0 - 0.1);
+      EXPECT_NE(what.find("recv #1 (fp32, 6 elements) on ranks [1,0]"), std::string::npos) << what;
+    }
+    EXPECT_TRUE(pair->is_broken());
+  }
+  world().barrier().wait(std::chrono::seconds(30));
+  world_issued += 2;  // the split's all-gather and the barrier; point-to-point is not counted
+}
 
 TEST(CommTimeout, SkippedCollectiveRaisesTimeoutNamingTheOpAndRanks) {
   const auto timeout = world().timeout();
@@ -39,7 +74,8 @@ TEST(CommTimeout, SkippedCollectiveRaisesTimeoutNamingTheOpAndRanks) {
     std::string what = e.what();
     EXPECT_LT(waited, timeout.count() / 1000.0 + 5.0);
     EXPECT_GE(waited, timeout.count() / 1000.0 - 0.1);
-    EXPECT_NE(what.find("all_reduce #2"), std::string::npos) << what;
+    EXPECT_NE(what.find("all_reduce #" + std::to_string(world_issued + 2)), std::string::npos)
+        << what;
     EXPECT_NE(what.find("bf16, 1000 elements"), std::string::npos) << what;
     EXPECT_NE(what.find("on ranks [0,1"), std::string::npos) << what;
     EXPECT_NE(what.find("on rank " + std::to_string(world().rank())), std::string::npos) << what;

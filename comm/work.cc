@@ -134,8 +134,9 @@ void WorkState::time_out(const std::string& message) {
     if (timed_out_ || done_) return;
     timed_out_ = true;
   }
-  fail(std::make_exception_ptr(TimeoutError(message)));
+  // The communicator breaks first: a waiter that wakes on the failure finds it broken.
   notify_break(message);
+  fail(std::make_exception_ptr(TimeoutError(message)));
 }
 
 namespace {
