@@ -237,6 +237,26 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& tokens) {
   return tp_ ? tp_->colwise(h, {head_weight()})[0] : at::linear(h, head_weight());
 }
 
+at::Tensor LlamaForCausalLMImpl::forward_stage(const at::Tensor& x, int64_t begin, int64_t end) {
+  const int64_t layers = o_.num_hidden_layers();
+  DTRAIN_CHECK_AS(UsageError, 0 <= begin && begin < end && end <= layers, "Llama: stage layers [",
+                  begin, ", ", end, ") outside the model's ", layers);
+  at::Tensor h = x;
+  if (begin == 0) {
+    DTRAIN_CHECK_AS(UsageError, x.dim() == 2, "Llama: tokens must be [batch, seq], got ",
+                    x.sizes());
+    h = tp_ ? tp_->embedding(x, model->embed_tokens->weight) : model->embed_tokens->forward(x);
+  }
+  for (int64_t i = begin; i < end; ++i) {
+    h = model->layers[static_cast<size_t>(i)]
+            ->as<sharding::UnitImpl<LlamaDecoderLayerImpl>>()
+            ->forward(h);
+  }
+  if (end < layers) return h;
+  h = model->norm->forward(h);
+  return tp_ ? tp_->colwise(h, {head_weight()})[0] : at::linear(h, head_weight());
+}
+
 const at::Tensor& LlamaForCausalLMImpl::head_weight() const {
   return o_.tie_word_embeddings() ? model->embed_tokens->weight : lm_head->weight;
 }

@@ -103,6 +103,12 @@ class LlamaForCausalLMImpl : public torch::nn::Module {
   // same logits as forward() on the whole sequence, within rounding).
   at::Tensor forward_cached(const at::Tensor& tokens, KVCache& cache);
   const LlamaOptions& options() const { return o_; }
+  // Pipeline parallelism (sharding/pipeline.h): layers [begin, end) on x, which is the tokens
+  // [B, T] when begin is 0 (the embedding runs first) and the hidden states [B, T, hidden]
+  // otherwise; when end is num_hidden_layers the final norm and the head run after, giving
+  // the logits. Chained over a split of the layers it is forward(). The tied head reads the
+  // embedding, so a tied model cannot be split across ranks (the caller refuses it).
+  at::Tensor forward_stage(const at::Tensor& x, int64_t begin, int64_t end);
   // Each parameter from a generator of its own (seeded by one draw at construction and its
   // name), as TransformerLM: the eager constructor applies it, and a deferred build given to
   // FSDP gets the same bits unit by unit.

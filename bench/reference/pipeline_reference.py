@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""PyTorch's pipelining (torch.distributed.pipelining) on transformers' Llama, the reference for
+dtrain's pipeline (tests/parity/pipeline_parity_test.sh).
+
+  pipeline_reference.py init DIR          a small LlamaForCausalLM, save_pretrained into DIR
+  pipeline_reference.py run --hf DIR --cases gpipe:4:1,1f1b:8:1,interleaved_1f1b:4:2 --out F
+                                          under a launcher (torchrun's variables), over Gloo
+
+Each case is schedule:micro_batches:stages_per_rank. The model's layers are split evenly into
+world x stages_per_rank stages, stage s on rank s % world (PyTorch's looping placement), the
+first holding the embedding and the last the norm and head, as dtrain splits them. The batch
+(the same formula as tests/parity/pipeline_parity.cc) goes through ScheduleGPipe,
+Schedule1F1B or ScheduleInterleaved1F1B with cross-entropy per micro-batch; the last stage's
+rank writes each case's per-micro-batch losses (JSON) to F.
+"""
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.set_verbosity_error()
+
+MICRO, SEQ = 2, 8
+
+
+def batch(micro_batches, vocab):
+    """Tokens and targets [micro_batches x MICRO, SEQ], as pipeline_parity.cc makes them."""
+    b = torch.arange(micro_batches * MICRO).view(-1, 1)
+    t = torch.arange(SEQ).view(1, -1)
+    return (b * 31 + t * 7 + 3) % vocab, (b * 17 + t * 5 + 1) % vocab
+
+
+class Stage(torch.nn.Module):
+    """Layers [begin, end) of a LlamaForCausalLM: embedding first, norm and head last."""
+
+    def __init__(self, model, begin, end):
+        super().__init__()
+        m = model.model
+        self.first, self.last = begin == 0, end == len(m.layers)
+        self.embed = m.embed_tokens if self.first else None
+        self.layers = torch.nn.ModuleList(m.layers[begin:end])
+        self.rotary = m.rotary_emb
+        self.norm = m.norm if self.last else None
+        self.head = model.lm_head if self.last else None
+
+    def forward(self, x):
+        h = self.embed(x) if self.first else x
+        pos = torch.arange(h.shape[1]).unsqueeze(0).expand(h.shape[0], -1)
+        pe = self.rotary(h, pos)
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+            h = h[0] if isinstance(h, tuple) else h
+        if self.last:
+            h = self.head(self.norm(h))
+        return h
+
+
+def init(folder):
+    torch.manual_seed(5)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, attn_implementation="eager")
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
+
+
+def run(args):
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    out = {}
+    for case in args.cases.split(","):
+        kind, micro_batches, per_rank = case.split(":")
+        micro_batches, per_rank = int(micro_batches), int(per_rank)
+        model = LlamaForCausalLM.from_pretrained(args.hf, torch_dtype=torch.float32)
+        vocab = model.config.vocab_size
+        layers = model.config.num_hidden_layers
+        n = world * per_rank
+        per = layers // n
+        stages = [PipelineStage(Stage(model, s * per, (s + 1) * per), s, n, torch.device("cpu"))
+                  for s in range(rank, n, world)]
+        tokens, targets = batch(micro_batches, vocab)
+
+        def loss_fn(logits, target):
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+        if kind == "gpipe":
+            sched = ScheduleGPipe(stages[0], micro_batches, loss_fn=loss_fn)
+        elif kind == "1f1b":
+            sched = Schedule1F1B(stages[0], micro_batches, loss_fn=loss_fn)
+        else:
+            sched = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn)
+        losses = []
+        holds_first = rank == 0
+        holds_last = (n - 1) % world == rank
+        kw = {}
+        if holds_last:
+            kw = {"target": targets, "losses": losses}
+        if holds_first:
+            sched.step(tokens, **kw)
+        else:
+            sched.step(**kw)
+        if holds_last:
+            out[case] = [float(x) for x in losses]
+    if out:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("init")
+    i.add_argument("folder")
+    r = sub.add_parser("run")
+    r.add_argument("--hf", required=True)
+    r.add_argument("--cases", required=True)
+    r.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.cmd == "init":
+        init(args.folder)
+    else:
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+#include "sharding/pipeline.h"
+
+#include <chrono>
+#include <map>
+#include <tuple>
+#include <utility>
+
+#include "core/error.h"
+
+namespace dtrain::sharding::pp {
+
+Pipeline::Pipeline(Schedule schedule, std::shared_ptr<comm::Communicator> group)
+    : schedule_(std::move(schedule)), group_(std::move(group)) {
+  const int size = group_ ? group_->size() : 1;
+  DTRAIN_CHECK_AS(UsageError, size == schedule_.ranks, "pipeline: the schedule is for ",
+                  schedule_.ranks, " ranks but the group has ", size);
+  rank_ = group_ ? group_->rank() : 0;
+}
+
+int Pipeline::tag(int boundary, int micro, bool grad) const {
+  const int64_t n =
+      (static_cast<int64_t>(boundary) * schedule_.micro_batches + micro) * 2 + (grad ? 1 : 0);
+  return static_cast<int>(n % (comm::Communicator::kMaxTag + 1));
+}
+
+std::vector<at::Tensor> Pipeline::run(const Step& step) {
+  using Key = std::pair<int, int>;  // stage, micro
+  const Schedule& s = schedule_;
+  const int S = s.stages, M = s.micro_batches;
+  const auto& actions = s.actions[static_cast<size_t>(rank_)];
+  DTRAIN_CHECK_AS(UsageError, static_cast<bool>(step.forward), "pipeline: no forward");
+  const bool has_first = s.rank_of(0) == rank_, has_last = s.rank_of(S - 1) == rank_;
+  DTRAIN_CHECK_AS(UsageError, !has_last || static_cast<bool>(step.loss),
+                  "pipeline: the last stage's rank needs a loss");
+  DTRAIN_CHECK_AS(UsageError, !has_first || static_cast<int>(step.inputs.size()) == M,
+                  "pipeline: ", step.inputs.size(), " inputs for ", M, " micro-batches");
+  const auto t0 = std::chrono::steady_clock::now();
+  auto seconds = [&t0] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  std::map<Key, at::Tensor> arrived;   // a stage's input, from another rank or this one
+  std::map<Key, at::Tensor> inputs;    // held for backward: the input leaf (stage > 0)
+  std::map<Key, at::Tensor> outputs;   // held for backward: the output (the loss, last)
+  std::map<Key, at::Tensor> grad_in;   // the gradient of a stage's output
+  std::map<Key, at::Tensor> grad_out;  // the gradient of a stage's input, to send
+  std::vector<at::Tensor> losses(has_last ? static_cast<size_t>(M) : 0);
+  spans_.clear();
+  peak_in_flight_ = 0;
+  int in_flight = 0;
+  auto take = [](std::map<Key, at::Tensor>& m, const Key& k, const char* what) {
+    auto it = m.find(k);
+    DTRAIN_CHECK_AS(UsageError, it != m.end(), "pipeline: no ", what, " for stage ", k.first,
+                    " micro-batch ", k.second);
+    at::Tensor t = std::move(it->second);
+    m.erase(it);
+    return t;
+  };
+  const auto options = at::TensorOptions().dtype(step.activation_dtype);
+  for (size_t i = 0; i < actions.size();) {
+    const Action& a = actions[i];
+    const Key k{a.stage, a.micro};
+    const double start = seconds();
+    if (a.op == Op::kForward) {
+      at::Tensor input;
+      if (a.stage == 0) {
+        input = step.inputs[static_cast<size_t>(a.micro)];
+      } else {
+        input = take(arrived, k, "activation").detach().requires_grad_(true);
+        inputs[k] = input;
+      }
+      at::Tensor out = step.forward(a.stage, a.micro, input);
+      if (a.stage == S - 1) {
+        at::Tensor loss = step.loss(a.micro, out);
+        losses[static_cast<size_t>(a.micro)] = loss.detach();
+        outputs[k] = loss;
+      } else {
+        outputs[k] = out;
+        if (s.rank_of(a.stage + 1) == rank_) arrived[{a.stage + 1, a.micro}] = out;
+      }
+      peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
+      spans_.push_back({a, start, seconds()});
+      ++i;
+      continue;
+    }
+    if (a.op == Op::kBackward) {
+      at::Tensor out = take(outputs, k, "output");
+      if (a.stage == S - 1) {
+        out.backward();
+      } else {
+        at::Tensor g = take(grad_in, k, "output gradient");
+        out.backward(g.to(out.scalar_type()));
+      }
+      if (a.stage > 0) {
+        at::Tensor in = take(inputs, k, "input");
+        at::Tensor g = in.grad().defined() ? in.grad() : at::zeros_like(in);
+        if (s.rank_of(a.stage - 1) == rank_) {
+          grad_in[{a.stage - 1, a.micro}] = g;
+        } else {
+          grad_out[k] = g;
+        }
+      }
+      --in_flight;
+      spans_.push_back({a, start, seconds()});
+      ++i;
+      continue;
+    }
+    // A batch: the communication actions up to the next compute action.
+    std::vector<comm::Communicator::P2POp> ops;
+    std::vector<std::pair<Key, bool>> receives;  // where each receive lands (activation?)
+    size_t j = i;
+    for (; j < actions.size() && !actions[j].is_compute(); ++j) {
+      const Action& c = actions[j];
+      const Key ck{c.stage, c.micro};
+      using P = comm::Communicator::P2POp;
+      switch (c.op) {
+        case Op::kSendActivation:
+          ops.push_back({P::kSend, outputs.at(ck).detach().to(step.activation_dtype).contiguous(),
+                         s.rank_of(c.stage + 1), tag(c.stage, c.micro, false)});
+          break;
+        case Op::kRecvActivation:
+          ops.push_back({P::kRecv, at::empty(step.activation_shape, options),
+                         s.rank_of(c.stage - 1), tag(c.stage - 1, c.micro, false)});
+          receives.push_back({ck, true});
+          break;
+        case Op::kSendGrad:
+          ops.push_back(
+              {P::kSend,
+               take(grad_out, ck, "input gradient").to(step.activation_dtype).contiguous(),
+               s.rank_of(c.stage - 1), tag(c.stage - 1, c.micro, true)});
+          break;
+        case Op::kRecvGrad:
+          ops.push_back({P::kRecv, at::empty(step.activation_shape, options),
+                         s.rank_of(c.stage + 1), tag(c.stage, c.micro, true)});
+          receives.push_back({ck, false});
+          break;
+        default:
+          break;
+      }
+    }
+    DTRAIN_CHECK_AS(UsageError, group_ != nullptr, "pipeline: ", to_string(a),
+                    " needs a group of ranks");
+    std::vector<at::Tensor> landing;
+    for (const auto& op : ops) {
+      if (op.kind == comm::Communicator::P2POp::kRecv) landing.push_back(op.tensor);
+    }
+    group_->batch_p2p(std::move(ops)).wait();
+    for (size_t r = 0; r < receives.size(); ++r) {
+      (receives[r].second ? arrived : grad_in)[receives[r].first] = landing[r];
+    }
+    spans_.push_back({a, start, seconds()});
+    i = j;
+  }
+  return losses;
+}
+
+}  // namespace dtrain::sharding::pp

@@ -1,0 +1,70 @@
+// The pipeline runtime: one rank's actions of a schedule (sharding/pipeline_schedule.h), run
+// in order. Forwards call the caller's stage function; a stage's input that came from another
+// rank is a leaf that requires grad, whose gradient the backward sends back. Activations
+// travel in `activation_dtype` (the mixed-precision policy's param_dtype) with the shape
+// the caller gives, which every receive allocates and each message's header is checked
+// against (MPI and Gloo). Backwards accumulate into the stage's parameters' .grad, in
+// micro-batch order on every stage.
+//
+//   pp::Pipeline pipe(pp::make_schedule(pp::ScheduleKind::k1F1B, 4, 8), pp_group);
+//   pp::Pipeline::Step step;
+//   step.forward = [&](int stage, int micro, const at::Tensor& x) { return run_stage(stage, x); };
+//   step.loss = [&](int micro, const at::Tensor& logits) { return ce(logits, targets[micro]) / 8;
+//   }; step.inputs = token_micro_batches;   // read on stage 0's rank step.activation_shape = {2,
+//   128, 512}; auto losses = pipe.run(step);        // the last stage's rank: one loss per
+//   micro-batch
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "sharding/pipeline_schedule.h"
+
+namespace dtrain::sharding::pp {
+
+class Pipeline {
+ public:
+  // `group`: the pipeline's ranks (its rank r runs the schedule's list r); null for one rank.
+  Pipeline(Schedule schedule, std::shared_ptr<comm::Communicator> group);
+
+  struct Step {
+    // Stage `stage` on micro-batch `micro`: input is inputs[micro] on stage 0, else the
+    // previous stage's output; returns the stage's output (the last stage's goes to `loss`).
+    std::function<at::Tensor(int stage, int micro, const at::Tensor& input)> forward;
+    // The last stage: the loss to backward for `micro` (scaled as the caller wants).
+    std::function<at::Tensor(int micro, const at::Tensor& output)> loss;
+    std::vector<at::Tensor> inputs;
+    std::vector<int64_t> activation_shape;  // of every stage boundary's activation
+    at::ScalarType activation_dtype = at::kFloat;
+  };
+
+  // Runs this rank's actions once. Returns the last stage's losses (detached), one per
+  // micro-batch, on the rank that holds it; empty elsewhere. Throws CommError on a
+  // communication failure (the group is then broken).
+  std::vector<at::Tensor> run(const Step& step);
+
+  const Schedule& schedule() const { return schedule_; }
+  int rank() const { return rank_; }
+  // Of the last run: the most micro-batches held at once (activations kept for a backward),
+  // and each action's wall time in seconds from the run's start (communication batches as
+  // one span named by their first action).
+  int peak_in_flight() const { return peak_in_flight_; }
+  const std::vector<Span>& spans() const { return spans_; }
+
+  // The message tag of the activation (grad = false) or gradient between stages `boundary`
+  // and boundary + 1 for `micro`.
+  int tag(int boundary, int micro, bool grad) const;
+
+ private:
+  Schedule schedule_;
+  std::shared_ptr<comm::Communicator> group_;
+  int rank_ = 0;
+  int peak_in_flight_ = 0;
+  std::vector<Span> spans_;
+};
+
+}  // namespace dtrain::sharding::pp

@@ -1,0 +1,355 @@
+#include "sharding/pipeline_schedule.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
+#include <tuple>
+
+#include "core/error.h"
+
+namespace dtrain::sharding::pp {
+
+std::string to_string(const Action& a) {
+  static const char* const kNames[] = {"F", "B", "SA", "RA", "SG", "RG"};
+  std::ostringstream os;
+  os << kNames[static_cast<int>(a.op)] << " " << a.stage << "." << a.micro;
+  return os.str();
+}
+
+const char* schedule_name(ScheduleKind k) {
+  switch (k) {
+    case ScheduleKind::kGPipe:
+      return "gpipe";
+    case ScheduleKind::k1F1B:
+      return "1f1b";
+    case ScheduleKind::kInterleaved1F1B:
+      return "interleaved_1f1b";
+  }
+  return "?";
+}
+
+ScheduleKind parse_schedule(const std::string& name) {
+  for (auto k : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B}) {
+    if (name == schedule_name(k)) return k;
+  }
+  DTRAIN_FAIL(ConfigError, "unknown pipeline schedule '", name,
+              "' (choose gpipe, 1f1b or interleaved_1f1b)");
+}
+
+std::vector<int> Schedule::stages_of(int rank) const {
+  std::vector<int> out;
+  for (int s = rank; s < stages; s += ranks) out.push_back(s);
+  return out;
+}
+
+std::vector<std::vector<Action>> with_communication(const std::vector<std::vector<Steps>>& steps,
+                                                    int ranks, int stages) {
+  auto rank_of = [ranks](int s) { return s % ranks; };
+  std::vector<std::vector<Action>> out(steps.size());
+  for (size_t r = 0; r < steps.size(); ++r) {
+    const int me = static_cast<int>(r);
+    for (const Steps& step : steps[r]) {
+      for (const Action& a : step) {  // what the step receives, before it
+        if (a.op == Op::kForward && a.stage > 0 && rank_of(a.stage - 1) != me) {
+          out[r].push_back({Op::kRecvActivation, a.stage, a.micro});
+        }
+        if (a.op == Op::kBackward && a.stage + 1 < stages && rank_of(a.stage + 1) != me) {
+          out[r].push_back({Op::kRecvGrad, a.stage, a.micro});
+        }
+      }
+      for (const Action& a : step) out[r].push_back(a);
+      for (const Action& a : step) {  // what it sends, after it
+        if (a.op == Op::kForward && a.stage + 1 < stages && rank_of(a.stage + 1) != me) {
+          out[r].push_back({Op::kSendActivation, a.stage, a.micro});
+        }
+        if (a.op == Op::kBackward && a.stage > 0 && rank_of(a.stage - 1) != me) {
+          out[r].push_back({Op::kSendGrad, a.stage, a.micro});
+        }
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::vector<Action>> with_communication(const std::vector<std::vector<Action>>& compute,
+                                                    int ranks, int stages) {
+  std::vector<std::vector<Steps>> steps(compute.size());
+  for (size_t r = 0; r < compute.size(); ++r) {
+    for (const Action& a : compute[r]) steps[r].push_back({a});
+  }
+  return with_communication(steps, ranks, stages);
+}
+
+Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stages_per_rank) {
+  DTRAIN_CHECK_AS(ConfigError, ranks >= 1, "pipeline: ", ranks, " ranks");
+  DTRAIN_CHECK_AS(ConfigError, micro_batches >= 1, "pipeline: ", micro_batches,
+                  " micro-batches; a schedule needs at least one");
+  const int p = ranks, m = micro_batches, v = stages_per_rank;
+  if (kind == ScheduleKind::kInterleaved1F1B) {
+    DTRAIN_CHECK_AS(ConfigError, v >= 2, "pipeline schedule interleaved_1f1b needs 2 or more ",
+                    "stages per rank (parallel.pp_stages_per_rank), got ", v,
+                    "; with one, choose 1f1b");
+    DTRAIN_CHECK_AS(ConfigError, m % p == 0, "pipeline schedule interleaved_1f1b runs ",
+                    "micro-batches in groups of the pipeline size: train.micro_batches (", m,
+                    ") must be a multiple of parallel.pp (", p, ")");
+  } else {
+    DTRAIN_CHECK_AS(ConfigError, v == 1, "pipeline schedule ", schedule_name(kind),
+                    " holds one stage per rank, got ", v, "; for more choose interleaved_1f1b");
+  }
+  Schedule s;
+  s.kind = kind;
+  s.ranks = p;
+  s.stages = p * v;
+  s.micro_batches = m;
+  s.promised_in_flight.assign(static_cast<size_t>(p), 0);
+  std::vector<std::vector<Steps>> steps(static_cast<size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    auto& list = steps[static_cast<size_t>(r)];
+    int& promise = s.promised_in_flight[static_cast<size_t>(r)];
+    if (kind == ScheduleKind::kGPipe) {
+      for (int i = 0; i < m; ++i) list.push_back({{Op::kForward, r, i}});
+      for (int i = 0; i < m; ++i) list.push_back({{Op::kBackward, r, i}});
+      promise = m;
+    } else if (kind == ScheduleKind::k1F1B) {
+      const int warmup = std::min(p - r - 1, m);
+      for (int i = 0; i < warmup; ++i) list.push_back({{Op::kForward, r, i}});
+      for (int i = 0; i < m - warmup; ++i) {
+        list.push_back({{Op::kForward, r, warmup + i}});
+        list.push_back({{Op::kBackward, r, i}});
+      }
+      for (int i = m - warmup; i < m; ++i) list.push_back({{Op::kBackward, r, i}});
+      promise = std::min(p - r, m);
+    } else {
+      // Megatron's interleaved order: the k-th forward of this rank is micro-batch
+      // (k / (p v)) p + k % p of its stage (k / p) % v; backwards likewise, stages reversed.
+      const int total = m * v;
+      auto micro_of = [&](int k) { return (k / (p * v)) * p + k % p; };
+      auto forward = [&](int k) {
+        return Action{Op::kForward, ((k / p) % v) * p + r, micro_of(k)};
+      };
+      auto backward = [&](int k) {
+        return Action{Op::kBackward, (v - 1 - (k / p) % v) * p + r, micro_of(k)};
+      };
+      // With as many micro-batches as ranks every rank runs all its forwards first (as
+      // Megatron does: a shorter warm-up on some ranks would leave the others waiting).
+      const int warmup = m == p ? total : std::min((p - r - 1) * 2 + (v - 1) * p, total);
+      for (int k = 0; k < warmup; ++k) list.push_back({forward(k)});
+      for (int k = 0; k < total - warmup; ++k) {
+        // Steady state: a forward and a backward as one step, whose sends and the next
+        // step's receives go in one batch (Megatron's exchange in both directions at once;
+        // posted apart, ranks p apart wait on each other).
+        list.push_back({forward(warmup + k), backward(k)});
+      }
+      for (int k = total - warmup; k < total; ++k) list.push_back({backward(k)});
+      promise = std::min(warmup + 1, total);
+    }
+  }
+  s.actions = with_communication(steps, p, s.stages);
+  return s;
+}
+
+std::string format(const Schedule& s, int rank) {
+  std::ostringstream os;
+  bool in_batch = false;
+  for (const Action& a : s.actions[static_cast<size_t>(rank)]) {
+    if (a.is_compute()) {
+      if (in_batch) os << "\n";
+      os << to_string(a) << "\n";
+      in_batch = false;
+    } else {
+      os << (in_batch ? "  " : "") << to_string(a);
+      in_batch = true;
+    }
+  }
+  if (in_batch) os << "\n";
+  return os.str();
+}
+
+namespace {
+
+using Key = std::tuple<int, int>;  // stage, micro
+
+// The action on the other rank that pairs with a communication action.
+Action counterpart(const Action& a) {
+  switch (a.op) {
+    case Op::kSendActivation:
+      return {Op::kRecvActivation, a.stage + 1, a.micro};
+    case Op::kRecvActivation:
+      return {Op::kSendActivation, a.stage - 1, a.micro};
+    case Op::kSendGrad:
+      return {Op::kRecvGrad, a.stage - 1, a.micro};
+    case Op::kRecvGrad:
+      return {Op::kSendGrad, a.stage + 1, a.micro};
+    default:
+      return a;
+  }
+}
+
+}  // namespace
+
+Simulation simulate(const Schedule& s, double forward_cost, double backward_cost) {
+  const int p = s.ranks, S = s.stages, M = s.micro_batches;
+  DTRAIN_CHECK_AS(UsageError, static_cast<int>(s.actions.size()) == p,
+                  "pipeline schedule: ", s.actions.size(), " action lists for ", p, " ranks");
+  const double per_stage = static_cast<double>(s.stages_per_rank());
+  const double fcost = forward_cost / per_stage, bcost = backward_cost / per_stage;
+  Simulation out;
+  out.spans.resize(static_cast<size_t>(p));
+  out.peak_in_flight.assign(static_cast<size_t>(p), 0);
+  std::vector<size_t> pc(static_cast<size_t>(p), 0);
+  std::vector<double> clock(static_cast<size_t>(p), 0.0);
+  std::vector<int> in_flight(static_cast<size_t>(p), 0);
+  std::set<Key> forwarded, backwarded, activation_in, grad_in;
+  // Per rank, the batch at its head: its actions, which are complete, and when each rank
+  // posted it.
+  struct Posted {
+    std::vector<Action> ops;
+    std::vector<bool> done;
+    std::vector<double> when;
+  };
+  std::vector<Posted> posted(static_cast<size_t>(p));
+  auto fail = [&](int r, const Action& a, const std::string& why) {
+    DTRAIN_FAIL(UsageError, "pipeline schedule ", schedule_name(s.kind), ": rank ", r, ", ",
+                to_string(a), ": ", why);
+  };
+  auto finished = [&](int r) { return pc[static_cast<size_t>(r)] >= s.actions[r].size(); };
+  for (;;) {
+    bool progressed = false, all_done = true;
+    for (int r = 0; r < p; ++r) {
+      const auto ri = static_cast<size_t>(r);
+      if (finished(r)) continue;
+      all_done = false;
+      const auto& list = s.actions[ri];
+      const Action& a = list[pc[ri]];
+      if (a.stage < 0 || a.stage >= S || a.micro < 0 || a.micro >= M) {
+        fail(r, a, "no such stage or micro-batch");
+      }
+      if (s.rank_of(a.stage) != r) {
+        fail(r, a,
+             "stage " + std::to_string(a.stage) + " lives on rank " +
+                 std::to_string(s.rank_of(a.stage)));
+      }
+      const Key k{a.stage, a.micro};
+      if (a.is_compute()) {
+        if (a.op == Op::kForward) {
+          if (forwarded.count(k)) fail(r, a, "a second forward");
+          const bool local = a.stage == 0 || s.rank_of(a.stage - 1) == r;
+          if (local ? a.stage > 0 && !forwarded.count({a.stage - 1, a.micro})
+                    : !activation_in.count(k)) {
+            fail(r, a,
+                 "its input has not arrived (no receive before it, or the stage before "
+                 "has not run)");
+          }
+          forwarded.insert(k);
+          if (++in_flight[ri] > s.promised_in_flight[ri]) {
+            fail(r, a,
+                 std::to_string(in_flight[ri]) +
+                     " micro-batches in flight, more than the schedule's promise of " +
+                     std::to_string(s.promised_in_flight[ri]));
+          }
+          out.peak_in_flight[ri] = std::max(out.peak_in_flight[ri], in_flight[ri]);
+        } else {
+          if (backwarded.count(k)) fail(r, a, "a second backward");
+          if (!forwarded.count(k)) fail(r, a, "a backward before its forward");
+          const bool local = a.stage == S - 1 || s.rank_of(a.stage + 1) == r;
+          if (local ? a.stage < S - 1 && !backwarded.count({a.stage + 1, a.micro})
+                    : !grad_in.count(k)) {
+            fail(r, a, "its output's gradient has not arrived");
+          }
+          backwarded.insert(k);
+          --in_flight[ri];
+        }
+        const double start = clock[ri];
+        clock[ri] += a.op == Op::kForward ? fcost : bcost;
+        out.spans[ri].push_back({a, start, clock[ri]});
+        ++pc[ri];
+        progressed = true;
+        continue;
+      }
+      // A batch of communication: post it if not yet.
+      Posted& b = posted[ri];
+      if (b.ops.empty()) {
+        for (size_t i = pc[ri]; i < list.size() && !list[i].is_compute(); ++i) {
+          const Action& c = list[i];
+          if (c.op == Op::kSendActivation && !forwarded.count({c.stage, c.micro})) {
+            fail(r, c, "sends an activation its forward has not computed");
+          }
+          if (c.op == Op::kSendGrad && !backwarded.count({c.stage, c.micro})) {
+            fail(r, c, "sends a gradient its backward has not computed");
+          }
+          const Action other = counterpart(c);
+          if (other.stage < 0 || other.stage >= S) fail(r, c, "no stage to pair with");
+          b.ops.push_back(c);
+          b.done.push_back(false);
+          b.when.push_back(clock[ri]);
+        }
+        progressed = true;
+      }
+      // Pair with the peers' posted batches.
+      for (size_t i = 0; i < b.ops.size(); ++i) {
+        if (b.done[i]) continue;
+        const Action other = counterpart(b.ops[i]);
+        Posted& pb = posted[static_cast<size_t>(s.rank_of(other.stage))];
+        for (size_t j = 0; j < pb.ops.size(); ++j) {
+          if (!pb.done[j] && pb.ops[j] == other) {
+            const double t = std::max(b.when[i], pb.when[j]);
+            b.done[i] = pb.done[j] = true;
+            b.when[i] = pb.when[j] = t;
+            progressed = true;
+            break;
+          }
+        }
+      }
+      if (std::all_of(b.done.begin(), b.done.end(), [](bool d) { return d; })) {
+        for (size_t i = 0; i < b.ops.size(); ++i) {
+          const Action& c = b.ops[i];
+          if (c.op == Op::kRecvActivation) activation_in.insert({c.stage, c.micro});
+          if (c.op == Op::kRecvGrad) grad_in.insert({c.stage, c.micro});
+          clock[ri] = std::max(clock[ri], b.when[i]);
+        }
+        pc[ri] += b.ops.size();
+        b = Posted{};
+        progressed = true;
+      }
+    }
+    if (all_done) break;
+    if (!progressed) {
+      std::ostringstream os;
+      for (int r = 0; r < p; ++r) {
+        if (finished(r)) continue;
+        os << " rank " << r << " waits at";
+        const Posted& b = posted[static_cast<size_t>(r)];
+        for (size_t i = 0; i < b.ops.size(); ++i) {
+          if (!b.done[i]) os << " " << to_string(b.ops[i]);
+        }
+        os << ";";
+      }
+      DTRAIN_FAIL(UsageError, "pipeline schedule ", schedule_name(s.kind), " deadlocks:", os.str(),
+                  " no send meets its receive");
+    }
+  }
+  for (int st = 0; st < S; ++st) {
+    for (int m = 0; m < M; ++m) {
+      if (!backwarded.count({st, m})) {
+        DTRAIN_FAIL(UsageError, "pipeline schedule ", schedule_name(s.kind), ": rank ",
+                    s.rank_of(st), " never runs ", forwarded.count({st, m}) ? "B " : "F ", st, ".",
+                    m);
+      }
+    }
+  }
+  out.makespan = *std::max_element(clock.begin(), clock.end());
+  double busy = 0;
+  for (const auto& spans : out.spans) {
+    for (const Span& sp : spans) busy += sp.end - sp.start;
+  }
+  out.bubble = out.makespan > 0 ? 1.0 - busy / (p * out.makespan) : 0.0;
+  return out;
+}
+
+double theoretical_bubble(const Schedule& s) {
+  const double p = s.ranks, m = s.micro_batches, v = s.stages_per_rank();
+  return (p - 1) / (v * m + p - 1);
+}
+
+}  // namespace dtrain::sharding::pp

@@ -1,0 +1,116 @@
+// Pipeline schedules as plain lists of actions, one list per pipeline rank, that a test can
+// print and check and the runtime (sharding/pipeline.h) executes in order.
+//
+// A model of S stages runs on `ranks` pipeline ranks: stage s lives on rank s % ranks, so a
+// rank holds S / ranks stages ("virtual stages" when more than one: Megatron's and PyTorch's
+// looping placement). Each micro-batch m runs forward through stages 0..S-1, then backward
+// from S-1 down to 0. Actions:
+//
+//   F s.m   forward of stage s on micro-batch m     B s.m   its backward
+//   SA s.m  send stage s's output to rank(s + 1)    RA s.m  receive stage s's input
+//   SG s.m  send the gradient of stage s's input    RG s.m  receive the gradient of its output
+//
+// Consecutive communication actions form one batch (Communicator::batch_p2p), posted together
+// and complete when all are: the sends that follow a compute action and the receives that the
+// next one needs, as PyTorch's schedules batch them. Between two stages on one rank (a single
+// pipeline rank) nothing is sent.
+//
+// Schedules (micro-batches m, ranks p, v stages per rank):
+//   gpipe             all forwards, then all backwards; m micro-batches held on every rank.
+//   1f1b              p - r - 1 warm-up forwards on rank r, then one forward and one backward
+//                     in turn, then the remaining backwards; min(p - r, m) held.
+//   interleaved_1f1b  v >= 2 stages per rank, Megatron's order (micro-batches in groups of p,
+//                     each group through every stage of the rank before the next group): a
+//                     bubble v times smaller; m must be a multiple of p.
+// Backwards run in micro-batch order on every stage, so gradients accumulate in the order of
+// one process running the micro-batches one after another.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace dtrain::sharding::pp {
+
+enum class Op { kForward, kBackward, kSendActivation, kRecvActivation, kSendGrad, kRecvGrad };
+
+struct Action {
+  Op op = Op::kForward;
+  int stage = 0;
+  int micro = 0;
+  bool is_compute() const { return op == Op::kForward || op == Op::kBackward; }
+  bool operator==(const Action& o) const {
+    return op == o.op && stage == o.stage && micro == o.micro;
+  }
+};
+
+// "F 3.1", "SG 0.2"
+std::string to_string(const Action& a);
+
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B };
+const char* schedule_name(ScheduleKind k);
+// "gpipe", "1f1b", "interleaved_1f1b" (ConfigError naming the choices otherwise).
+ScheduleKind parse_schedule(const std::string& name);
+
+struct Schedule {
+  ScheduleKind kind = ScheduleKind::k1F1B;
+  int ranks = 1;
+  int stages = 1;
+  int micro_batches = 1;
+  std::vector<std::vector<Action>> actions;  // per rank, in order
+  // Per rank: the most micro-batches whose forward has run and backward has not, over all its
+  // stages, that the schedule promises (the activations a rank holds).
+  std::vector<int> promised_in_flight;
+
+  int rank_of(int stage) const { return stage % ranks; }
+  int stages_per_rank() const { return stages / ranks; }
+  // The stages of `rank`, in order.
+  std::vector<int> stages_of(int rank) const;
+};
+
+// The schedule of `kind` for `ranks` pipeline ranks with `stages_per_rank` stages each (1 but
+// for interleaved_1f1b, which needs 2 or more) and `micro_batches` micro-batches.
+// ConfigError on a combination the schedule cannot run.
+Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stages_per_rank = 1);
+
+// Adds the communication to per-rank compute orders (F and B actions), step by step: each
+// step's receives before it and its sends after it, so that a step's sends and the next one's
+// receives form one batch. A step is one compute action, or in interleaved_1f1b's steady state
+// a forward and a backward (Megatron's exchange in both directions at once, which keeps it
+// free of deadlock). make_schedule's lists come from this; a test builds its own orders.
+using Steps = std::vector<Action>;
+std::vector<std::vector<Action>> with_communication(const std::vector<std::vector<Steps>>& steps,
+                                                    int ranks, int stages);
+// Each compute action a step of its own.
+std::vector<std::vector<Action>> with_communication(const std::vector<std::vector<Action>>& compute,
+                                                    int ranks, int stages);
+
+// One rank's list, one action per line, batches of communication on one line.
+std::string format(const Schedule& s, int rank);
+
+// The schedule run on paper, every rank at once, with forward and backward costs per stage and
+// free communication in which a send and its receive complete together once both are posted
+// (no buffering, the strictest transport). Throws UsageError naming the rank and action for
+// the first problem:
+//   - a deadlock (every unfinished rank waits; each one's waiting action is named);
+//   - a forward whose input has not arrived, a backward before its forward or before its
+//     output's gradient, a send of something not computed, an action of a stage the rank does
+//     not hold, anything done twice or left undone;
+//   - a rank holding more micro-batches in flight than promised_in_flight.
+struct Span {
+  Action action;
+  double start = 0, end = 0;
+};
+struct Simulation {
+  double makespan = 0;
+  double bubble = 0;  // idle fraction of ranks x makespan
+  std::vector<int> peak_in_flight;
+  std::vector<std::vector<Span>> spans;  // per rank, compute actions
+};
+Simulation simulate(const Schedule& s, double forward_cost = 1.0, double backward_cost = 2.0);
+inline void check(const Schedule& s) { simulate(s); }
+
+// The bubble fraction the literature gives: (p - 1) / (m + p - 1) for gpipe and 1f1b,
+// (p - 1) / (v m + p - 1) for interleaved_1f1b.
+double theoretical_bubble(const Schedule& s);
+
+}  // namespace dtrain::sharding::pp

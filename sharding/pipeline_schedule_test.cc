@@ -1,0 +1,167 @@
+// Pipeline schedules on paper: every schedule at every size runs without deadlock, every
+// forward before its backward, holding what it promises; its simulated bubble against the
+// literature's; and broken schedules (misordered, a missing receive, too many in flight)
+// refused naming the rank and action.
+#include "sharding/pipeline_schedule.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
+
+namespace dtrain::sharding::pp {
+namespace {
+
+std::string error_of(const Schedule& s) {
+  try {
+    check(s);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(PipelineSchedule, EveryScheduleRunsAndHoldsWhatItPromises) {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+    for (int p : {1, 2, 3, 4, 8}) {
+      for (int m : {1, 2, 3, 4, 8, 16}) {
+        SCOPED_TRACE(std::string(schedule_name(kind)) + " p=" + std::to_string(p) +
+                     " m=" + std::to_string(m));
+        Schedule s = make_schedule(kind, p, m);
+        Simulation sim = simulate(s);
+        // Forward 1, backward 2 per stage, free communication: the textbook bubble exactly.
+        EXPECT_NEAR(sim.bubble, theoretical_bubble(s), 1e-12);
+        for (int r = 0; r < p; ++r) {
+          EXPECT_EQ(sim.peak_in_flight[r], s.promised_in_flight[r]);
+          EXPECT_EQ(sim.spans[r].size(), 2u * m);
+        }
+        if (kind == ScheduleKind::k1F1B) {
+          EXPECT_EQ(sim.peak_in_flight[0], std::min(p, m));
+        }
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, InterleavedHasTheSmallerBubble) {
+  for (int p : {2, 4}) {
+    for (int v : {2, 3}) {
+      for (int m : {p, 2 * p, 4 * p}) {
+        SCOPED_TRACE("p=" + std::to_string(p) + " v=" + std::to_string(v) +
+                     " m=" + std::to_string(m));
+        Schedule s = make_schedule(ScheduleKind::kInterleaved1F1B, p, m, v);
+        Simulation sim = simulate(s);
+        Simulation plain = simulate(make_schedule(ScheduleKind::k1F1B, p, m));
+        EXPECT_LT(sim.bubble, plain.bubble);
+        EXPECT_NEAR(sim.bubble, theoretical_bubble(s), 1e-12);
+        for (int r = 0; r < p; ++r) {
+          EXPECT_EQ(sim.peak_in_flight[r], s.promised_in_flight[r]);
+          EXPECT_EQ(sim.spans[r].size(), 2u * m * v);
+        }
+        std::printf("interleaved p=%d v=%d m=%d: bubble %.4f (theory %.4f, 1f1b %.4f)\n", p, v, m,
+                    sim.bubble, theoretical_bubble(s), plain.bubble);
+      }
+    }
+  }
+}
+
+TEST(PipelineSchedule, PrintsOneRanksActions) {
+  Schedule s = make_schedule(ScheduleKind::k1F1B, 2, 3);
+  EXPECT_EQ(format(s, 0),
+            "F 0.0\n"
+            "SA 0.0\n"
+            "F 0.1\n"
+            "SA 0.1  RG 0.0\n"
+            "B 0.0\n"
+            "F 0.2\n"
+            "SA 0.2  RG 0.1\n"
+            "B 0.1\n"
+            "RG 0.2\n"
+            "B 0.2\n");
+  EXPECT_EQ(format(s, 1),
+            "RA 1.0\n"
+            "F 1.0\n"
+            "B 1.0\n"
+            "SG 1.0  RA 1.1\n"
+            "F 1.1\n"
+            "B 1.1\n"
+            "SG 1.1  RA 1.2\n"
+            "F 1.2\n"
+            "B 1.2\n"
+            "SG 1.2\n");
+}
+
+TEST(PipelineSchedule, MisorderedSchedulesAreRefused) {
+  // The last rank runs micro-batch 1's backward before 0's: the rank before it waits for 0's
+  // gradient while 1's is offered: a deadlock, with each rank's waiting action named.
+  Schedule s = make_schedule(ScheduleKind::k1F1B, 2, 3);
+  {
+    Schedule bad = s;
+    // F1.0 B1.0 F1.1 B1.1 ... -> F1.0 F1.1 B1.1 B1.0 F1.2 B1.2
+    std::vector<std::vector<Action>> orders(2);
+    for (const Action& a : bad.actions[0]) {
+      if (a.is_compute()) orders[0].push_back(a);
+    }
+    orders[1] = {{Op::kForward, 1, 0},  {Op::kForward, 1, 1}, {Op::kBackward, 1, 1},
+                 {Op::kBackward, 1, 0}, {Op::kForward, 1, 2}, {Op::kBackward, 1, 2}};
+    bad.actions = with_communication(orders, 2, 2);
+    bad.promised_in_flight = {2, 2};
+    EXPECT_NE(error_of(bad).find("deadlocks: rank 0 waits at RG 0.0; rank 1 waits at SG 1.1;"),
+              std::string::npos)
+        << error_of(bad);
+  }
+  {
+    // A receive dropped: the forward has no input.
+    Schedule bad = s;
+    auto& l = bad.actions[1];
+    l.erase(std::find(l.begin(), l.end(), Action{Op::kRecvActivation, 1, 1}));
+    EXPECT_NE(error_of(bad).find("rank 1, F 1.1: its input has not arrived"), std::string::npos)
+        << error_of(bad);
+  }
+  {
+    // A backward before its forward.
+    Schedule bad = s;
+    auto& l = bad.actions[1];
+    std::iter_swap(std::find(l.begin(), l.end(), Action{Op::kForward, 1, 0}),
+                   std::find(l.begin(), l.end(), Action{Op::kBackward, 1, 0}));
+    EXPECT_NE(error_of(bad).find("rank 1, B 1.0: a backward before its forward"), std::string::npos)
+        << error_of(bad);
+  }
+  {
+    // One warm-up forward more than 1F1B promises on rank 0.
+    Schedule bad = make_schedule(ScheduleKind::k1F1B, 4, 8);
+    Schedule gpipe = make_schedule(ScheduleKind::kGPipe, 4, 8);
+    bad.actions[0] = gpipe.actions[0];
+    EXPECT_NE(
+        error_of(bad).find(
+            "rank 0, F 0.4: 5 micro-batches in flight, more than the schedule's promise of 4"),
+        std::string::npos)
+        << error_of(bad);
+  }
+  {
+    // A stage on the wrong rank, and a micro-batch never run.
+    Schedule bad = s;
+    bad.actions[0][0].stage = 1;
+    EXPECT_NE(error_of(bad).find("rank 0, F 1.0: stage 1 lives on rank 1"), std::string::npos);
+    Schedule lost = s;
+    auto& l = lost.actions[1];
+    l.erase(std::find(l.begin(), l.end(), Action{Op::kBackward, 1, 2}));
+    EXPECT_NE(error_of(lost).find("sends a gradient its backward has not computed"),
+              std::string::npos)
+        << error_of(lost);
+  }
+}
+
+TEST(PipelineSchedule, ImpossibleConfigurationsAreRefused) {
+  EXPECT_THROW(make_schedule(ScheduleKind::kInterleaved1F1B, 4, 6, 2), ConfigError);
+  EXPECT_THROW(make_schedule(ScheduleKind::kInterleaved1F1B, 4, 8, 1), ConfigError);
+  EXPECT_THROW(make_schedule(ScheduleKind::k1F1B, 4, 8, 2), ConfigError);
+  EXPECT_THROW(make_schedule(ScheduleKind::k1F1B, 4, 0), ConfigError);
+  EXPECT_THROW(parse_schedule("zb-v"), ConfigError);
+  EXPECT_EQ(parse_schedule("interleaved_1f1b"), ScheduleKind::kInterleaved1F1B);
+}
+
+}  // namespace
+}  // namespace dtrain::sharding::pp
