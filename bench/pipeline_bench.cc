@@ -18,6 +18,7 @@
 
 #include "comm/factory.h"
 #include "core/cli.h"
+#include "framework/memory.h"
 #include "framework/models/llama.h"
 #include "sharding/pipeline.h"
 
@@ -40,6 +41,7 @@ int main(int argc, char** argv) {
   dtrain::cli::parse(app, argc, argv);
   at::set_num_threads(1);
 
+  dtrain::framework::TrackedCpuMemory::install();
   auto world = dtrain::comm::create_world();
   const int rank = world->rank(), size = world->size();
   dtrain::framework::LlamaOptions o;
@@ -73,12 +75,16 @@ int main(int argc, char** argv) {
   step.inputs = tokens;
   step.activation_shape = {micro, seq, hidden};
   double wall = 0, busy = 0, forward = 0, backward = 0;
+  int64_t held_bytes = 0;  // the step's peak of tensor memory above its start
   int n_forward = 0, n_backward = 0;
   for (int s = 0; s <= steps; ++s) {
     model->zero_grad();
     world->barrier().wait();
     const auto t0 = std::chrono::steady_clock::now();
+    const int64_t before = dtrain::framework::TrackedCpuMemory::current_bytes();
+    dtrain::framework::TrackedCpuMemory::reset_peak();
     pipe.run(step);
+    held_bytes = std::max(held_bytes, dtrain::framework::TrackedCpuMemory::peak_bytes() - before);
     world->barrier().wait();
     const double w = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (s == 0) continue;  // warm-up
@@ -102,8 +108,9 @@ int main(int argc, char** argv) {
   world->all_reduce(sums, dtrain::comm::ReduceOp::kSum).wait();
   at::Tensor slowest = at::tensor({wall}, at::kDouble);
   world->all_reduce(slowest, dtrain::comm::ReduceOp::kMax).wait();
-  at::Tensor peaks = at::zeros({size}, at::kLong);
-  peaks[rank] = pipe.peak_in_flight();
+  at::Tensor peaks = at::zeros({2, size}, at::kLong);
+  peaks[0][rank] = pipe.peak_in_flight();
+  peaks[1][rank] = held_bytes;
   world->all_reduce(peaks, dtrain::comm::ReduceOp::kSum).wait();
   if (rank == 0) {
     const double total_busy = sums[0].item<double>(), wall_max = slowest[0].item<double>();
@@ -120,12 +127,15 @@ int main(int argc, char** argv) {
         sim.bubble, pp::theoretical_bubble(pipe.schedule()), 1e3 * f, 1e3 * b);
     bool kept = true;
     for (int r = 0; r < size; ++r) {
-      const int64_t peak = peaks[r].item<int64_t>();
+      const int64_t peak = peaks[0][r].item<int64_t>();
       const int promise = pipe.schedule().promised_in_flight[static_cast<size_t>(r)];
       std::printf(" %lld/%d", static_cast<long long>(peak), promise);
       kept = kept && peak <= promise;
     }
-    std::printf(" (held/promised)%s\n", kept ? "" : " OVER THE PROMISE");
+    std::printf(" (held/promised)%s; peak tensor memory per rank above the step's start",
+                kept ? "" : " OVER THE PROMISE");
+    for (int r = 0; r < size; ++r) std::printf(" %.1f", peaks[1][r].item<int64_t>() / 1048576.0);
+    std::printf(" MiB\n");
     if (!kept) return 1;
   }
   world->barrier().wait();

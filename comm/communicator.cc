@@ -377,9 +377,16 @@ void Communicator::run_p2p(const P2PTransport& t, const Collective& c) {
     for (size_t i = 0; i < n; ++i) {
       if (c.p2p[i].kind == P2POp::kRecv) waiting.push_back(i);
     }
-    if (!waiting.empty() && !header_done[waiting[0]].done) {
-      // A transport that cannot be polled (Gloo's works complete in wait()): a thread per
-      // receive waits for its header, and all are joined.
+    if (waiting.size() == 1 && !header_done[waiting[0]].done) {
+      // One receive on a transport that cannot be polled (Gloo's works complete in wait()):
+      // waited here (a pipeline's usual batch; a thread costs more than its transfer).
+      const size_t i = waiting[0];
+      header_done[i].wait();
+      header_done[i] = {};
+      P2PWait bytes = checked(i);
+      if (bytes) data_done.push_back(std::move(bytes));
+    } else if (!waiting.empty() && !header_done[waiting[0]].done) {
+      // Several: a thread per receive waits for its header, and all are joined.
       std::vector<P2PWait> bytes_done(n);
       std::vector<std::exception_ptr> errors(n);
       std::vector<std::thread> threads;

@@ -5,6 +5,9 @@ dtrain's pipeline (tests/parity/pipeline_parity_test.sh).
   pipeline_reference.py init DIR          a small LlamaForCausalLM, save_pretrained into DIR
   pipeline_reference.py run --hf DIR --cases gpipe:4:1,1f1b:8:1,interleaved_1f1b:4:2 --out F
                                           under a launcher (torchrun's variables), over Gloo
+  pipeline_reference.py bench --schedule 1f1b --micro-batches 8 [--stages-per-rank 2]
+                                          the step time of bench/pipeline_bench.cc's model,
+                                          split and batch, under PyTorch's schedule
 
 Each case is schedule:micro_batches:stages_per_rank. The model's layers are split evenly into
 world x stages_per_rank stages, stage s on rank s % world (PyTorch's looping placement), the
@@ -71,9 +74,64 @@ def init(folder):
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
 
 
-def run(args):
+def make_schedule(kind, model, rank, world, per_rank, micro_batches, loss_fn):
+    """PyTorch's schedule over an even split of `model` into world x per_rank stages."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
+    n = world * per_rank
+    per = model.config.num_hidden_layers // n
+    stages = [PipelineStage(Stage(model, s * per, (s + 1) * per), s, n, torch.device("cpu"))
+              for s in range(rank, n, world)]
+    if kind == "gpipe":
+        return ScheduleGPipe(stages[0], micro_batches, loss_fn=loss_fn)
+    if kind == "1f1b":
+        return Schedule1F1B(stages[0], micro_batches, loss_fn=loss_fn)
+    return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn)
+
+
+def bench(args):
+    """Seconds per step of PyTorch's schedule on pipeline_bench.cc's model and batch."""
+    import time
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    hidden, vocab = args.hidden, 512
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden,
+                      intermediate_size=hidden * 8 // 3 // 64 * 64,
+                      num_hidden_layers=args.layers, num_attention_heads=hidden // 64,
+                      num_key_value_heads=hidden // 64, max_position_embeddings=args.seq,
+                      tie_word_embeddings=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    m = args.micro_batches
+
+    def loss_fn(logits, target):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+
+    sched = make_schedule(args.schedule, model, rank, world, args.stages_per_rank, m, loss_fn)
+    tokens = torch.randint(vocab, (m * args.micro, args.seq))
+    targets = torch.randint(vocab, (m * args.micro, args.seq))
+    n = world * args.stages_per_rank
+    holds_last = (n - 1) % world == rank
+    times = []
+    for step in range(args.steps + 1):
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        t0 = time.perf_counter()
+        kw = {"target": targets, "losses": []} if holds_last else {}
+        if rank == 0:
+            sched.step(tokens, **kw)
+        else:
+            sched.step(**kw)
+        dist.barrier()
+        if step:
+            times.append(time.perf_counter() - t0)
+    if rank == 0:
+        print(f"pipeline_reference {args.schedule} pp={world} m={m} v={args.stages_per_rank}: "
+              f"step {1e3 * sum(times) / len(times):.1f} ms")
+    dist.destroy_process_group()
+
+
+def run(args):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -85,20 +143,12 @@ def run(args):
         vocab = model.config.vocab_size
         layers = model.config.num_hidden_layers
         n = world * per_rank
-        per = layers // n
-        stages = [PipelineStage(Stage(model, s * per, (s + 1) * per), s, n, torch.device("cpu"))
-                  for s in range(rank, n, world)]
         tokens, targets = batch(micro_batches, vocab)
 
         def loss_fn(logits, target):
             return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
 
-        if kind == "gpipe":
-            sched = ScheduleGPipe(stages[0], micro_batches, loss_fn=loss_fn)
-        elif kind == "1f1b":
-            sched = Schedule1F1B(stages[0], micro_batches, loss_fn=loss_fn)
-        else:
-            sched = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn)
+        sched = make_schedule(kind, model, rank, world, per_rank, micro_batches, loss_fn)
         losses = []
         holds_first = rank == 0
         holds_last = (n - 1) % world == rank
@@ -127,10 +177,21 @@ def main():
     r.add_argument("--hf", required=True)
     r.add_argument("--cases", required=True)
     r.add_argument("--out", required=True)
+    b = sub.add_parser("bench")
+    b.add_argument("--schedule", default="1f1b")
+    b.add_argument("--micro-batches", type=int, default=8)
+    b.add_argument("--stages-per-rank", type=int, default=1)
+    b.add_argument("--steps", type=int, default=5)
+    b.add_argument("--layers", type=int, default=8)
+    b.add_argument("--hidden", type=int, default=256)
+    b.add_argument("--seq", type=int, default=128)
+    b.add_argument("--micro", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.cmd == "init":
         init(args.folder)
+    elif args.cmd == "bench":
+        bench(args)
     else:
         run(args)
     return 0
