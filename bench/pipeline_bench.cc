@@ -18,7 +18,10 @@
 
 #include "comm/factory.h"
 #include "core/cli.h"
+#include "core/trace.h"
+#include "framework/config.h"
 #include "framework/memory.h"
+#include "framework/metrics.h"
 #include "framework/models/llama.h"
 #include "sharding/pipeline.h"
 
@@ -38,6 +41,10 @@ int main(int argc, char** argv) {
   app.add_option("--hidden", hidden, "hidden size");
   app.add_option("--seq", seq, "sequence length");
   app.add_option("--micro", micro, "sequences per micro-batch");
+  std::string trace_path;
+  app.add_option("--trace", trace_path,
+                 "also record one more step's timeline (Chrome trace-event JSON; scripts/plot "
+                 "draws it)");
   dtrain::cli::parse(app, argc, argv);
   at::set_num_threads(1);
 
@@ -99,6 +106,25 @@ int main(int argc, char** argv) {
         ++n_backward;
       }
     }
+  }
+  if (!trace_path.empty()) {
+    model->zero_grad();
+    world->barrier().wait();
+    dtrain::trace::configure(rank);
+    dtrain::trace::set_recording(true);
+    {
+      dtrain::trace::Scope traced("step", "step");
+      pipe.run(step);
+    }
+    dtrain::trace::set_recording(false);
+    dtrain::framework::RunConfig c;
+    c.source = "pipeline_bench --schedule " + schedule + " --micro-batches " +
+               std::to_string(micro_batches) + " --stages-per-rank " + std::to_string(per_rank);
+    c.logging.trace = trace_path;
+    c.logging.trace_start = steps + 1;  // the step after the timed ones
+    c.logging.trace_steps = 1;
+    c.parallel.strategy = dtrain::framework::ParallelStrategy::kNone;  // pipeline alone
+    dtrain::framework::write_trace(c, world.get(), rank, size);
   }
   busy = forward + backward;
   // Over the ranks: busy time, the slowest wall time, the mean forward and backward costs.

@@ -114,12 +114,19 @@ def plot_trace(path, out):
             rows.append((r, name, [e for e in mine if e["cat"] == "comm" and e["tid"] == tid]))
     colors = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
               "unit": "#8172b3", "comm": "#c44e52"}
+    span_us = max(e["ts"] + e["dur"] for e in spans) - t0
     fig, ax = plt.subplots(figsize=(13, 0.55 * len(rows) + 1.6))
     for y, (r, label, evs) in enumerate(rows):
         for e in evs:
             kind = e["cat"] if e["cat"] in ("unit", "comm") else e["name"].split()[0]
             ax.broken_barh([((e["ts"] - t0) / 1000, max(e["dur"], 1) / 1000)], (y - 0.4, 0.8),
                            color=colors.get(kind, "#999999"), alpha=0.85 if kind != "unit" else 0.6)
+            # A pipeline's actions ("forward 2.5": stage 2, micro-batch 5) carry their numbers.
+            parts = e["name"].split()
+            if e["cat"] == "compute" and len(parts) == 2 and "." in parts[1] and \
+                    e["dur"] > 0.012 * span_us:
+                ax.text((e["ts"] - t0 + e["dur"] / 2) / 1000, y, parts[1], ha="center",
+                        va="center", fontsize=7, color="white")
     for r in ranks:
         for e in spans:
             if e["pid"] == r and e["cat"] == "step":

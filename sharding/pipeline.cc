@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/trace.h"
 
 namespace dtrain::sharding::pp {
 
@@ -61,6 +62,8 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
     const Key k{a.stage, a.micro};
     const double start = seconds();
     if (a.op == Op::kForward) {
+      trace::Scope traced("forward " + std::to_string(a.stage) + "." + std::to_string(a.micro),
+                          "compute");
       at::Tensor input;
       if (a.stage == 0) {
         input = step.inputs[static_cast<size_t>(a.micro)];
@@ -83,6 +86,8 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
       continue;
     }
     if (a.op == Op::kBackward) {
+      trace::Scope traced("backward " + std::to_string(a.stage) + "." + std::to_string(a.micro),
+                          "compute");
       at::Tensor out = take(outputs, k, "output");
       if (a.stage == S - 1) {
         out.backward();
@@ -143,7 +148,17 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
     for (const auto& op : ops) {
       if (op.kind == comm::Communicator::P2POp::kRecv) landing.push_back(op.tensor);
     }
-    group_->batch_p2p(std::move(ops)).wait();
+    std::string name;
+    if (trace::enabled()) {
+      name = "pp";
+      for (size_t x = i; x < j; ++x) name += " " + to_string(actions[x]);
+    }
+    trace::Scope traced(name, "wait");
+    {
+      trace::Label label(name);  // the communicator's track names the batch by its actions
+      comm::Work work = group_->batch_p2p(std::move(ops));
+      work.wait();
+    }
     for (size_t r = 0; r < receives.size(); ++r) {
       (receives[r].second ? arrived : grad_in)[receives[r].first] = landing[r];
     }

@@ -4,7 +4,9 @@
 // travel in `activation_dtype` (the mixed-precision policy's param_dtype) with the shape
 // the caller gives, which every receive allocates and each message's header is checked
 // against (MPI and Gloo). Backwards accumulate into the stage's parameters' .grad, in
-// micro-batch order on every stage.
+// micro-batch order on every stage. While a trace records (core/trace.h), each forward and
+// backward is an event ("forward 2.5": stage 2, micro-batch 5) on the main track, and each
+// batch of messages is named by its actions on the communicator's.
 //
 //   pp::Pipeline pipe(pp::make_schedule(pp::ScheduleKind::k1F1B, 4, 8), pp_group);
 //   pp::Pipeline::Step step;
