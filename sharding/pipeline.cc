@@ -24,6 +24,21 @@ int Pipeline::tag(int boundary, int micro, bool grad) const {
   return static_cast<int>(n % (comm::Communicator::kMaxTag + 1));
 }
 
+at::Tensor Pipeline::loss_sum(const std::vector<at::Tensor>& losses) const {
+  const at::Device device = group_ ? group_->device() : at::Device(at::kCPU);
+  at::Tensor sum = at::zeros({}, at::TensorOptions(at::kDouble).device(device));
+  for (const at::Tensor& l : losses) sum += l.to(device, at::kDouble).reshape({});
+  if (group_) group_->all_reduce(sum, comm::ReduceOp::kSum).wait();
+  return sum;
+}
+
+at::Tensor Pipeline::any_found_inf(const at::Tensor& found_inf) const {
+  const at::Device device = group_ ? group_->device() : at::Device(at::kCPU);
+  at::Tensor flag = found_inf.to(device, at::kFloat).reshape({1}).clone();
+  if (group_) group_->all_reduce(flag, comm::ReduceOp::kMax).wait();
+  return flag.reshape({}).to(found_inf.device());
+}
+
 std::vector<at::Tensor> Pipeline::run(const Step& step) {
   using Key = std::pair<int, int>;  // stage, micro
   const Schedule& s = schedule_;

@@ -49,6 +49,15 @@ class Pipeline {
   // communication failure (the group is then broken).
   std::vector<at::Tensor> run(const Step& step);
 
+  // Agreed across the stages (collective over the group; every rank calls them after run()):
+  //   loss_sum     the last stage's losses summed, on every rank (a 0-d double tensor);
+  //   any_found_inf  a GradScaler's found-inf flag, 1 on every rank when any stage found one
+  //                (each stage unscales its own gradients; all must skip the step together).
+  // The gradient norm over all stages is sharding::clip_grad_norm_tensor_ over the group with
+  // ShardNorm::kPerRank (each rank's stages' norm, combined once, as TorchTitan does).
+  at::Tensor loss_sum(const std::vector<at::Tensor>& losses) const;
+  at::Tensor any_found_inf(const at::Tensor& found_inf) const;
+
   const Schedule& schedule() const { return schedule_; }
   int rank() const { return rank_; }
   // Of the last run: the most micro-batches held at once (activations kept for a backward),

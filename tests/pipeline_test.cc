@@ -15,7 +15,9 @@
 #include <string>
 
 #include "framework/models/llama.h"
+#include "sharding/clip_grad.h"
 #include "sharding/pipeline.h"
+#include "sharding/recompute.h"
 #include "tests/multirank.h"
 
 namespace dtrain::sharding::pp {
@@ -56,6 +58,8 @@ struct Case {
   int micro_batches;
   int stages_per_rank;
   at::ScalarType dtype = at::kFloat;  // the model's, and the activations' on the wire
+  bool recompute = false;             // each stage's forward recomputed in its backward
+  double clip = 0;                    // > 0: clip both runs' gradients to this norm first
 };
 
 void run_case(const Case& c) {
@@ -86,7 +90,16 @@ void run_case(const Case& c) {
   const int64_t per = kLayers / S;
   Pipeline::Step step;
   step.forward = [&](int stage, int, const at::Tensor& x) {
-    return model->forward_stage(x, stage * per, (stage + 1) * per);
+    if (!c.recompute) return model->forward_stage(x, stage * per, (stage + 1) * per);
+    // Only the stage's input kept; its layers run again in backward.
+    std::vector<at::Tensor> params;
+    for (const auto& kv : model->named_parameters()) params.push_back(kv.value());
+    return recompute(
+        [&, stage](const std::vector<at::Tensor>& in) {
+          return std::vector<at::Tensor>{
+              model->forward_stage(in[0], stage * per, (stage + 1) * per)};
+        },
+        {x}, params)[0];
   };
   step.loss = [&](int micro, const at::Tensor& logits) {
     return loss_of(logits, targets[static_cast<size_t>(micro)], M);
@@ -95,6 +108,24 @@ void run_case(const Case& c) {
   step.activation_shape = {kMicro, kSeq, 32};
   step.activation_dtype = c.dtype;  // a sender of another dtype is refused by the receiver
   std::vector<at::Tensor> losses = pipe.run(step);
+  // The loss, agreed: every rank has the last stage's sum.
+  EXPECT_NEAR(pipe.loss_sum(losses).item<double>(), ref_loss,
+              (c.dtype == at::kFloat ? 1e-6 : 1e-3) * std::abs(ref_loss));
+  if (c.clip > 0) {
+    // The norm over every stage (each rank's combined once), and the same clipping.
+    std::vector<at::Tensor> mine, all;
+    for (const auto& kv : model->named_parameters()) {
+      if (kv.value().grad().defined()) mine.push_back(kv.value());
+    }
+    for (const auto& p : ref->parameters()) {
+      if (p.grad().defined()) all.push_back(p);
+    }
+    const double want = clip_grad_norm_(all, c.clip);
+    const double got =
+        clip_grad_norm_(mine, c.clip, 2.0, world_ptr().get(), false, ShardNorm::kPerRank);
+    EXPECT_NEAR(got, want, 1e-6 * want);
+    EXPECT_GT(want, c.clip) << "the clip must bite for the test to mean something";
+  }
   EXPECT_EQ(pipe.peak_in_flight(), pipe.schedule().promised_in_flight[world().rank()]);
   if (pipe.schedule().rank_of(S - 1) == world().rank()) {
     ASSERT_EQ(losses.size(), static_cast<size_t>(M));
@@ -131,9 +162,9 @@ void run_case(const Case& c) {
     ++compared;
   }
   EXPECT_GE(compared, 5);
-  std::printf("%s pp=%d m=%d v=%d %s: %d gradients, worst difference %.2e of the largest\n",
-              schedule_name(c.kind), p, M, c.stages_per_rank, c10::toString(c.dtype), compared,
-              worst);
+  std::printf("%s pp=%d m=%d v=%d %s%s%s: %d gradients, worst difference %.2e of the largest\n",
+              schedule_name(c.kind), p, M, c.stages_per_rank, c10::toString(c.dtype),
+              c.recompute ? " recomputed" : "", c.clip > 0 ? " clipped" : "", compared, worst);
 }
 
 TEST_F(Test, EveryScheduleGivesOneProcessLossAndGradients) {
@@ -142,6 +173,24 @@ TEST_F(Test, EveryScheduleGivesOneProcessLossAndGradients) {
   }
   const int p = world().size();
   for (int m : {p, 2 * p}) run_case({ScheduleKind::kInterleaved1F1B, m, 2});
+}
+
+// Recompute inside the stages, and the gradients clipped over all stages as one process clips
+// the whole model's.
+TEST_F(Test, RecomputeAndClippingAcrossStagesGiveOneProcessGradients) {
+  run_case({ScheduleKind::k1F1B, 4, 1, at::kFloat, /*recompute=*/true});
+  run_case({ScheduleKind::kGPipe, 2, 1, at::kFloat, false, /*clip=*/0.05});
+  run_case({ScheduleKind::kInterleaved1F1B, 2 * world().size(), 2, at::kFloat, true, 0.05});
+}
+
+// A GradScaler's found-inf flag: one stage's inf makes every stage skip.
+TEST_F(Test, AnyStagesFoundInfIsEveryStages) {
+  Pipeline pipe(make_schedule(ScheduleKind::k1F1B, world().size(), 2), world_ptr());
+  for (int culprit = 0; culprit < world().size(); ++culprit) {
+    const at::Tensor mine = at::full({}, world().rank() == culprit ? 1.0f : 0.0f);
+    EXPECT_EQ(pipe.any_found_inf(mine).item<float>(), 1.0f);
+  }
+  EXPECT_EQ(pipe.any_found_inf(at::zeros({})).item<float>(), 0.0f);
 }
 
 // A bf16 model: activations and gradients cross the ranks in bf16, losing nothing.
