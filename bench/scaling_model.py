@@ -7,6 +7,7 @@
     bench/scaling_model.py validate --measured M.json   # against runs on this machine
                                                        # (bench/run_scaling_validation.sh)
     bench/scaling_model.py validate-tp --measured M.jsonl  # FSDP x TP (bench/run_tp_bench.sh)
+    bench/scaling_model.py layout --model 70b --gpus 64   # the best (dp, tp, pp) layouts
 
 The model
 - Collectives, as NCCL implements them, with latency alpha and per-GPU bandwidth B of the
@@ -33,6 +34,17 @@ The model
   group's b s h activations on NVLink (2 forward, 2 backward), or with sequence parallelism 4
   reduce-scatters and 6 all-gathers (Megatron's regather in backward); FSDP then gathers and
   reduce-scatters 1/t of each layer over the dp GPUs, which cross nodes once p > GPUs per node.
+- Pipeline parallelism (FSDP x TP x PP, `layout`): pp stages of L/pp layers each, m
+  micro-batches under 1F1B. Each GPU computes what it would without PP (weak scaling), plus the
+  bubble, (pp-1)/m of the step's compute, plus 2 (m + pp - 1) activation transfers of one
+  micro-batch (b s h, bf16) on the critical path, over InfiniBand once tp x pp > GPUs per
+  node. FSDP runs over the dp GPUs on the stage's layers, gathered once and reduce-scattered
+  once per step (not per micro-batch). Memory per GPU: 16 bytes per parameter (bf16 parameter
+  and gradient, fp32 master and Adam's two moments) over all GPUs, the gathered units
+  (prefetch + 1 of them, bf16, 1/tp each), and activations of 34 h bytes per token and layer
+  over tp (Korthikanti et al. 2022, flash attention; no recompute) for the micro-batches
+  in flight: pp on the first stage under 1F1B, one without PP (the same m micro-batches
+  accumulated).
 - Weak scaling: the per-GPU batch is fixed, so compute is the same at every scale;
   efficiency = step without communication / modelled step.
 - The step profile (forward, backward, optimizer, when each bucket's gradients are ready, each
@@ -359,6 +371,80 @@ def tp_table(args):
                                                 "none of these scales.") + "\n")
 
 
+def pp_layout(prof, gpus, dp, tp, pp, m, links, prefetch=2, act_bytes=2):
+    """Step (s) and memory per GPU (bytes) of FSDP over dp x TP over tp x PP over pp stages with
+    m micro-batches (1F1B), per the module's notes."""
+    base = Profile(prof.name, prof.forward, prof.backward, prof.optimizer / gpus, [], prof.units)
+    base.hidden, base.tokens, base.layers = prof.hidden, prof.tokens, prof.layers
+    staged = tp_profile(base, tp, gpus, links) if tp > 1 else base
+    per = len(staged.units) // pp
+    # A stage: its layers, each computing pp times its share (the GPU's compute unchanged).
+    units = [(b, f * pp, bw * pp) for b, f, bw in staged.units[:per]]
+    stage = Profile(staged.name, staged.forward, staged.backward, base.optimizer, [], units)
+    step, _ = fsdp_step(stage, dp, links, prefetch, span=gpus)
+    compute = staged.forward + staged.backward
+    tokens = prof.tokens * tp * pp  # one pipeline's: its GPUs' tokens together
+    if pp > 1:
+        a, bw = links.of(tp * pp)
+        hop = a + tokens / m * prof.hidden * act_bytes / bw
+        step += (pp - 1) / m * compute + 2 * (m + pp - 1) * hop
+    params = sum(b for b, _, _ in prof.units) / 2  # the units hold bf16 bytes
+    states = 16 * params / gpus
+    gathered = (prefetch + 1) * (params * 2 / prof.layers) / tp if dp > 1 else 0
+    # Micro-batches in flight: pp on the first stage under 1F1B; one without PP (gradient
+    # accumulation over the same m micro-batches).
+    in_flight = min(pp, m)
+    acts = in_flight * tokens / m * per * 34 * prof.hidden / tp
+    return step, states + gathered + acts
+
+
+MODELS = {
+    "gpt2": ("GPT-2 small (124M)", 124e6, 12, 768, 12),
+    "7b": ("7B", 6.7e9, 32, 4096, 32),
+    "70b": ("70B", 70e9, 80, 8192, 64),
+}
+
+
+def layout(args):
+    """Every (dp, tp, pp) of a cluster for one model, by modelled step; the best that fits."""
+    links = Links(args.nvlink_us * 1e-6, args.nvlink_gbps * 1e9, args.ib_us * 1e-6,
+                  args.ib_gbps * 1e9, args.gpus_per_node)
+    name, params, layers, hidden, heads = MODELS[args.model]
+    n = args.gpus
+    tokens_per_gpu = args.global_tokens // n if args.global_tokens else args.tokens_per_gpu
+    prof = transformer_preset(name, params, layers, tokens_per_gpu, args.tflops, args.mfu,
+                              hidden=hidden)
+    rows = []
+    for tp in (t for t in (1, 2, 4, 8) if t <= args.gpus_per_node and heads % t == 0):
+        for pp in (q for q in range(1, layers + 1) if layers % q == 0):
+            if n % (tp * pp):
+                continue
+            dp = n // (tp * pp)
+            m = max(args.micro_batches, pp)
+            step, mem = pp_layout(prof, n, dp, tp, pp, m, links, args.prefetch)
+            rows.append((step, dp, tp, pp, m, mem))
+    rows.sort()
+    limit = args.gpu_gib * 2**30
+    fits = [r for r in rows if r[5] <= limit]
+    compute = prof.forward + prof.backward + prof.optimizer / n
+    print(f"{name} on {n} GPUs ({args.gpus_per_node} per node), {tokens_per_gpu} tokens "
+          f"per GPU, 1F1B with max(pp, {args.micro_batches}) micro-batches; memory limit "
+          f"{args.gpu_gib:g} GiB per GPU\n")
+    print("| dp | tp | pp | micro-batches | step (ms) | efficiency | memory per GPU (GiB) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for step, dp, tp, pp, m, mem in rows[:args.top]:
+        note = "" if mem <= limit else " (does not fit)"
+        print(f"| {dp} | {tp} | {pp} | {m} | {step * 1e3:.1f} | {compute / step:.1%} | "
+              f"{mem / 2**30:.1f}{note} |")
+    if fits:
+        step, dp, tp, pp, m, mem = fits[0]
+        print(f"\nbest that fits: dp {dp} x tp {tp} x pp {pp} ({m} micro-batches): "
+              f"{step * 1e3:.1f} ms, {mem / 2**30:.1f} GiB per GPU")
+    else:
+        print("\nno layout fits: more GPUs, fewer tokens per GPU, or recompute")
+    return 0
+
+
 def _fit(points):
     return fit_alpha_beta([(b, t) for b, t in points])
 
@@ -498,6 +584,20 @@ def main():
     vt = sub.add_parser("validate-tp", help="FSDP x TP predicted against tp_bench's runs here")
     vt.add_argument("--measured", required=True, help="tp_bench's JSON lines")
     vt.add_argument("--cores", type=float, default=2)
+    ly = sub.add_parser("layout", help="the best (dp, tp, pp) for a model on a cluster")
+    ly.add_argument("--model", choices=sorted(MODELS), default="7b")
+    ly.add_argument("--gpus", type=int, default=64)
+    ly.add_argument("--tokens-per-gpu", type=int, default=8192)
+    ly.add_argument("--global-tokens", type=int, default=0,
+                    help="a fixed global batch instead (tokens per GPU = this / GPUs)")
+    ly.add_argument("--micro-batches", type=int, default=8)
+    ly.add_argument("--gpu-gib", type=float, default=141, help="memory per GPU (H200: 141)")
+    ly.add_argument("--top", type=int, default=8)
+    for name, default in (("nvlink-gbps", 450), ("nvlink-us", 3), ("ib-gbps", 50), ("ib-us", 8),
+                          ("tflops", 989), ("mfu", 0.4)):
+        ly.add_argument("--" + name, type=float, default=default)
+    ly.add_argument("--gpus-per-node", type=int, default=8)
+    ly.add_argument("--prefetch", type=int, default=2)
     v = sub.add_parser("validate", help="predicted against measured on this machine")
     v.add_argument("--measured", required=True)
     v.add_argument("--cpu-share", type=float, default=1.0,
@@ -512,6 +612,8 @@ def main():
         return 0
     if a.cmd == "validate-tp":
         return validate_tp(a)
+    if a.cmd == "layout":
+        return layout(a)
     return validate(a)
 
 
