@@ -149,6 +149,41 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stag
   return s;
 }
 
+std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t layers, int stages,
+                                                      const std::vector<int64_t>& split) {
+  DTRAIN_CHECK_AS(ConfigError, stages >= 1, "pipeline: ", stages, " stages");
+  std::vector<int64_t> counts = split;
+  if (counts.empty()) {
+    DTRAIN_CHECK_AS(ConfigError, layers >= stages, "pipeline: ", stages, " stages for a model of ",
+                    layers, " layers would leave a stage empty; use at most ", layers, " stages");
+    DTRAIN_CHECK_AS(ConfigError, layers % stages == 0, "pipeline: ", layers,
+                    " layers do not split evenly into ", stages,
+                    " stages; give each stage's layer count in parallel.pp_split (for example [",
+                    layers / stages + 1, ", ..., ", layers / stages, "])");
+    counts.assign(static_cast<size_t>(stages), layers / stages);
+  }
+  std::ostringstream given;
+  for (size_t i = 0; i < counts.size(); ++i) given << (i ? ", " : "") << counts[i];
+  DTRAIN_CHECK_AS(ConfigError, static_cast<int>(counts.size()) == stages, "parallel.pp_split [",
+                  given.str(), "] names ", counts.size(), " stages, but the pipeline has ", stages,
+                  " (parallel.pp x parallel.pp_stages_per_rank)");
+  int64_t sum = 0;
+  for (size_t i = 0; i < counts.size(); ++i) {
+    DTRAIN_CHECK_AS(ConfigError, counts[i] >= 1, "parallel.pp_split [", given.str(),
+                    "] leaves stage ", i, " without layers; every stage needs at least one");
+    sum += counts[i];
+  }
+  DTRAIN_CHECK_AS(ConfigError, sum == layers, "parallel.pp_split [", given.str(), "] adds up to ",
+                  sum, " layers, but the model has ", layers);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t begin = 0;
+  for (int64_t c : counts) {
+    out.push_back({begin, begin + c});
+    begin += c;
+  }
+  return out;
+}
+
 std::string format(const Schedule& s, int rank) {
   std::ostringstream os;
   bool in_batch = false;

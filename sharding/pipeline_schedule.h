@@ -26,7 +26,9 @@
 // one process running the micro-batches one after another.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dtrain::sharding::pp {
@@ -83,6 +85,13 @@ std::vector<std::vector<Action>> with_communication(const std::vector<std::vecto
 // Each compute action a step of its own.
 std::vector<std::vector<Action>> with_communication(const std::vector<std::vector<Action>>& compute,
                                                     int ranks, int stages);
+
+// The layers of each stage, [begin, end) per stage: `split` (layer counts per stage, as
+// parallel.pp_split gives them), or an even split when it is empty. ConfigError naming the
+// counts when a stage would be empty, when the counts do not add up to `layers`, or, with no
+// split given, when `stages` does not divide `layers` (an uneven split must be spelled out).
+std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t layers, int stages,
+                                                      const std::vector<int64_t>& split = {});
 
 // One rank's list, one action per line, batches of communication on one line.
 std::string format(const Schedule& s, int rank);

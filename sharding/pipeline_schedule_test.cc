@@ -154,6 +154,30 @@ TEST(PipelineSchedule, MisorderedSchedulesAreRefused) {
   }
 }
 
+TEST(PipelineSchedule, LayersSplitEvenlyOrAsGivenAndBadSplitsAreRefused) {
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(split_layers(8, 4), (Ranges{{0, 2}, {2, 4}, {4, 6}, {6, 8}}));
+  EXPECT_EQ(split_layers(8, 2, {3, 5}), (Ranges{{0, 3}, {3, 8}}));
+  auto error_of_split = [](int64_t layers, int stages, std::vector<int64_t> split) {
+    try {
+      split_layers(layers, stages, split);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(error_of_split(8, 3, {}).find("8 layers do not split evenly into 3 stages; give "
+                                          "each stage's layer count in parallel.pp_split"),
+            std::string::npos);
+  EXPECT_NE(error_of_split(2, 4, {}).find("would leave a stage empty"), std::string::npos);
+  EXPECT_NE(error_of_split(8, 2, {8, 0}).find("leaves stage 1 without layers"),
+            std::string::npos);
+  EXPECT_NE(error_of_split(8, 2, {3, 4}).find("adds up to 7 layers, but the model has 8"),
+            std::string::npos);
+  EXPECT_NE(error_of_split(8, 4, {4, 4}).find("names 2 stages, but the pipeline has 4"),
+            std::string::npos);
+}
+
 TEST(PipelineSchedule, ImpossibleConfigurationsAreRefused) {
   EXPECT_THROW(make_schedule(ScheduleKind::kInterleaved1F1B, 4, 6, 2), ConfigError);
   EXPECT_THROW(make_schedule(ScheduleKind::kInterleaved1F1B, 4, 8, 1), ConfigError);

@@ -60,6 +60,7 @@ struct Case {
   at::ScalarType dtype = at::kFloat;  // the model's, and the activations' on the wire
   bool recompute = false;             // each stage's forward recomputed in its backward
   double clip = 0;                    // > 0: clip both runs' gradients to this norm first
+  std::vector<int64_t> split = {};    // layers per stage; empty: even
 };
 
 void run_case(const Case& c) {
@@ -86,18 +87,18 @@ void run_case(const Case& c) {
   LlamaForCausalLM model = make_model(c.dtype);
   Pipeline pipe(make_schedule(c.kind, p, M, c.stages_per_rank), world_ptr());
   const int S = pipe.schedule().stages;
-  ASSERT_EQ(kLayers % S, 0);
-  const int64_t per = kLayers / S;
+  const auto ranges = split_layers(kLayers, S, c.split);
+  auto begin = [&](int stage) { return ranges[static_cast<size_t>(stage)].first; };
+  auto end = [&](int stage) { return ranges[static_cast<size_t>(stage)].second; };
   Pipeline::Step step;
   step.forward = [&](int stage, int, const at::Tensor& x) {
-    if (!c.recompute) return model->forward_stage(x, stage * per, (stage + 1) * per);
+    if (!c.recompute) return model->forward_stage(x, begin(stage), end(stage));
     // Only the stage's input kept; its layers run again in backward.
     std::vector<at::Tensor> params;
     for (const auto& kv : model->named_parameters()) params.push_back(kv.value());
     return recompute(
         [&, stage](const std::vector<at::Tensor>& in) {
-          return std::vector<at::Tensor>{
-              model->forward_stage(in[0], stage * per, (stage + 1) * per)};
+          return std::vector<at::Tensor>{model->forward_stage(in[0], begin(stage), end(stage))};
         },
         {x}, params)[0];
   };
@@ -140,7 +141,10 @@ void run_case(const Case& c) {
     if (name.rfind("model.embed_tokens", 0) == 0) return 0;
     if (name.rfind("model.norm", 0) == 0 || name.rfind("lm_head", 0) == 0) return S - 1;
     const auto dot = name.find('.', 13);  // "model.layers.<i>."
-    return static_cast<int>(std::stoll(name.substr(13, dot - 13)) / per);
+    const int64_t layer = std::stoll(name.substr(13, dot - 13));
+    int stage = 0;
+    while (end(stage) <= layer) ++stage;
+    return stage;
   };
   auto ref_params = ref->named_parameters();
   int compared = 0;
@@ -181,6 +185,16 @@ TEST_F(Test, RecomputeAndClippingAcrossStagesGiveOneProcessGradients) {
   run_case({ScheduleKind::k1F1B, 4, 1, at::kFloat, /*recompute=*/true});
   run_case({ScheduleKind::kGPipe, 2, 1, at::kFloat, false, /*clip=*/0.05});
   run_case({ScheduleKind::kInterleaved1F1B, 2 * world().size(), 2, at::kFloat, true, 0.05});
+}
+
+// Stages of unequal depth (parallel.pp_split): the embedding's stage shallower, as the head's
+// stage holds the costlier end.
+TEST_F(Test, AnUnevenSplitGivesOneProcessGradients) {
+  const int p = world().size();
+  std::vector<int64_t> split(static_cast<size_t>(p), kLayers / p);
+  split[0] += 1;
+  split[static_cast<size_t>(p - 1)] -= 1;
+  run_case({ScheduleKind::k1F1B, 4, 1, at::kFloat, false, 0, split});
 }
 
 // A GradScaler's found-inf flag: one stage's inf makes every stage skip.
