@@ -334,6 +334,7 @@ void Communicator::run_p2p(const P2PTransport& t, const Collective& c) {
   std::vector<P2PWait> header_done(n);
   std::vector<at::Tensor> host(n);  // the bytes that travel: on the host (CUDA is staged)
   std::vector<P2PWait> data_done;
+  std::vector<P2PWait> bytes_done(n);  // receives waited on threads of their own
   try {
     for (size_t i = 0; i < n; ++i) {
       const P2POp& op = c.p2p[i];
@@ -386,24 +387,32 @@ void Communicator::run_p2p(const P2PTransport& t, const Collective& c) {
       P2PWait bytes = checked(i);
       if (bytes) data_done.push_back(std::move(bytes));
     } else if (!waiting.empty() && !header_done[waiting[0]].done) {
-      // Several: a thread per receive waits for its header, and all are joined.
-      std::vector<P2PWait> bytes_done(n);
+      // Several: a thread per receive waits for its header, and all are joined (those
+      // started, should starting one fail).
       std::vector<std::exception_ptr> errors(n);
       std::vector<std::thread> threads;
-      for (size_t i : waiting) {
-        threads.emplace_back([&, i] {
-          try {
-            header_done[i].wait();
-            header_done[i] = {};
-            bytes_done[i] = checked(i);
-            if (bytes_done[i]) bytes_done[i].wait();
-            bytes_done[i] = {};
-          } catch (...) {
-            errors[i] = std::current_exception();
-          }
-        });
+      auto join_all = [&threads] {
+        for (auto& th : threads) th.join();
+      };
+      try {
+        for (size_t i : waiting) {
+          threads.emplace_back([&, i] {
+            try {
+              header_done[i].wait();
+              header_done[i] = {};
+              bytes_done[i] = checked(i);
+              if (bytes_done[i]) bytes_done[i].wait();
+              bytes_done[i] = {};
+            } catch (...) {
+              errors[i] = std::current_exception();
+            }
+          });
+        }
+      } catch (...) {
+        join_all();
+        throw;
       }
-      for (auto& th : threads) th.join();
+      join_all();
       for (auto& e : errors) {
         if (e) std::rethrow_exception(e);
       }
@@ -423,7 +432,13 @@ void Communicator::run_p2p(const P2PTransport& t, const Collective& c) {
           P2PWait bytes = checked(i);
           if (bytes) data_done.push_back(std::move(bytes));
         }
-        if (!progressed) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        if (!progressed) {
+          // The caller gave up (a timeout broke the communicator): stop polling, as the
+          // worker may be shared with other communicators.
+          DTRAIN_CHECK_AS(CommError, !c.state->is_completed(), describe(c.state->info()),
+                          ": abandoned after it failed or timed out, a header still missing");
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
       }
     }
     for (auto& done : data_done) {
@@ -460,6 +475,9 @@ void Communicator::run_p2p(const P2PTransport& t, const Collective& c) {
       if (w) kept->push_back(std::move(w));
     }
     for (auto& w : data_done) {
+      if (w) kept->push_back(std::move(w));
+    }
+    for (auto& w : bytes_done) {
       if (w) kept->push_back(std::move(w));
     }
     throw;

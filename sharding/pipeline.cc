@@ -71,7 +71,7 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
     m.erase(it);
     return t;
   };
-  const auto options = at::TensorOptions().dtype(step.activation_dtype);
+  const auto options = at::TensorOptions().dtype(step.activation_dtype).device(step.device);
   for (size_t i = 0; i < actions.size();) {
     const Action& a = actions[i];
     const Key k{a.stage, a.micro};
@@ -93,7 +93,10 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
         outputs[k] = loss;
       } else {
         outputs[k] = out;
-        if (s.rank_of(a.stage + 1) == rank_) arrived[{a.stage + 1, a.micro}] = out;
+        // Between stages on this rank too, the activation is what a message would carry.
+        if (s.rank_of(a.stage + 1) == rank_) {
+          arrived[{a.stage + 1, a.micro}] = out.to(step.activation_dtype);
+        }
       }
       peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
       spans_.push_back({a, start, seconds()});
@@ -104,11 +107,13 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
       trace::Scope traced("backward " + std::to_string(a.stage) + "." + std::to_string(a.micro),
                           "compute");
       at::Tensor out = take(outputs, k, "output");
+      // An output that needs no gradient (a frozen stage, or a run under NoGradGuard) has no
+      // backward to run; its input's gradient is then zeros.
       if (a.stage == S - 1) {
-        out.backward();
+        if (out.requires_grad()) out.backward();
       } else {
         at::Tensor g = take(grad_in, k, "output gradient");
-        out.backward(g.to(out.scalar_type()));
+        if (out.requires_grad()) out.backward(g.to(out.device(), out.scalar_type()));
       }
       if (a.stage > 0) {
         at::Tensor in = take(inputs, k, "input");

@@ -8,13 +8,18 @@
 // backward is an event ("forward 2.5": stage 2, micro-batch 5) on the main track, and each
 // batch of messages is named by its actions on the communicator's.
 //
+// clang-format off
 //   pp::Pipeline pipe(pp::make_schedule(pp::ScheduleKind::k1F1B, 4, 8), pp_group);
 //   pp::Pipeline::Step step;
 //   step.forward = [&](int stage, int micro, const at::Tensor& x) { return run_stage(stage, x); };
-//   step.loss = [&](int micro, const at::Tensor& logits) { return ce(logits, targets[micro]) / 8;
-//   }; step.inputs = token_micro_batches;   // read on stage 0's rank step.activation_shape = {2,
-//   128, 512}; auto losses = pipe.run(step);        // the last stage's rank: one loss per
-//   micro-batch
+//   step.loss = [&](int micro, const at::Tensor& y) { return ce(y, targets[micro]) / 8; };
+//   step.inputs = token_micro_batches;     // read on stage 0's rank
+//   step.activation_shape = {2, 128, 512};
+//   auto losses = pipe.run(step);          // the last stage's rank: one loss per micro-batch
+// clang-format on
+//
+// A stage whose output needs no gradient (all its parameters frozen, or a run under
+// NoGradGuard) runs no backward; the gradient it sends back is zeros.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -42,6 +47,9 @@ class Pipeline {
     std::vector<at::Tensor> inputs;
     std::vector<int64_t> activation_shape;  // of every stage boundary's activation
     at::ScalarType activation_dtype = at::kFloat;
+    // Where receives land: the stages' device (NCCL needs CUDA; MPI and Gloo stage CUDA
+    // tensors through the host themselves).
+    at::Device device = at::kCPU;
   };
 
   // Runs this rank's actions once. Returns the last stage's losses (detached), one per

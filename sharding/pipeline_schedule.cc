@@ -236,6 +236,7 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
   std::vector<double> clock(static_cast<size_t>(p), 0.0);
   std::vector<int> in_flight(static_cast<size_t>(p), 0);
   std::set<Key> forwarded, backwarded, activation_in, grad_in;
+  std::set<std::tuple<int, int, int>> communicated;  // op, stage, micro
   // Per rank, the batch at its head: its actions, which are complete, and when each rank
   // posted it.
   struct Posted {
@@ -315,6 +316,14 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
           }
           const Action other = counterpart(c);
           if (other.stage < 0 || other.stage >= S) fail(r, c, "no stage to pair with");
+          if (s.rank_of(other.stage) == r) {
+            fail(r, c,
+                 "stage " + std::to_string(other.stage) +
+                     " is on this rank too: nothing is sent between them");
+          }
+          if (!communicated.insert({static_cast<int>(c.op), c.stage, c.micro}).second) {
+            fail(r, c, "done twice");
+          }
           b.ops.push_back(c);
           b.done.push_back(false);
           b.when.push_back(clock[ri]);

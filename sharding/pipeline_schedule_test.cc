@@ -45,6 +45,33 @@ TEST(PipelineSchedule, EveryScheduleRunsAndHoldsWhatItPromises) {
   }
 }
 
+// Every combination make_schedule accepts, up to 8 ranks, 4 stages each and 24 micro-batches:
+// no deadlock, the promise kept, the textbook bubble.
+TEST(PipelineSchedule, EveryAcceptedCombinationChecks) {
+  int accepted = 0;
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B}) {
+    for (int p = 1; p <= 8; ++p) {
+      for (int v = 1; v <= 4; ++v) {
+        for (int m = 1; m <= 24; ++m) {
+          Schedule s;
+          try {
+            s = make_schedule(kind, p, m, v);
+          } catch (const ConfigError&) {
+            continue;
+          }
+          ++accepted;
+          SCOPED_TRACE(std::string(schedule_name(kind)) + " p=" + std::to_string(p) +
+                       " v=" + std::to_string(v) + " m=" + std::to_string(m));
+          Simulation sim = simulate(s);
+          EXPECT_NEAR(sim.bubble, theoretical_bubble(s), 1e-9);
+          EXPECT_EQ(sim.peak_in_flight, s.promised_in_flight);
+        }
+      }
+    }
+  }
+  EXPECT_GT(accepted, 500);
+}
+
 TEST(PipelineSchedule, InterleavedHasTheSmallerBubble) {
   for (int p : {2, 4}) {
     for (int v : {2, 3}) {
@@ -145,6 +172,16 @@ TEST(PipelineSchedule, MisorderedSchedulesAreRefused) {
     Schedule bad = s;
     bad.actions[0][0].stage = 1;
     EXPECT_NE(error_of(bad).find("rank 0, F 1.0: stage 1 lives on rank 1"), std::string::npos);
+    // Communication between stages on one rank, and a message sent twice.
+    Schedule self = make_schedule(ScheduleKind::kInterleaved1F1B, 1, 2, 2);
+    self.actions[0].insert(self.actions[0].begin() + 1, Action{Op::kSendActivation, 0, 0});
+    EXPECT_NE(error_of(self).find("stage 1 is on this rank too"), std::string::npos)
+        << error_of(self);
+    Schedule twice = s;
+    auto& t = twice.actions[0];
+    t.insert(std::find(t.begin(), t.end(), Action{Op::kSendActivation, 0, 0}) + 1,
+             Action{Op::kSendActivation, 0, 0});
+    EXPECT_NE(error_of(twice).find("SA 0.0: done twice"), std::string::npos) << error_of(twice);
     Schedule lost = s;
     auto& l = lost.actions[1];
     l.erase(std::find(l.begin(), l.end(), Action{Op::kBackward, 1, 2}));
@@ -170,8 +207,7 @@ TEST(PipelineSchedule, LayersSplitEvenlyOrAsGivenAndBadSplitsAreRefused) {
                                           "each stage's layer count in parallel.pp_split"),
             std::string::npos);
   EXPECT_NE(error_of_split(2, 4, {}).find("would leave a stage empty"), std::string::npos);
-  EXPECT_NE(error_of_split(8, 2, {8, 0}).find("leaves stage 1 without layers"),
-            std::string::npos);
+  EXPECT_NE(error_of_split(8, 2, {8, 0}).find("leaves stage 1 without layers"), std::string::npos);
   EXPECT_NE(error_of_split(8, 2, {3, 4}).find("adds up to 7 layers, but the model has 8"),
             std::string::npos);
   EXPECT_NE(error_of_split(8, 4, {4, 4}).find("names 2 stages, but the pipeline has 4"),

@@ -14,6 +14,7 @@
 #include <map>
 #include <string>
 
+#include "core/error.h"
 #include "framework/models/llama.h"
 #include "sharding/clip_grad.h"
 #include "sharding/pipeline.h"
@@ -61,10 +62,26 @@ struct Case {
   bool recompute = false;             // each stage's forward recomputed in its backward
   double clip = 0;                    // > 0: clip both runs' gradients to this norm first
   std::vector<int64_t> split = {};    // layers per stage; empty: even
+  bool local = false;                 // every stage on this rank (a pipeline of one rank)
+  bool freeze_first = false;          // stage 0's parameters frozen in both runs
 };
 
+// Freezes the embedding and layers [0, end) of `m`: a first stage without gradients.
+void freeze_first_stage(LlamaForCausalLM& m, int64_t end) {
+  for (const auto& kv : m->named_parameters()) {
+    const std::string& name = kv.key();
+    bool first = name.rfind("model.embed_tokens", 0) == 0;
+    if (name.rfind("model.layers.", 0) == 0) {
+      first = std::stoll(name.substr(13, name.find('.', 13) - 13)) < end;
+    }
+    if (first) kv.value().requires_grad_(false);
+  }
+}
+
 void run_case(const Case& c) {
-  const int p = world().size();
+  const int p = c.local ? 1 : world().size();
+  const int me = c.local ? 0 : world().rank();
+  const auto group = c.local ? nullptr : world_ptr();
   SCOPED_TRACE(std::string(schedule_name(c.kind)) + " pp=" + std::to_string(p) +
                " m=" + std::to_string(c.micro_batches) + " v=" + std::to_string(c.stages_per_rank) +
                " " + c10::toString(c.dtype));
@@ -75,8 +92,10 @@ void run_case(const Case& c) {
     tokens.push_back(at::randint(kVocab, {kMicro, kSeq}, gen));
     targets.push_back(at::randint(kVocab, {kMicro, kSeq}, gen));
   }
+  const int64_t first_end = split_layers(kLayers, p * c.stages_per_rank, c.split)[0].second;
   // One process: the micro-batches in turn.
   LlamaForCausalLM ref = make_model(c.dtype);
+  if (c.freeze_first) freeze_first_stage(ref, first_end);
   double ref_loss = 0;
   for (int m = 0; m < M; ++m) {
     at::Tensor loss = loss_of(ref->forward(tokens[m]), targets[m], M);
@@ -85,7 +104,8 @@ void run_case(const Case& c) {
   }
   // The pipeline.
   LlamaForCausalLM model = make_model(c.dtype);
-  Pipeline pipe(make_schedule(c.kind, p, M, c.stages_per_rank), world_ptr());
+  if (c.freeze_first) freeze_first_stage(model, first_end);
+  Pipeline pipe(make_schedule(c.kind, p, M, c.stages_per_rank), group);
   const int S = pipe.schedule().stages;
   const auto ranges = split_layers(kLayers, S, c.split);
   auto begin = [&](int stage) { return ranges[static_cast<size_t>(stage)].first; };
@@ -122,13 +142,12 @@ void run_case(const Case& c) {
       if (p.grad().defined()) all.push_back(p);
     }
     const double want = clip_grad_norm_(all, c.clip);
-    const double got =
-        clip_grad_norm_(mine, c.clip, 2.0, world_ptr().get(), false, ShardNorm::kPerRank);
+    const double got = clip_grad_norm_(mine, c.clip, 2.0, group.get(), false, ShardNorm::kPerRank);
     EXPECT_NEAR(got, want, 1e-6 * want);
     EXPECT_GT(want, c.clip) << "the clip must bite for the test to mean something";
   }
-  EXPECT_EQ(pipe.peak_in_flight(), pipe.schedule().promised_in_flight[world().rank()]);
-  if (pipe.schedule().rank_of(S - 1) == world().rank()) {
+  EXPECT_EQ(pipe.peak_in_flight(), pipe.schedule().promised_in_flight[me]);
+  if (pipe.schedule().rank_of(S - 1) == me) {
     ASSERT_EQ(losses.size(), static_cast<size_t>(M));
     double sum = 0;
     for (const auto& l : losses) sum += l.item<double>();
@@ -152,7 +171,7 @@ void run_case(const Case& c) {
   for (const auto& kv : model->named_parameters()) {
     const at::Tensor& want = ref_params[kv.key()].grad();
     const at::Tensor& got = kv.value().grad();
-    if (pipe.schedule().rank_of(stage_of(kv.key())) != world().rank()) {
+    if (pipe.schedule().rank_of(stage_of(kv.key())) != me) {
       EXPECT_FALSE(got.defined()) << kv.key() << " is another rank's";
       continue;
     }
@@ -165,7 +184,7 @@ void run_case(const Case& c) {
     worst = std::max(worst, scale > 0 ? diff / scale : diff);
     ++compared;
   }
-  EXPECT_GE(compared, 5);
+  EXPECT_GE(compared, c.freeze_first && me == 0 ? 0 : 5);  // a frozen stage has no gradient
   std::printf("%s pp=%d m=%d v=%d %s%s%s: %d gradients, worst difference %.2e of the largest\n",
               schedule_name(c.kind), p, M, c.stages_per_rank, c10::toString(c.dtype),
               c.recompute ? " recomputed" : "", c.clip > 0 ? " clipped" : "", compared, worst);
@@ -187,14 +206,45 @@ TEST_F(Test, RecomputeAndClippingAcrossStagesGiveOneProcessGradients) {
   run_case({ScheduleKind::kInterleaved1F1B, 2 * world().size(), 2, at::kFloat, true, 0.05});
 }
 
-// Stages of unequal depth (parallel.pp_split): the embedding's stage shallower, as the head's
-// stage holds the costlier end.
+// Stages of unequal depth (parallel.pp_split): one layer moved from the last stage, which
+// also holds the norm, the head and the loss, to the first.
 TEST_F(Test, AnUnevenSplitGivesOneProcessGradients) {
   const int p = world().size();
+  ASSERT_GE(kLayers / p, 2) << "run at 2 to 4 ranks";
   std::vector<int64_t> split(static_cast<size_t>(p), kLayers / p);
   split[0] += 1;
   split[static_cast<size_t>(p - 1)] -= 1;
   run_case({ScheduleKind::k1F1B, 4, 1, at::kFloat, false, 0, split});
+}
+
+// A pipeline of one rank holding every stage (interleaved_1f1b's looping placement on one
+// rank): the hand-offs between its stages stay on the rank.
+TEST_F(Test, OneRankHoldingEveryStageGivesOneProcessGradients) {
+  Case c{ScheduleKind::kInterleaved1F1B, 4, 4};
+  c.local = true;
+  run_case(c);
+}
+
+// A tied head is the embedding: split across stages its gradient would be split too.
+TEST_F(Test, TiedEmbeddingsAreNotSplitIntoStages) {
+  LlamaOptions o;
+  o.vocab_size(kVocab)
+      .hidden_size(32)
+      .intermediate_size(48)
+      .num_hidden_layers(2)
+      .num_attention_heads(4)
+      .num_key_value_heads(2)
+      .tie_word_embeddings(true);
+  LlamaForCausalLM m(o);
+  at::Tensor tokens = at::zeros({1, 4}, at::kLong);
+  EXPECT_THROW(m->forward_stage(tokens, 0, 1), UsageError);
+  EXPECT_EQ(m->forward_stage(tokens, 0, 2).sizes(), m->forward(tokens).sizes());
+}
+
+// A frozen first stage: no backward runs there, and the others' gradients are one process's.
+TEST_F(Test, AFrozenStageRunsNoBackward) {
+  // The embedding and first layers frozen: stage 0's output needs no gradient.
+  run_case({ScheduleKind::k1F1B, 2, 1, at::kFloat, false, 0, {}, false, /*freeze_first=*/true});
 }
 
 // A GradScaler's found-inf flag: one stage's inf makes every stage skip.

@@ -241,6 +241,10 @@ at::Tensor LlamaForCausalLMImpl::forward_stage(const at::Tensor& x, int64_t begi
   const int64_t layers = o_.num_hidden_layers();
   DTRAIN_CHECK_AS(UsageError, 0 <= begin && begin < end && end <= layers, "Llama: stage layers [",
                   begin, ", ", end, ") outside the model's ", layers);
+  DTRAIN_CHECK_AS(UsageError, !o_.tie_word_embeddings() || (begin == 0 && end == layers),
+                  "Llama: a model with tie_word_embeddings cannot be split into pipeline stages "
+                  "(its head is the embedding, whose gradient the first and the last stage "
+                  "would each hold a part of); set tie_word_embeddings: false");
   at::Tensor h = x;
   if (begin == 0) {
     DTRAIN_CHECK_AS(UsageError, x.dim() == 2, "Llama: tokens must be [batch, seq], got ",
