@@ -325,7 +325,7 @@ Work Communicator::batch_p2p(std::vector<P2POp> ops) {
   return Work(state);
 }
 
-void Communicator::run_p2p(const P2PTransport& t, const Collective& c) {
+void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
   const size_t n = c.p2p.size();
   auto bytes_of = [](const at::Tensor& flat) {
     return flat.view(at::kByte);  // 1-D host tensor: its bytes, in place
@@ -344,15 +344,14 @@ void Communicator::run_p2p(const P2PTransport& t, const Collective& c) {
         const Header h = header_of(op.tensor);
         std::copy(h.begin(), h.end(), headers[i].data_ptr<int64_t>());
       }
-      header_done[i] =
-          (sends ? t.isend : t.irecv)(bytes_of(headers[i]), op.peer, transport_tag(op.tag, false));
+      header_done[i] = post(sends, bytes_of(headers[i]), op.peer, transport_tag(op.tag, false));
     }
     for (size_t i = 0; i < n; ++i) {
       const P2POp& op = c.p2p[i];
       if (op.kind != P2POp::kSend) continue;
       host[i] = to_host_flat(op.tensor);
       if (host[i].numel() > 0) {
-        data_done.push_back(t.isend(bytes_of(host[i]), op.peer, transport_tag(op.tag, true)));
+        data_done.push_back(post(true, bytes_of(host[i]), op.peer, transport_tag(op.tag, true)));
       }
     }
     // Each receive's bytes are posted once its header is in and checked, in the order the
@@ -371,8 +370,9 @@ void Communicator::run_p2p(const P2PTransport& t, const Collective& c) {
                     "both stages' idea of the activation, micro-batch size included)");
       }
       host[i] = host_flat_like(op.tensor);
-      return host[i].numel() > 0 ? t.irecv(bytes_of(host[i]), op.peer, transport_tag(op.tag, true))
-                                 : P2PWait{};
+      return host[i].numel() > 0
+                 ? post(false, bytes_of(host[i]), op.peer, transport_tag(op.tag, true))
+                 : P2PWait{};
     };
     std::vector<size_t> waiting;
     for (size_t i = 0; i < n; ++i) {

@@ -166,21 +166,20 @@ class Communicator {
 
   // A point-to-point batch on a backend that moves bytes (MPI, Gloo): each message's header
   // (dtype and shape) first, checked against the receiving tensor, then its bytes. Runs on
-  // the backend's worker; `isend` / `irecv` post a transfer of `bytes` (a 1-D uint8 host
+  // the backend's worker; `post` posts a transfer of `bytes` (a 1-D uint8 host
   // tensor, which the returned wait keeps alive) with a transport tag in [0, 2 x kMaxTag + 1].
   // Throws CommError on a header that differs; transfers still pending then keep their
   // buffers for the rest of the process (the communicator is broken).
   struct P2PWait {
     // Complete (or failed: wait() then throws), without blocking; empty where the transport
-    // cannot tell (Gloo): run_p2p then waits for each receive's header on a thread of its own.
+    // cannot tell (Gloo): run_p2p then waits for a lone receive itself, several on threads.
     std::function<bool()> done;
     std::function<void()> wait;
     explicit operator bool() const { return static_cast<bool>(wait); }
   };
-  struct P2PTransport {
-    std::function<P2PWait(const at::Tensor&bytes, int peer, int tag)> isend, irecv;
-  };
-  static void run_p2p(const P2PTransport& t, const Collective& c);
+  // Posts a send (send = true) or a receive of `bytes` with `peer` under `tag`.
+  using P2PPost = std::function<P2PWait(bool send, const at::Tensor& bytes, int peer, int tag)>;
+  static void run_p2p(const P2PPost& post, const Collective& c);
   // World ranks of `members` (ranks of this communicator).
   std::vector<int> to_world_ranks(const std::vector<int>& members) const;
 

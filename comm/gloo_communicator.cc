@@ -274,14 +274,7 @@ class GlooCommunicator : public Communicator {
           // No poll: Gloo's send and receive works complete inside wait().
           return P2PWait{nullptr, [w, v]() { w->wait(); }};
         };
-        P2PTransport t;
-        t.isend = [&post](const at::Tensor& b, int peer, int tag) {
-          return post(true, b, peer, tag);
-        };
-        t.irecv = [&post](const at::Tensor& b, int peer, int tag) {
-          return post(false, b, peer, tag);
-        };
-        run_p2p(t, c);
+        run_p2p(post, c);
         break;
       }
     }

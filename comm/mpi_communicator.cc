@@ -338,14 +338,7 @@ class MpiCommunicator : public Communicator {
         };
         return P2PWait{done, wait};
       };
-      P2PTransport t;
-      t.isend = [&post](const at::Tensor& b, int peer, int tag) {
-        return post(true, b, peer, tag);
-      };
-      t.irecv = [&post](const at::Tensor& b, int peer, int tag) {
-        return post(false, b, peer, tag);
-      };
-      run_p2p(t, c);
+      run_p2p(post, c);
       return;
     }
     const auto dtype = c.input.scalar_type();
