@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -50,6 +51,10 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
                   "pipeline: the last stage's rank needs a loss");
   DTRAIN_CHECK_AS(UsageError, !has_first || static_cast<int>(step.inputs.size()) == M,
                   "pipeline: ", step.inputs.size(), " inputs for ", M, " micro-batches");
+  // Forward-only (evaluation): no graph, nothing held for a backward.
+  const bool training = s.kind != ScheduleKind::kForwardOnly;
+  std::optional<c10::NoGradGuard> no_grad;
+  if (!training) no_grad.emplace();
   const auto t0 = std::chrono::steady_clock::now();
   auto seconds = [&t0] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -90,15 +95,15 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
       if (a.stage == S - 1) {
         at::Tensor loss = step.loss(a.micro, out);
         losses[static_cast<size_t>(a.micro)] = loss.detach();
-        outputs[k] = loss;
-      } else {
-        outputs[k] = out;
+        if (training) outputs[k] = loss;
+      } else if (s.rank_of(a.stage + 1) == rank_) {
         // Between stages on this rank too, the activation is what a message would carry.
-        if (s.rank_of(a.stage + 1) == rank_) {
-          arrived[{a.stage + 1, a.micro}] = out.to(step.activation_dtype);
-        }
+        arrived[{a.stage + 1, a.micro}] = out.to(step.activation_dtype);
+        if (training) outputs[k] = out;
+      } else {
+        outputs[k] = out;  // until sent (and, training, until its backward)
       }
-      peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
+      if (training) peak_in_flight_ = std::max(peak_in_flight_, ++in_flight);
       spans_.push_back({a, start, seconds()});
       ++i;
       continue;
@@ -141,6 +146,7 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
         case Op::kSendActivation:
           ops.push_back({P::kSend, outputs.at(ck).detach().to(step.activation_dtype).contiguous(),
                          s.rank_of(c.stage + 1), tag(c.stage, c.micro, false)});
+          if (!training) outputs.erase(ck);
           break;
         case Op::kRecvActivation:
           ops.push_back({P::kRecv, at::empty(step.activation_shape, options),

@@ -19,7 +19,8 @@
 // clang-format on
 //
 // A stage whose output needs no gradient (all its parameters frozen, or a run under
-// NoGradGuard) runs no backward; the gradient it sends back is zeros.
+// NoGradGuard) runs no backward; the gradient it sends back is zeros. A forward-only schedule
+// (ScheduleKind::kForwardOnly: evaluation) runs without a graph and holds nothing.
 #pragma once
 
 #include <ATen/ATen.h>

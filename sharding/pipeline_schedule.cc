@@ -25,6 +25,8 @@ const char* schedule_name(ScheduleKind k) {
       return "1f1b";
     case ScheduleKind::kInterleaved1F1B:
       return "interleaved_1f1b";
+    case ScheduleKind::kForwardOnly:
+      return "forward_only";
   }
   return "?";
 }
@@ -93,7 +95,7 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stag
     DTRAIN_CHECK_AS(ConfigError, m % p == 0, "pipeline schedule interleaved_1f1b runs ",
                     "micro-batches in groups of the pipeline size: train.micro_batches (", m,
                     ") must be a multiple of parallel.pp (", p, ")");
-  } else {
+  } else if (kind != ScheduleKind::kForwardOnly) {
     DTRAIN_CHECK_AS(ConfigError, v == 1, "pipeline schedule ", schedule_name(kind),
                     " holds one stage per rank, got ", v, "; for more choose interleaved_1f1b");
   }
@@ -107,7 +109,18 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stag
   for (int r = 0; r < p; ++r) {
     auto& list = steps[static_cast<size_t>(r)];
     int& promise = s.promised_in_flight[static_cast<size_t>(r)];
-    if (kind == ScheduleKind::kGPipe) {
+    if (kind == ScheduleKind::kForwardOnly) {
+      DTRAIN_CHECK_AS(ConfigError, v >= 1, "pipeline: ", v, " stages per rank");
+      // Micro-batches in groups of p, each group through every stage of the rank before the
+      // next (the interleaved order; a whole stage at a time would leave the last rank's
+      // first send waiting on rank 0, which waits on the rest of its stage).
+      for (int g = 0; g < m; g += p) {
+        for (int stage : s.stages_of(r)) {
+          for (int i = g; i < std::min(m, g + p); ++i) list.push_back({{Op::kForward, stage, i}});
+        }
+      }
+      promise = 0;  // nothing is held for a backward
+    } else if (kind == ScheduleKind::kGPipe) {
       for (int i = 0; i < m; ++i) list.push_back({{Op::kForward, r, i}});
       for (int i = 0; i < m; ++i) list.push_back({{Op::kBackward, r, i}});
       promise = m;
@@ -237,6 +250,7 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
   std::vector<int> in_flight(static_cast<size_t>(p), 0);
   std::set<Key> forwarded, backwarded, activation_in, grad_in;
   std::set<std::tuple<int, int, int>> communicated;  // op, stage, micro
+  const bool forward_only = s.kind == ScheduleKind::kForwardOnly;
   // Per rank, the batch at its head: its actions, which are complete, and when each rank
   // posted it.
   struct Posted {
@@ -278,7 +292,9 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
                  "has not run)");
           }
           forwarded.insert(k);
-          if (++in_flight[ri] > s.promised_in_flight[ri]) {
+          if (forward_only) {
+            // nothing held
+          } else if (++in_flight[ri] > s.promised_in_flight[ri]) {
             fail(r, a,
                  std::to_string(in_flight[ri]) +
                      " micro-batches in flight, more than the schedule's promise of " +
@@ -286,6 +302,7 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
           }
           out.peak_in_flight[ri] = std::max(out.peak_in_flight[ri], in_flight[ri]);
         } else {
+          if (forward_only) fail(r, a, "a backward in a forward-only schedule");
           if (backwarded.count(k)) fail(r, a, "a second backward");
           if (!forwarded.count(k)) fail(r, a, "a backward before its forward");
           const bool local = a.stage == S - 1 || s.rank_of(a.stage + 1) == r;
@@ -375,7 +392,7 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
   }
   for (int st = 0; st < S; ++st) {
     for (int m = 0; m < M; ++m) {
-      if (!backwarded.count({st, m})) {
+      if (!(forward_only ? forwarded : backwarded).count({st, m})) {
         DTRAIN_FAIL(UsageError, "pipeline schedule ", schedule_name(s.kind), ": rank ",
                     s.rank_of(st), " never runs ", forwarded.count({st, m}) ? "B " : "F ", st, ".",
                     m);

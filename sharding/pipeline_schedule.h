@@ -48,7 +48,11 @@ struct Action {
 // "F 3.1", "SG 0.2"
 std::string to_string(const Action& a);
 
-enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B };
+// kForwardOnly: forwards alone, for evaluation (no backward, nothing held for one; PyTorch's
+// _ScheduleForwardOnly), any number of stages per rank: micro-batches in groups of the
+// pipeline's size, each group through all of a rank's stages before the next.
+// parse_schedule does not take it: it trains nothing.
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kForwardOnly };
 const char* schedule_name(ScheduleKind k);
 // "gpipe", "1f1b", "interleaved_1f1b" (ConfigError naming the choices otherwise).
 ScheduleKind parse_schedule(const std::string& name);

@@ -72,6 +72,28 @@ TEST(PipelineSchedule, EveryAcceptedCombinationChecks) {
   EXPECT_GT(accepted, 500);
 }
 
+// Forward-only (evaluation) at every size: no deadlock, nothing held, no backward.
+TEST(PipelineSchedule, ForwardOnlyRunsEverywhereHoldingNothing) {
+  for (int p = 1; p <= 8; ++p) {
+    for (int v = 1; v <= 4; ++v) {
+      for (int m = 1; m <= 24; ++m) {
+        SCOPED_TRACE("p=" + std::to_string(p) + " v=" + std::to_string(v) +
+                     " m=" + std::to_string(m));
+        Schedule s = make_schedule(ScheduleKind::kForwardOnly, p, m, v);
+        Simulation sim = simulate(s);
+        for (int r = 0; r < p; ++r) {
+          EXPECT_EQ(sim.peak_in_flight[r], 0);
+          EXPECT_EQ(sim.spans[r].size(), static_cast<size_t>(m * v));
+        }
+      }
+    }
+  }
+  // A backward in it is refused.
+  Schedule s = make_schedule(ScheduleKind::kForwardOnly, 1, 1);
+  s.actions[0].push_back({Op::kBackward, 0, 0});
+  EXPECT_NE(error_of(s).find("a backward in a forward-only schedule"), std::string::npos);
+}
+
 TEST(PipelineSchedule, InterleavedHasTheSmallerBubble) {
   for (int p : {2, 4}) {
     for (int v : {2, 3}) {
@@ -220,6 +242,7 @@ TEST(PipelineSchedule, ImpossibleConfigurationsAreRefused) {
   EXPECT_THROW(make_schedule(ScheduleKind::k1F1B, 4, 8, 2), ConfigError);
   EXPECT_THROW(make_schedule(ScheduleKind::k1F1B, 4, 0), ConfigError);
   EXPECT_THROW(parse_schedule("zb-v"), ConfigError);
+  EXPECT_THROW(parse_schedule("forward_only"), ConfigError);  // trains nothing
   EXPECT_EQ(parse_schedule("interleaved_1f1b"), ScheduleKind::kInterleaved1F1B);
 }
 

@@ -247,6 +247,49 @@ TEST_F(Test, AFrozenStageRunsNoBackward) {
   run_case({ScheduleKind::k1F1B, 2, 1, at::kFloat, false, 0, {}, false, /*freeze_first=*/true});
 }
 
+// Evaluation: a forward-only schedule gives one process's losses, holding nothing and
+// leaving no gradient.
+TEST_F(Test, ForwardOnlyGivesOneProcessLosses) {
+  const int p = world().size();
+  for (int v : {1, 2}) {
+    const int M = 3;  // not a multiple of the ranks: the last group is short
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+    std::vector<at::Tensor> tokens, targets;
+    for (int m = 0; m < M; ++m) {
+      tokens.push_back(at::randint(kVocab, {kMicro, kSeq}, gen));
+      targets.push_back(at::randint(kVocab, {kMicro, kSeq}, gen));
+    }
+    LlamaForCausalLM model = make_model(at::kFloat);
+    std::vector<double> want;
+    {
+      c10::NoGradGuard no_grad;
+      for (int m = 0; m < M; ++m)
+        want.push_back(loss_of(model->forward(tokens[m]), targets[m], 1).item<double>());
+    }
+    Pipeline pipe(make_schedule(ScheduleKind::kForwardOnly, p, M, v), world_ptr());
+    const auto ranges = split_layers(kLayers, pipe.schedule().stages);
+    Pipeline::Step step;
+    step.forward = [&](int stage, int, const at::Tensor& x) {
+      return model->forward_stage(x, ranges[stage].first, ranges[stage].second);
+    };
+    step.loss = [&](int micro, const at::Tensor& logits) {
+      return loss_of(logits, targets[static_cast<size_t>(micro)], 1);
+    };
+    step.inputs = tokens;
+    step.activation_shape = {kMicro, kSeq, 32};
+    std::vector<at::Tensor> losses = pipe.run(step);
+    EXPECT_EQ(pipe.peak_in_flight(), 0);
+    if (pipe.schedule().rank_of(pipe.schedule().stages - 1) == world().rank()) {
+      ASSERT_EQ(losses.size(), static_cast<size_t>(M));
+      for (int m = 0; m < M; ++m) {
+        EXPECT_EQ(losses[m].item<double>(), want[m]) << "micro-batch " << m;
+        EXPECT_FALSE(losses[m].requires_grad());
+      }
+    }
+    for (const auto& t : model->parameters()) EXPECT_FALSE(t.grad().defined());
+  }
+}
+
 // A GradScaler's found-inf flag: one stage's inf makes every stage skip.
 TEST_F(Test, AnyStagesFoundInfIsEveryStages) {
   Pipeline pipe(make_schedule(ScheduleKind::k1F1B, world().size(), 2), world_ptr());
