@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   pp::Pipeline pipe(pp::make_schedule(pp::parse_schedule(schedule), size, micro_batches, per_rank),
                     world);
   const int S = pipe.schedule().stages;
-  const int64_t per = layers / S;
+  const auto ranges = pp::split_layers(layers, S);
   std::vector<at::Tensor> tokens, targets;
   for (int m = 0; m < micro_batches; ++m) {
     tokens.push_back(at::randint(512, {micro, seq}));
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
   }
   pp::Pipeline::Step step;
   step.forward = [&](int stage, int, const at::Tensor& x) {
-    return model->forward_stage(x, stage * per, (stage + 1) * per);
+    return model->forward_stage(x, ranges[stage].first, ranges[stage].second);
   };
   step.loss = [&](int m, const at::Tensor& logits) {
     return at::cross_entropy_loss(logits.reshape({-1, 512}),

@@ -299,15 +299,17 @@ TEST_F(Test, CollectivesOnDifferentCommunicatorsProgressIndependently) {
   EXPECT_EQ(tb[0].item<float>(), 2 * sum);
 }
 
+// Runs f, which must throw a CommError whose message contains `needle`.
+void expect_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
+  } catch (const CommError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(Test, BadArgumentsRaiseClearErrorsWithoutDesynchronizing) {
-  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
-    try {
-      f();
-      ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
-    } catch (const CommError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   const int size = world().size();
   at::Tensor odd = at::zeros({size * 3 + 1});
   at::Tensor shard = at::zeros({3});
@@ -395,14 +397,6 @@ TEST_F(Test, PointToPointPairsByPeerTagAndOrder) {
 
 TEST_F(Test, PointToPointMisuseIsRefusedNamingBothRanks) {
   const int rank = world().rank(), size = world().size();
-  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
-    try {
-      f();
-      ADD_FAILURE() << "no error; expected one containing '" << needle << "'";
-    } catch (const CommError& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
   at::Tensor x = at::zeros({4});
   expect_error([&] { world().send(x, rank); }, "is not another rank");
   expect_error([&] { world().recv(x, size); }, "is not another rank");

@@ -17,6 +17,15 @@ namespace {
 
 using dtrain::testing::world;
 
+// A wait that timed out took the timeout: not less, and not more than 5 s over it.
+void expect_waited_the_timeout(std::chrono::steady_clock::time_point t0,
+                               std::chrono::milliseconds timeout) {
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(waited, timeout.count() / 1000.0 + 5.0);
+  EXPECT_GE(waited, timeout.count() / 1000.0 - 0.1);
+}
+
 // Collectives the world issued in the tests before (they run in this file's order).
 int64_t world_issued = 0;
 
@@ -39,10 +48,8 @@ TEST(CommTimeout, ALateSendTimesOutItsReceiveNamingTheOpAndRanks) {
       pair->recv(x, 0, 4).wait();
       FAIL() << "no TimeoutError";
     } catch (const TimeoutError& e) {
-      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      expect_waited_the_timeout(t0, timeout);
       std::string what = e.what();
-      EXPECT_LT(waited, timeout.count() / 1000.0 + 5.0);
-      EXPECT_GE(waited, timeout.count() / 1000.0 - 0.1);
       EXPECT_NE(what.find("recv #1 (fp32, 6 elements) on ranks [1,0]"), std::string::npos) << what;
     }
     EXPECT_TRUE(pair->is_broken());
@@ -70,10 +77,8 @@ TEST(CommTimeout, SkippedCollectiveRaisesTimeoutNamingTheOpAndRanks) {
     w.wait();
     FAIL() << "no TimeoutError";
   } catch (const TimeoutError& e) {
-    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    expect_waited_the_timeout(t0, timeout);
     std::string what = e.what();
-    EXPECT_LT(waited, timeout.count() / 1000.0 + 5.0);
-    EXPECT_GE(waited, timeout.count() / 1000.0 - 0.1);
     EXPECT_NE(what.find("all_reduce #" + std::to_string(world_issued + 2)), std::string::npos)
         << what;
     EXPECT_NE(what.find("bf16, 1000 elements"), std::string::npos) << what;

@@ -95,7 +95,9 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stag
     DTRAIN_CHECK_AS(ConfigError, m % p == 0, "pipeline schedule interleaved_1f1b runs ",
                     "micro-batches in groups of the pipeline size: train.micro_batches (", m,
                     ") must be a multiple of parallel.pp (", p, ")");
-  } else if (kind != ScheduleKind::kForwardOnly) {
+  } else if (kind == ScheduleKind::kForwardOnly) {
+    DTRAIN_CHECK_AS(ConfigError, v >= 1, "pipeline: ", v, " stages per rank");
+  } else {
     DTRAIN_CHECK_AS(ConfigError, v == 1, "pipeline schedule ", schedule_name(kind),
                     " holds one stage per rank, got ", v, "; for more choose interleaved_1f1b");
   }
@@ -110,7 +112,6 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stag
     auto& list = steps[static_cast<size_t>(r)];
     int& promise = s.promised_in_flight[static_cast<size_t>(r)];
     if (kind == ScheduleKind::kForwardOnly) {
-      DTRAIN_CHECK_AS(ConfigError, v >= 1, "pipeline: ", v, " stages per rank");
       // Micro-batches in groups of p, each group through every stage of the rank before the
       // next (the interleaved order; a whole stage at a time would leave the last rank's
       // first send waiting on rank 0, which waits on the rest of its stage).

@@ -67,14 +67,20 @@ struct Case {
 };
 
 // Freezes the embedding and layers [0, end) of `m`: a first stage without gradients.
+// The decoder layer a parameter belongs to ("model.layers.<i>.…"), or -1 for the embedding,
+// the norm and the head.
+int64_t layer_of(const std::string& name) {
+  if (name.rfind("model.layers.", 0) != 0) return -1;
+  return std::stoll(name.substr(13, name.find('.', 13) - 13));
+}
+
 void freeze_first_stage(LlamaForCausalLM& m, int64_t end) {
   for (const auto& kv : m->named_parameters()) {
     const std::string& name = kv.key();
-    bool first = name.rfind("model.embed_tokens", 0) == 0;
-    if (name.rfind("model.layers.", 0) == 0) {
-      first = std::stoll(name.substr(13, name.find('.', 13) - 13)) < end;
+    const int64_t layer = layer_of(name);
+    if (layer >= 0 ? layer < end : name.rfind("model.embed_tokens", 0) == 0) {
+      kv.value().requires_grad_(false);
     }
-    if (first) kv.value().requires_grad_(false);
   }
 }
 
@@ -159,8 +165,7 @@ void run_case(const Case& c) {
   auto stage_of = [&](const std::string& name) {
     if (name.rfind("model.embed_tokens", 0) == 0) return 0;
     if (name.rfind("model.norm", 0) == 0 || name.rfind("lm_head", 0) == 0) return S - 1;
-    const auto dot = name.find('.', 13);  // "model.layers.<i>."
-    const int64_t layer = std::stoll(name.substr(13, dot - 13));
+    const int64_t layer = layer_of(name);
     int stage = 0;
     while (end(stage) <= layer) ++stage;
     return stage;

@@ -50,7 +50,7 @@ int main(int argc, char** argv) {
     const int64_t layers = model->options().num_hidden_layers();
     pp::Pipeline pipe(pp::make_schedule(kind, size, M, v), world);
     const int S = pipe.schedule().stages;
-    const int64_t per = layers / S;
+    const auto ranges = pp::split_layers(layers, S);
     at::Tensor rows = at::arange(M * kMicro, at::kLong).view({-1, 1});
     at::Tensor cols = at::arange(kSeq, at::kLong).view({1, -1});
     at::Tensor tokens = at::remainder(rows * 31 + cols * 7 + 3, vocab);
@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     const auto target = targets.chunk(M, 0);
     std::vector<double> ce(static_cast<size_t>(M));
     step.forward = [&](int stage, int, const at::Tensor& x) {
-      return model->forward_stage(x, stage * per, (stage + 1) * per);
+      return model->forward_stage(x, ranges[stage].first, ranges[stage].second);
     };
     step.loss = [&](int micro, const at::Tensor& logits) {
       at::Tensor l = at::cross_entropy_loss(logits.reshape({-1, vocab}),
