@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
                     " does not divide the world of ", world->size());
     if (local_of > 0) tp_degree = 1;
     const int64_t cut = std::max(1, local_of);
-    dtrain::sharding::DeviceMesh mesh(world, {1, world->size() / tp_degree, tp_degree});
+    dtrain::sharding::DeviceMesh mesh(world, {1, world->size() / tp_degree, tp_degree, 1});
     at::manual_seed(0);
     LlamaForCausalLM model(LlamaOptions()
                                .vocab_size(vocab / cut)

@@ -501,6 +501,36 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.read("tp", p.tp);
   s.read("sequence_parallel", p.sequence_parallel);
   s.read("sequence_parallel_regather", p.sequence_parallel_regather);
+  s.read("pp", p.pp);
+  {
+    std::string name = sharding::pp::schedule_name(p.pp_schedule);
+    s.read("pp_schedule", name);
+    try {
+      p.pp_schedule = sharding::pp::parse_schedule(name);
+    } catch (const ConfigError& e) {
+      s.fail("pp_schedule", detail::strip_location(e.what()));
+    }
+  }
+  s.read("pp_stages_per_rank", p.pp_stages_per_rank);
+  {
+    std::vector<std::string> split;
+    s.read_list("pp_split", split);
+    p.pp_split.clear();
+    for (const auto& item : split) {
+      size_t used = 0;
+      int64_t n = 0;
+      try {
+        n = std::stoll(item, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != item.size()) {
+        s.fail("pp_split",
+               "expected a list of layer counts, one per stage (e.g. [3, 5]), got '" + item + "'");
+      }
+      p.pp_split.push_back(n);
+    }
+  }
   s.read("timeout_s", p.timeout_s);
   s.check(p.bucket_cap_mb > 0, "bucket_cap_mb",
           "must be > 0, got " + std::to_string(p.bucket_cap_mb));
@@ -512,6 +542,14 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.check(!p.sequence_parallel || p.tp > 1, "sequence_parallel",
           "splits the sequence over a tensor-parallel group, and parallel.tp is 1: set "
           "parallel.tp (2 or more), or remove sequence_parallel");
+  s.check(p.pp >= 1, "pp", "must be >= 1 (pipeline stages' ranks; 1: off)");
+  s.check(p.pp_stages_per_rank >= 1, "pp_stages_per_rank", "must be >= 1");
+  s.check(p.pp > 1 || p.pp_stages_per_rank == 1, "pp_stages_per_rank",
+          "places several pipeline stages on each rank, and parallel.pp is 1 (no pipeline): "
+          "set parallel.pp (2 or more), or remove pp_stages_per_rank");
+  s.check(p.pp > 1 || p.pp_split.empty(), "pp_split",
+          "splits the layers over pipeline stages, and parallel.pp is 1 (no pipeline): set "
+          "parallel.pp (2 or more), or remove pp_split");
   s.check(p.timeout_s > 0, "timeout_s", "must be > 0");
   s.finish();
 }
@@ -756,6 +794,22 @@ void check_model_against(const ModelSpec& spec, RunConfig& cfg, Section& top) {
                   " ranks, and it does not divide: choose a seq_len that divides by parallel.tp");
     }
   }
+  if (cfg.parallel.pp > 1) {
+    Section p = top.section("parallel");
+    p.check(spec.pipeline_layers != nullptr, "pp",
+            "model.type " + type +
+                " has no pipeline split (llama has one: its decoder layers); set parallel.pp: 1");
+    const std::string problem = spec.pp_problem ? spec.pp_problem(*cfg.model.settings) : "";
+    p.check(problem.empty(), "pp", problem);
+    try {
+      sharding::pp::split_layers(
+          spec.pipeline_layers(*cfg.model.settings),
+          static_cast<int>(cfg.parallel.pp * cfg.parallel.pp_stages_per_rank),
+          cfg.parallel.pp_split);
+    } catch (const ConfigError& e) {
+      p.fail(cfg.parallel.pp_split.empty() ? "pp" : "pp_split", detail::strip_location(e.what()));
+    }
+  }
   for (const auto& w : cfg.parallel.wrap_modules) {
     auto short_name = [](std::string n) {
       if (auto colon = n.rfind("::"); colon != std::string::npos) n = n.substr(colon + 2);
@@ -845,6 +899,29 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
             "sequence_parallel",
             "under sequence parallelism the norms' gradients are summed over the TP group after "
             "backward, and train.optimizer_in_backward steps before that; remove one of them");
+  }
+  if (cfg.parallel.pp > 1) {
+    // Pipeline parallelism: one schedule for every pipeline, checked here (it refuses what it
+    // cannot run) rather than at the first step.
+    Section p = top.section("parallel");
+    p.check(cfg.parallel.strategy == ParallelStrategy::kDdp, "pp",
+            "pipeline stages run with parallel.strategy: ddp (each stage's gradients averaged "
+            "over its data-parallel ranks); strategy " +
+                std::string(name_of(cfg.parallel.strategy)) +
+                " with a pipeline is not built yet: set parallel.strategy: ddp, or parallel.pp: 1");
+    p.check(cfg.parallel.tp == 1, "pp",
+            "tensor and pipeline parallelism together (parallel.tp and parallel.pp both above 1) "
+            "are not built yet: set one of them to 1");
+    p.check(!cfg.train.optimizer_in_backward, "pp",
+            "train.optimizer_in_backward is FSDP's; the pipeline's stages step after the whole "
+            "schedule: remove optimizer_in_backward");
+    try {
+      sharding::pp::make_schedule(cfg.parallel.pp_schedule, static_cast<int>(cfg.parallel.pp),
+                                  static_cast<int>(cfg.train.micro_batches),
+                                  static_cast<int>(cfg.parallel.pp_stages_per_rank));
+    } catch (const ConfigError& e) {
+      p.fail("pp_schedule", detail::strip_location(e.what()));
+    }
   }
   if (const ModelSpec* spec = find_model(cfg.model.type)) check_model_against(*spec, cfg, top);
   if (cfg.parallel.backend == comm::Backend::kNccl && cfg.device != ComputeDevice::kCuda) {

@@ -30,6 +30,7 @@
 #include "core/choices.h"
 #include "core/error.h"
 #include "core/logging.h"
+#include "sharding/pipeline_schedule.h"
 #include "sharding/sharding_strategy.h"
 
 namespace dtrain::framework {
@@ -215,6 +216,15 @@ struct ParallelConfig {
   // Sequence parallelism: the column-wise layers all-gather their input again in backward
   // rather than hold the gathered sequence (Megatron-LM's way; false: PyTorch's).
   bool sequence_parallel_regather = true;
+  // Pipeline parallelism (sharding/pipeline.h; docs/pipeline.md): the model's layers split
+  // into pp x pp_stages_per_rank stages, pp_split layers each (empty: as even as it goes), and
+  // train.micro_batches micro-batches run through them under pp_schedule. The mesh is pp x
+  // (data-parallel ranks) x tp, pp outermost; the strategy (ddp) runs over the data-parallel
+  // ranks of each stage. 1: off.
+  int64_t pp = 1;
+  sharding::pp::ScheduleKind pp_schedule = sharding::pp::ScheduleKind::k1F1B;
+  int64_t pp_stages_per_rank = 1;  // interleaved_1f1b: 2 or more
+  std::vector<int64_t> pp_split;
   double timeout_s = 300.0;
 };
 

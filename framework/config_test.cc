@@ -582,5 +582,64 @@ TEST(Configs, EveryShippedConfigLoadsAndValidates) {
   EXPECT_GE(loaded, 12);  // {ddp, fsdp} x {fp32, bf16, fp16}, real and tiny
 }
 
+// Pipeline parallelism: parallel.pp and its keys, checked at config time (the schedule and the
+// split of the model's layers), each error naming its key.
+TEST(Config, PipelineKeys) {
+  const std::string llama = R"(device: cpu
+model:
+  type: llama
+  vocab_size: 256
+  hidden_size: 32
+  intermediate_size: 64
+  num_hidden_layers: 4
+  num_attention_heads: 4
+  num_key_value_heads: 2
+  seq_len: 16
+train:
+  steps: 10
+  batch_size: 8
+  micro_batches: 4
+  lr: 1.0e-3
+parallel:
+  pp: 2
+)";
+  const RunConfig c = parse_config(llama, "run.yaml");
+  EXPECT_EQ(c.parallel.pp, 2);
+  EXPECT_EQ(c.parallel.pp_schedule, sharding::pp::ScheduleKind::k1F1B);
+  const RunConfig split = parse_config(llama, "run.yaml", {"parallel.pp_split=[1, 3]"});
+  EXPECT_EQ(split.parallel.pp_split, (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(parse_config(llama, "run.yaml",
+                         {"parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"})
+                .parallel.pp_schedule,
+            sharding::pp::ScheduleKind::kInterleaved1F1B);
+  expect_yaml_error(llama, {"parallel.pp", "must be >= 1"}, {"parallel.pp=0"});
+  expect_yaml_error(llama, {"parallel.pp_schedule", "unknown pipeline schedule 'zb'"},
+                    {"parallel.pp_schedule=zb"});
+  expect_yaml_error(llama, {"parallel.pp_split", "expected a list of layer counts", "'x'"},
+                    {"parallel.pp_split=[1, x]"});
+  expect_yaml_error(llama, {"parallel.pp_split", "adds up to 3 layers", "the model has 4"},
+                    {"parallel.pp_split=[1, 2]"});
+  expect_yaml_error(llama, {"parallel.pp_split", "leaves stage 1 without layers"},
+                    {"parallel.pp_split=[4, 0]"});
+  expect_yaml_error(llama, {"parallel.pp", "would leave a stage empty"}, {"parallel.pp=8"});
+  expect_yaml_error(llama, {"parallel.pp", "do not split evenly into 3 stages", "pp_split"},
+                    {"parallel.pp=3"});
+  expect_yaml_error(
+      llama, {"parallel.pp_schedule", "micro_batches (6) must be a multiple"},
+      {"parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2",
+       "model.num_hidden_layers=8", "train.micro_batches=6", "train.batch_size=12"});
+  expect_yaml_error(llama, {"parallel.pp_split", "parallel.pp is 1"},
+                    {"parallel.pp=1", "parallel.pp_split=[2, 2]"});
+  expect_yaml_error(llama, {"parallel.pp_stages_per_rank", "parallel.pp is 1"},
+                    {"parallel.pp=1", "parallel.pp_stages_per_rank=2"});
+  expect_yaml_error(llama, {"parallel.pp", "tie_word_embeddings"},
+                    {"model.tie_word_embeddings=true"});
+  expect_yaml_error(llama, {"parallel.pp", "set parallel.strategy: ddp"},
+                    {"parallel.strategy=fsdp"});
+  expect_yaml_error(llama, {"parallel.pp", "not built yet"}, {"parallel.tp=2"});
+  expect_yaml_error(kGood, {"parallel.pp", "model.type transformer has no pipeline split"},
+                    {"parallel.pp=2"});
+}
+
 }  // namespace
 }  // namespace dtrain::framework

@@ -87,6 +87,11 @@ struct ModelSpec {
   // Why the model cannot be cut over `tp` tensor-parallel ranks (naming the model's keys), or
   // an empty string; null: the model has no tensor-parallel plan (parallel.tp must be 1).
   std::function<std::string(const ModelSettings&, int64_t tp)> tp_problem;
+  // Pipeline parallelism (parallel.pp > 1): the layers its stages split (null: the model
+  // cannot be pipelined), and why this configuration of it cannot be (naming the model's
+  // keys), or an empty string.
+  std::function<int64_t(const ModelSettings&)> pipeline_layers;
+  std::function<std::string(const ModelSettings&)> pp_problem;
 };
 
 // Adds `spec`; a second registration of the same name replaces the first (UsageError when

@@ -11,6 +11,7 @@
 #include "framework/checkpoint/hash.h"
 #include "framework/memory.h"
 #include "framework/memory_estimate.h"
+#include "framework/pipeline_strategy.h"
 
 namespace dtrain::framework {
 
@@ -30,6 +31,9 @@ void log_parameters_agree(Strategy& model, comm::Communicator* comm) {
     return h.digest();
   };
   std::vector<uint64_t> per_param;
+  // A pipeline's ranks hold their own stages' current values: each from its owner first, so
+  // the hashes compare the pipelines' replicas (collective over each pipeline).
+  if (auto* pipeline = model.pipeline()) pipeline->share(nullptr);
   if (auto* f = model.fsdp()) {
     per_param.resize(f->all_parameters().size());
     f->visit_full_parameters([&](size_t k, const std::string& name, const at::Tensor& full) {

@@ -32,6 +32,8 @@
 
 namespace dtrain::framework {
 
+class PipelineStrategy;  // framework/pipeline_strategy.h
+
 class Strategy {
  public:
   virtual ~Strategy() = default;
@@ -55,11 +57,14 @@ class Strategy {
   // DDP unscales and judges gradients as it writes them back (DDPOptions::grad_scaler);
   // the others leave that to the scaler's own pass.
   virtual void use_grad_scaler(amp::GradScaler* /*scaler*/) {}
+  // Pipeline parallelism (parallel.pp > 1): the strategy itself, whose steps run through the
+  // pipeline's schedule rather than forward(); null for the others.
+  virtual PipelineStrategy* pipeline() { return nullptr; }
 
   // Clips the gradients to max_norm (> 0) or only measures them; the 2-norm of the whole
   // model's gradients (over the shards under FSDP), a 0-dim tensor on the device (no host read).
   // With the optimizer in backward it measures them as they were when stepped (no clipping).
-  at::Tensor clip_grad_norm(double max_norm);
+  virtual at::Tensor clip_grad_norm(double max_norm);
 
   // FSDP's optimizer in backward (train.optimizer_in_backward; FSDPState::set_step_in_backward):
   // `step` gets each unit's masters as soon as their gradients are reduced, after their norms

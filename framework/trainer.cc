@@ -37,6 +37,7 @@
 #include "framework/memory_estimate.h"
 #include "framework/model_registry.h"
 #include "framework/models/builtin.h"
+#include "framework/pipeline_strategy.h"
 #include "framework/report.h"
 #include "optim/fused.h"
 
@@ -110,7 +111,9 @@ std::unique_ptr<amp::GradScaler> make_scaler(const RunConfig& c,
                      .growth_interval(sc.growth_interval)
                      .enabled(sc.enabled);
   // Under tensor parallelism each TP rank holds other slices: the verdict is agreed over all.
-  if (comm && (c.parallel.strategy == ParallelStrategy::kFsdp || c.parallel.tp > 1))
+  // Under pipeline parallelism each stage judges its own gradients: all skip together.
+  if (comm &&
+      (c.parallel.strategy == ParallelStrategy::kFsdp || c.parallel.tp > 1 || c.parallel.pp > 1))
     return std::make_unique<amp::ShardedGradScaler>(comm, o);
   return std::make_unique<amp::GradScaler>(o);
 }
@@ -281,20 +284,30 @@ std::unique_ptr<BatchSource> make_token_source(const RunConfig& c, TokenShape sh
                                              seed);
 }
 
-// The mesh of a tensor-parallel run (parallel.tp > 1), its layout logged; null otherwise.
+// The mesh of a tensor- or pipeline-parallel run (parallel.tp or parallel.pp > 1), its layout
+// logged; null otherwise.
 std::shared_ptr<sharding::DeviceMesh> make_mesh(const RunConfig& c,
                                                 const std::shared_ptr<comm::Communicator>& comm) {
-  const int tp = static_cast<int>(c.parallel.tp);
-  if (tp == 1) return nullptr;
+  const int tp = static_cast<int>(c.parallel.tp), pp = static_cast<int>(c.parallel.pp);
+  if (tp == 1 && pp == 1) return nullptr;
   const int world = comm ? comm->size() : 1;
+  if (pp > 1) {
+    DTRAIN_CHECK_AS(
+        ConfigError, world % pp == 0, c.source, ": parallel.pp is ", pp, ", and the job has ",
+        world, " rank(s), which do not split into ", pp,
+        " pipeline stages: the mesh is pp x (data-parallel ranks) = the job's ranks. "
+        "Start a multiple of ",
+        pp, " ranks (dtrain-launch --nproc-per-node), or set parallel.pp to a divisor of ", world);
+  }
   DTRAIN_CHECK_AS(
       ConfigError, world % tp == 0, c.source, ": parallel.tp is ", tp, ", and the job has ", world,
       " rank(s), which do not split into groups of ", tp,
       ": the mesh is (data-parallel ranks) x tp = the job's ranks. Start a multiple of ", tp,
       " ranks (dtrain-launch --nproc-per-node), or set parallel.tp to a divisor of ", world);
-  const int dp = world / tp;
+  const int dp = world / (tp * pp);
   sharding::MeshShape shape;
   shape.tp = tp;
+  shape.pp = pp;
   const bool hybrid = c.parallel.strategy == ParallelStrategy::kFsdp &&
                       c.parallel.sharding_strategy == sharding::ShardingStrategy::kHybridShard;
   if (c.parallel.strategy == ParallelStrategy::kDdp ||
@@ -436,6 +449,9 @@ void Trainer::setup() {
     }
   }
   model_ = task_.make_strategy(&monitor_);
+  if (PipelineStrategy* pipeline = model_->pipeline()) {
+    for (const auto& line : pipeline->describe()) logging::info(line);
+  }
   logging::info("model ready: process peak RSS so far ", logging::fixed(peak_rss_mb(), 0),
                 " MB (building, initializing and sharding the model)");
   opt_ = make_optimizer(c_.train, model_->parameters());
@@ -460,6 +476,9 @@ void Trainer::setup() {
       c_.parallel.tp > 1 ? " over " + std::to_string(world_ / c_.parallel.tp) +
                                " data-parallel rank(s) x tp " + std::to_string(c_.parallel.tp) +
                                (c_.parallel.sequence_parallel ? " (sequence parallel)" : "")
+                         : std::string(),
+      c_.parallel.pp > 1 ? " over pp " + std::to_string(c_.parallel.pp) + " x " +
+                               std::to_string(world_ / c_.parallel.pp) + " data-parallel rank(s)"
                          : std::string(),
       comm_ ? ", backend " + comm_->backend() : std::string(), ", precision ",
       name_of(c_.precision.policy), " ", c_.precision.mixed.to_string(), ", loss scaling ",
@@ -507,6 +526,7 @@ std::map<std::string, std::string> Trainer::job_record() const {
                  " (model.type " + c_.model.type + ")";
   job["mesh"] = std::to_string(world_) + " rank(s), " + name_of(c_.parallel.strategy) +
                 (c_.parallel.tp > 1 ? ", tp " + std::to_string(c_.parallel.tp) : std::string()) +
+                (c_.parallel.pp > 1 ? ", pp " + std::to_string(c_.parallel.pp) : std::string()) +
                 (c_.parallel.sequence_parallel ? ", sequence parallel" : "");
   for (auto it = job.begin(); it != job.end();) {
     it = it->second.empty() ? job.erase(it) : std::next(it);
@@ -518,6 +538,8 @@ void Trainer::restore() {
   const std::string& resume = c_.checkpoint.resume;
   if (!checkpointer_.enabled() && (resume == "auto" || resume == "never")) return;
   const std::optional<TrainerProgress> p = checkpointer_.restore(checkpoint_parts(), resume);
+  // A pipeline's ranks read the whole model and its optimizer state: each keeps its stages'.
+  if (PipelineStrategy* pipeline = model_->pipeline()) pipeline->drop_foreign_state(*opt_);
   if (!p) return;
   step_ = first_step_ = p->step;
   // Nothing left to train: said, not a "done" line over an empty run. A launcher's restart
@@ -579,16 +601,26 @@ at::Tensor Trainer::forward_loss(const Batch& b) {
 // Mean loss over the validation set, the same number at any world size: every rank evaluates
 // its share; sums and counts are added over the ranks.
 double Trainer::validation_loss() {
-  // By data-parallel rank: a TP group evaluates one share (and adds it tp times, as it adds
-  // its count).
-  const int tp = static_cast<int>(c_.parallel.tp);
-  Batch b = data_->validation(rank_ / tp, world_ / tp);
+  // By data-parallel rank: a TP group or a pipeline evaluates one share (and adds it once per
+  // rank, as it adds its count). Ranks are pp x (data-parallel) x tp, pp outermost.
+  const int tp = static_cast<int>(c_.parallel.tp), pp = static_cast<int>(c_.parallel.pp);
+  const int per_stage = world_ / pp;
+  Batch b = data_->validation((rank_ % per_stage) / tp, per_stage / tp);
   b.inputs = b.inputs.to(device_);
   b.targets = b.targets.to(device_);
   c10::NoGradGuard no_grad;
   at::Tensor sum;
   double count = 0;
-  {
+  if (PipelineStrategy* pipeline = model_->pipeline()) {
+    // The last stage computes the sum, which reaches every rank of the pipeline.
+    amp::AutocastGuard ac = autocast();
+    const bool per_token = task_.per_token_validation;
+    count = static_cast<double>(per_token ? b.targets.numel() : b.inputs.size(0));
+    sum = pipeline->evaluate(b.inputs, [&](const at::Tensor& out) {
+      return per_token ? model_->cross_entropy_sum(out, b.targets)
+                       : task_.loss(out, b).to(at::kFloat) * count;
+    });
+  } else {
     amp::AutocastGuard ac = autocast();
     at::Tensor out = model_->forward(b.inputs);
     if (task_.per_token_validation) {  // per token: the mean over every target of the set
@@ -630,7 +662,44 @@ Trainer::PendingStep Trainer::run_step() {
   const auto on_device = at::TensorOptions(at::kDouble).device(device_);
   at::Tensor loss_sum = at::zeros({}, on_device);    // this rank's, over the micro-batches
   const int64_t data_step = spike_.data_step(step);  // step, less any skipped batches
-  for (int64_t m = 0; m < micro_batches; ++m) {
+  auto injected = [&](at::Tensor loss) {
+    // Fault injection: NAN_FROM_STEP makes that rank's loss NaN from <step> (1-based) on.
+    if (nan_from_ && nan_from_->step >= 1 && s.step >= nan_from_->step &&
+        rank_ == nan_from_->rank) {
+      loss = loss * std::numeric_limits<double>::quiet_NaN();
+    }
+    // Fault injection: BAD_BATCHES, batches whose loss spikes (on every rank).
+    if (bad_batches_ && data_step + 1 >= bad_batches_->first &&
+        data_step + 1 < bad_batches_->first + bad_batches_->count) {
+      loss = loss * bad_batches_->factor;
+    }
+    return loss;
+  };
+  PipelineStrategy* pipeline = model_->pipeline();
+  if (pipeline != nullptr) {
+    // Every rank of a pipeline reads the same micro-batches: its first stage the inputs, its
+    // last the targets. The schedule runs every forward and backward (traced by action).
+    std::vector<Batch> batches;
+    for (int64_t m = 0; m < micro_batches; ++m) {
+      Batch b = data_->next(data_step, m);
+      b.inputs = to_device(b.inputs);
+      b.targets = to_device(b.targets);
+      batches.push_back(std::move(b));
+    }
+    // Only the last stage scales a loss; every stage unscales its gradients, so each rank's
+    // scaler holds its scale (lazily made by scale(), as PyTorch's).
+    if (scaler_->is_enabled()) (void)scaler_->scale(at::zeros({}, on_device));
+    amp::AutocastGuard ac = autocast();
+    loss_sum = pipeline->train(
+        batches,
+        [&](int m, const at::Tensor& out) {
+          monitor_.record("model.output", out);
+          return injected(task_.loss(out, batches[static_cast<size_t>(m)]) /
+                          static_cast<double>(micro_batches));
+        },
+        [&](const at::Tensor& loss) { return scaler_->scale(loss); });
+  }
+  for (int64_t m = 0; pipeline == nullptr && m < micro_batches; ++m) {
     Batch b = data_->next(data_step, m);
     b.inputs = to_device(b.inputs);
     b.targets = to_device(b.targets);
@@ -641,17 +710,7 @@ Trainer::PendingStep Trainer::run_step() {
     {
       std::optional<trace::Scope> span;
       if (tracing) span.emplace("forward " + std::to_string(m), "compute");
-      loss = forward_loss(b) / static_cast<double>(micro_batches);
-      // Fault injection: NAN_FROM_STEP makes that rank's loss NaN from <step> (1-based) on.
-      if (nan_from_ && nan_from_->step >= 1 && s.step >= nan_from_->step &&
-          rank_ == nan_from_->rank) {
-        loss = loss * std::numeric_limits<double>::quiet_NaN();
-      }
-      // Fault injection: BAD_BATCHES, batches whose loss spikes (on every rank).
-      if (bad_batches_ && data_step + 1 >= bad_batches_->first &&
-          data_step + 1 < bad_batches_->first + bad_batches_->count) {
-        loss = loss * bad_batches_->factor;
-      }
+      loss = injected(forward_loss(b) / static_cast<double>(micro_batches));
     }
     {
       std::optional<trace::Scope> span;
@@ -660,6 +719,7 @@ Trainer::PendingStep Trainer::run_step() {
     }
     loss_sum.add_(loss.detach().reshape({}).to(on_device));
   }
+  loss_sum = loss_sum.to(on_device);
   {
     std::optional<trace::Scope> span;
     if (tracing) span.emplace("optimizer", "compute");
@@ -800,6 +860,7 @@ void Trainer::roll_back(const SpikeGuard::Spike& spike) {
                spike.first, " gives it one");
   const std::optional<TrainerProgress> p =
       checkpointer_.restore(checkpoint_parts(), newest_checkpoint_);
+  if (PipelineStrategy* pipeline = model_->pipeline()) pipeline->drop_foreign_state(*opt_);
   DTRAIN_CHECK(p && p->step < spike.first, "roll back: the checkpoint '", newest_checkpoint_,
                "' is not before the spike's first step ", spike.first);
   step_ = p->step;
@@ -856,8 +917,8 @@ void Trainer::log_step(const StepStats& s, std::optional<double> val_loss) {
   }
   result_.last_loss = loss;
   const double avg_time = window_time_ / window_steps_;
-  const double tokens_per_s =
-      world_ / c_.parallel.tp * c_.train.batch_size * data_->items_per_sample() / avg_time;
+  const double tokens_per_s = world_ / (c_.parallel.tp * c_.parallel.pp) * c_.train.batch_size *
+                              data_->items_per_sample() / avg_time;
   JsonObject row;
   const std::string spread = straggler_report(
       comm_.get(), std::max(0.0, window_time_ - window_wait_) / static_cast<double>(window_steps_),
@@ -926,7 +987,12 @@ void Trainer::save_checkpoint(const StepStats& s, bool background) {
                            nonfinite_.run(), spike_.record()};
   progress.data_step = spike_.data_step(s.step);  // the next step's
   progress.data = data_->position(progress.data_step);
+  // A full checkpoint of a pipeline: every rank holds the whole model and optimizer state
+  // while it is staged (rank 0 writes them), its own stages' alone again after.
+  PipelineStrategy* pipeline = model_->pipeline();
+  if (pipeline != nullptr) pipeline->share(opt_.get());
   const std::string path = checkpointer_.save(checkpoint_parts(), progress, background);
+  if (pipeline != nullptr) pipeline->drop_foreign_state(*opt_);
   newest_checkpoint_ = path;
   if (tty_) std::fprintf(stderr, "\r\033[K");
   if (background) {

@@ -19,28 +19,32 @@ DeviceMesh::DeviceMesh(std::shared_ptr<comm::Communicator> world, MeshShape shap
     : world_(std::move(world)), shape_(shape) {
   const int size = world_ ? world_->size() : 1;
   rank_ = world_ ? world_->rank() : 0;
-  DTRAIN_CHECK_AS(ConfigError, shape_.replicate >= 1 && shape_.shard >= 1 && shape_.tp >= 1,
-                  "the mesh's degrees must be >= 1, got replicate ", shape_.replicate, " x shard ",
-                  shape_.shard, " x tp ", shape_.tp);
-  DTRAIN_CHECK_AS(ConfigError, shape_.size() == size, "the mesh replicate ", shape_.replicate,
-                  " x shard ", shape_.shard, " x tp ", shape_.tp, " = ", shape_.size(),
-                  " ranks, but the job has ", size);
+  DTRAIN_CHECK_AS(ConfigError,
+                  shape_.replicate >= 1 && shape_.shard >= 1 && shape_.tp >= 1 && shape_.pp >= 1,
+                  "the mesh's degrees must be >= 1, got pp ", shape_.pp, " x replicate ",
+                  shape_.replicate, " x shard ", shape_.shard, " x tp ", shape_.tp);
+  DTRAIN_CHECK_AS(ConfigError, shape_.size() == size, "the mesh pp ", shape_.pp, " x replicate ",
+                  shape_.replicate, " x shard ", shape_.shard, " x tp ", shape_.tp, " = ",
+                  shape_.size(), " ranks, but the job has ", size);
   if (!world_ || size == 1) return;
-  if (shape_.tp > 1) {
-    // Every rank splits both, in the same order: collectives over the world.
-    tp_ = world_->split(/*color=*/rank_ / shape_.tp, /*key=*/tp_rank());
-    dp_ = shape_.tp == size ? nullptr : world_->split(/*color=*/tp_rank(), /*key=*/dp_rank());
-  } else {
+  // Every rank splits the same ones, in the same order: collectives over the world.
+  if (shape_.tp > 1) tp_ = world_->split(/*color=*/rank_ / shape_.tp, /*key=*/tp_rank());
+  if (shape_.tp == 1 && shape_.pp == 1) {
     dp_ = world_;
+  } else if (dp_size() > 1) {
+    dp_ = world_->split(/*color=*/pp_rank() * shape_.tp + tp_rank(), /*key=*/dp_rank());
   }
+  if (shape_.pp > 1) pp_ = world_->split(/*color=*/stage_rank(), /*key=*/pp_rank());
 }
 
 std::vector<std::string> DeviceMesh::describe() const {
   const int size = shape_.size();
   std::vector<std::string> out;
-  out.push_back("mesh: replicate " + std::to_string(shape_.replicate) + " x shard " +
-                std::to_string(shape_.shard) + " x tp " + std::to_string(shape_.tp) + " = " +
-                std::to_string(size) + " rank(s), tp innermost");
+  out.push_back((shape_.pp > 1 ? "mesh: pp " + std::to_string(shape_.pp) + " x replicate "
+                               : std::string("mesh: replicate ")) +
+                std::to_string(shape_.replicate) + " x shard " + std::to_string(shape_.shard) +
+                " x tp " + std::to_string(shape_.tp) + " = " + std::to_string(size) +
+                " rank(s), tp innermost");
   const std::vector<int>* nodes =
       world_ && world_->world_nodes().size() == static_cast<size_t>(size) ? &world_->world_nodes()
                                                                           : nullptr;
@@ -63,14 +67,26 @@ std::vector<std::string> DeviceMesh::describe() const {
     }
     out.push_back("mesh: tp groups " + groups);
   }
-  if (size / shape_.tp > 1) {
+  const int per_stage = size / shape_.pp;
+  if (dp_size() > 1) {
     std::string groups;
-    for (int t = 0; t < shape_.tp; ++t) {
-      std::vector<int> r;
-      for (int d = 0; d < size / shape_.tp; ++d) r.push_back(d * shape_.tp + t);
-      groups += (groups.empty() ? "" : ", ") + ranks_text(r);
+    for (int p = 0; p < shape_.pp; ++p) {
+      for (int t = 0; t < shape_.tp; ++t) {
+        std::vector<int> r;
+        for (int d = 0; d < dp_size(); ++d) r.push_back(p * per_stage + d * shape_.tp + t);
+        groups += (groups.empty() ? "" : ", ") + ranks_text(r);
+      }
     }
     out.push_back("mesh: data-parallel groups (replicate x shard) " + groups);
+  }
+  if (shape_.pp > 1) {
+    std::string groups;
+    for (int s = 0; s < per_stage; ++s) {
+      std::vector<int> r;
+      for (int p = 0; p < shape_.pp; ++p) r.push_back(p * per_stage + s);
+      groups += (groups.empty() ? "" : ", ") + ranks_text(r);
+    }
+    out.push_back("mesh: pipelines (pp groups, stage 0 first) " + groups);
   }
   return out;
 }

@@ -42,7 +42,7 @@ double rel(const at::Tensor& a, const at::Tensor& b) {
 std::shared_ptr<comm::Communicator> tp_group(int tp) {
   static std::map<int, std::shared_ptr<DeviceMesh>> meshes;  // splits are collective: once
   auto& m = meshes[tp];
-  if (!m) m = std::make_shared<DeviceMesh>(world_ptr(), MeshShape{1, world().size() / tp, tp});
+  if (!m) m = std::make_shared<DeviceMesh>(world_ptr(), MeshShape{1, world().size() / tp, tp, 1});
   return m->tp();
 }
 
@@ -206,7 +206,7 @@ TEST_F(Test, LlamaPlanGivesOneProcessLossAndGradients) {
 // the end, gathered over both.
 TEST_F(Test, FsdpTimesTpTrainsAsOneProcess) {
   if (world().size() != 4) GTEST_SKIP() << "a 2 x 2 mesh needs 4 ranks";
-  DeviceMesh mesh(world_ptr(), MeshShape{1, 2, 2});
+  DeviceMesh mesh(world_ptr(), MeshShape{1, 2, 2, 1});
   at::manual_seed(31);
   LlamaForCausalLM whole(tiny_llama(2, true));
   at::manual_seed(31);

@@ -566,7 +566,7 @@ DeviceMesh& mesh_with_tp(int tp) {
   static std::map<int, std::unique_ptr<DeviceMesh>> meshes;
   auto& mesh = meshes[tp];
   if (!mesh)
-    mesh = std::make_unique<DeviceMesh>(world_ptr(), MeshShape{1, world().size() / tp, tp});
+    mesh = std::make_unique<DeviceMesh>(world_ptr(), MeshShape{1, world().size() / tp, tp, 1});
   return *mesh;
 }
 

@@ -388,6 +388,15 @@ ModelSpec llama_config() {
   s.set_depth = [](ModelSettings& m, int64_t depth) {
     dynamic_cast<LlamaSettings&>(m).options.num_hidden_layers(depth);
   };
+  s.pipeline_layers = [](const ModelSettings& m) {
+    return dynamic_cast<const LlamaSettings&>(m).options.num_hidden_layers();
+  };
+  s.pp_problem = [](const ModelSettings& m) -> std::string {
+    if (!dynamic_cast<const LlamaSettings&>(m).options.tie_word_embeddings()) return "";
+    return "a Llama with tie_word_embeddings shares its embedding with its head, which a "
+           "pipeline puts on the first and the last stage: set model.tie_word_embeddings: false "
+           "to pipeline it";
+  };
   s.tp_problem = [](const ModelSettings& m, int64_t tp) {
     const auto& l = dynamic_cast<const LlamaSettings&>(m);
     const LlamaOptions& o = l.options;

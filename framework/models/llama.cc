@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "core/logging.h"
 #include "framework/checkpoint/safetensors.h"
+#include "framework/pipeline_strategy.h"
 #include "framework/task.h"
 
 namespace dtrain::framework {
@@ -428,7 +429,8 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
   // strategy runs over the data-parallel ranks.
   std::shared_ptr<sharding::TensorParallelism> tp;
   std::shared_ptr<comm::Communicator> dp = ctx.comm;
-  if (ctx.mesh) {
+  const bool pipelined = ctx.mesh && ctx.mesh->shape().pp > 1;
+  if (ctx.mesh && !pipelined) {
     tp = std::make_shared<sharding::TensorParallelism>(ctx.mesh->tp(), c.parallel.sequence_parallel,
                                                        c.parallel.sequence_parallel_regather);
     const auto sliced = lm->parallelize(tp);
@@ -451,16 +453,41 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
     out.task.loss = cross_entropy;
   }
   out.task.per_token_validation = true;
-  out.task.make_strategy = [lm, init, dp, tp, c = &c](amp::NumericsMonitor* mon) {
-    auto s = make_strategy(lm, dp, *c, mon, init);
-    if (tp) s->set_tensor_parallel(tp, [lm] { return lm->head_weight(); });
-    return s;
-  };
+  if (pipelined) {
+    // Pipeline parallelism: stages of decoder layers (framework/pipeline_strategy.h).
+    out.task.make_strategy = [lm, mesh = ctx.mesh, c = &c,
+                              o](amp::NumericsMonitor*) -> std::unique_ptr<Strategy> {
+      PipelineModel pm;
+      pm.module = lm.ptr();
+      pm.layers = o.num_hidden_layers();
+      pm.hidden = o.hidden_size();
+      pm.forward = [lm](const at::Tensor& x, int64_t begin, int64_t end) mutable {
+        return lm->forward_stage(x, begin, end);
+      };
+      pm.layer_of = [layers = pm.layers](const std::string& name) -> int64_t {
+        constexpr char kLayers[] = "model.layers.";
+        if (name.rfind(kLayers, 0) == 0) {
+          const size_t at = sizeof(kLayers) - 1;
+          return std::stoll(name.substr(at, name.find('.', at) - at));
+        }
+        return name.rfind("model.embed_tokens.", 0) == 0 ? -1 : layers;
+      };
+      return std::make_unique<PipelineStrategy>(std::move(pm), mesh, *c);
+    };
+  } else {
+    out.task.make_strategy = [lm, init, dp, tp, c = &c](amp::NumericsMonitor* mon) {
+      auto s = make_strategy(lm, dp, *c, mon, init);
+      if (tp) s->set_tensor_parallel(tp, [lm] { return lm->head_weight(); });
+      return s;
+    };
+  }
   if (!m.save_pretrained.empty()) {
     // The trained parameters as a Hugging Face checkpoint, written by rank 0 (under FSDP every
     // rank gathers them: a collective).
     out.task.on_finish = [o, dir = m.save_pretrained, rank = ctx.rank](Strategy& s) {
       std::vector<std::pair<std::string, at::Tensor>> tensors;
+      // A pipeline's ranks hold their own stages' current values: shared first (collective).
+      if (s.pipeline() != nullptr) s.pipeline()->share(nullptr);
       if (s.fsdp() != nullptr) {
         tensors = s.fsdp()->full_parameters();
         // Under tensor parallelism, the slices gathered over the TP group too.

@@ -72,7 +72,7 @@ int finetune(const std::string& dir, const std::string& tokens_path, const std::
   std::vector<std::pair<std::string, at::Tensor>> final_params;
   if (tensor_parallel) {
     LlamaForCausalLM model = load_hf_llama(dir);
-    dtrain::sharding::DeviceMesh mesh(comm, {1, world / tp_size, tp_size});
+    dtrain::sharding::DeviceMesh mesh(comm, {1, world / tp_size, tp_size, 1});
     auto tp = std::make_shared<dtrain::sharding::TensorParallelism>(mesh.tp(), sp);
     model->parallelize(tp);
     std::unique_ptr<dtrain::sharding::FullyShardedDataParallel<LlamaForCausalLM>> fsdp;

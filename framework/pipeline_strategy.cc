@@ -1,0 +1,310 @@
+#include "framework/pipeline_strategy.h"
+
+#include <torch/optim/optimizer.h>
+
+#include <algorithm>
+#include <array>
+
+#include "comm/types.h"
+#include "core/error.h"
+#include "framework/checkpoint/optim_state.h"
+#include "sharding/clip_grad.h"
+
+namespace dtrain::framework {
+namespace {
+
+// The optimizer state keys a parameter may have (framework/checkpoint/optim_state.h): "step"
+// is 0-d, the others have the parameter's shape.
+constexpr std::array<const char*, 5> kStateKeys{"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                                "momentum_buffer"};
+
+std::vector<int64_t> state_shape(const char* key, const at::Tensor& param) {
+  return std::string(key) == "step" ? std::vector<int64_t>{} : param.sizes().vec();
+}
+
+}  // namespace
+
+PipelineStrategy::PipelineStrategy(PipelineModel model, std::shared_ptr<sharding::DeviceMesh> mesh,
+                                   const RunConfig& c)
+    : model_(std::move(model)),
+      mesh_(std::move(mesh)),
+      c_(c),
+      pipe_(sharding::pp::make_schedule(c.parallel.pp_schedule, static_cast<int>(c.parallel.pp),
+                                        static_cast<int>(c.train.micro_batches),
+                                        static_cast<int>(c.parallel.pp_stages_per_rank)),
+            mesh_->pp()) {
+  const int stages = pipe_.schedule().stages;
+  ranges_ = sharding::pp::split_layers(model_.layers, stages, c.parallel.pp_split);
+  // Under autocast the boundary carries the compute dtype; the residual stream is fp32 again
+  // on the other side (run_stage).
+  activation_dtype_ =
+      c.precision.mixed.is_low_precision() ? c.precision.mixed.param_dtype : at::kFloat;
+  for (const auto& kv : model_.module->named_parameters()) {
+    const int64_t layer = model_.layer_of(kv.key());
+    int stage = 0;
+    if (layer >= model_.layers) {
+      stage = stages - 1;
+    } else if (layer >= 0) {
+      while (ranges_[static_cast<size_t>(stage)].second <= layer) ++stage;
+    }
+    owner_.push_back(pipe_.schedule().rank_of(stage));
+  }
+}
+
+at::Device PipelineStrategy::device() const { return at::Device(torch_device(c_.device)); }
+
+at::Tensor PipelineStrategy::run_stage(int stage, const at::Tensor& input) const {
+  at::Tensor x = input;
+  if (stage > 0 && x.scalar_type() != at::kFloat) x = x.to(at::kFloat);
+  const auto& [begin, end] = ranges_[static_cast<size_t>(stage)];
+  return model_.forward(x, begin, end);
+}
+
+at::Tensor PipelineStrategy::train(const std::vector<Batch>& batches, const LossOf& loss,
+                                   const std::function<at::Tensor(const at::Tensor&)>& scale) {
+  DTRAIN_CHECK(static_cast<int>(batches.size()) == pipe_.schedule().micro_batches,
+               "pipeline: ", batches.size(), " micro-batches for a schedule of ",
+               pipe_.schedule().micro_batches);
+  std::vector<at::Tensor> losses;  // the last stage's, as logged
+  sharding::pp::Pipeline::Step step;
+  step.forward = [this](int stage, int, const at::Tensor& x) { return run_stage(stage, x); };
+  step.loss = [&](int micro, const at::Tensor& output) {
+    at::Tensor l = loss(micro, output);
+    losses.push_back(l.detach());
+    return scale(l);
+  };
+  for (const auto& b : batches) step.inputs.push_back(b.inputs);
+  const at::Tensor& first = batches.front().inputs;
+  step.activation_shape = {first.size(0), first.size(1), model_.hidden};
+  step.activation_dtype = activation_dtype_;
+  step.device = device();
+  pipe_.run(step);
+  // Each stage's gradients averaged over its data-parallel ranks, in one message.
+  const auto& dp = mesh_->dp();
+  if (dp && dp->size() > 1) {
+    std::vector<at::Tensor> grads;
+    const auto params = parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (owner_of(i) == pp_rank() && params[i].grad().defined()) {
+        grads.push_back(params[i].grad());
+      }
+    }
+    if (!grads.empty()) {
+      const at::ScalarType reduce = c_.precision.mixed.effective_reduce_dtype();
+      std::vector<at::Tensor> flat;
+      for (const auto& g : grads) flat.push_back(g.reshape(-1).to(reduce));
+      at::Tensor bucket = at::cat(flat);
+      dp->all_reduce(bucket, comm::ReduceOp::kAvg).wait();
+      int64_t at = 0;
+      for (auto& g : grads) {
+        g.copy_(bucket.narrow(0, at, g.numel()).view(g.sizes()));
+        at += g.numel();
+      }
+    }
+  }
+  return pipe_.loss_sum(losses);
+}
+
+at::Tensor PipelineStrategy::evaluate(
+    const at::Tensor& inputs, const std::function<at::Tensor(const at::Tensor& output)>& reduce) {
+  const auto& s = pipe_.schedule();
+  sharding::pp::Pipeline eval(sharding::pp::make_schedule(sharding::pp::ScheduleKind::kForwardOnly,
+                                                          s.ranks, 1, s.stages_per_rank()),
+                              mesh_->pp());
+  std::vector<at::Tensor> sums;
+  sharding::pp::Pipeline::Step step;
+  step.forward = [this](int stage, int, const at::Tensor& x) { return run_stage(stage, x); };
+  step.loss = [&](int, const at::Tensor& output) {
+    sums.push_back(reduce(output).detach());
+    return sums.back();
+  };
+  step.inputs = {inputs};
+  step.activation_shape = {inputs.size(0), inputs.size(1), model_.hidden};
+  step.activation_dtype = activation_dtype_;
+  step.device = device();
+  eval.run(step);
+  return eval.loss_sum(sums);
+}
+
+at::Tensor PipelineStrategy::forward(const at::Tensor& inputs) {
+  const auto& s = pipe_.schedule();
+  sharding::pp::Pipeline eval(sharding::pp::make_schedule(sharding::pp::ScheduleKind::kForwardOnly,
+                                                          s.ranks, 1, s.stages_per_rank()),
+                              mesh_->pp());
+  at::Tensor out;
+  sharding::pp::Pipeline::Step step;
+  step.forward = [this](int stage, int, const at::Tensor& x) { return run_stage(stage, x); };
+  step.loss = [&](int, const at::Tensor& output) {
+    out = output;
+    return at::zeros({}, output.options());
+  };
+  step.inputs = {inputs};
+  step.activation_shape = {inputs.size(0), inputs.size(1), model_.hidden};
+  step.activation_dtype = activation_dtype_;
+  step.device = device();
+  eval.run(step);
+  // The last stage's output to every rank of the pipeline: its shape and dtype first.
+  const int last = s.rank_of(s.stages - 1);
+  const auto& group = mesh_->pp();
+  at::Tensor header = at::zeros({4}, at::kLong);
+  if (pp_rank() == last) {
+    DTRAIN_CHECK(out.dim() == 3, "pipeline: the last stage's output is ", out.sizes(),
+                 ", not [batch, seq, vocab]");
+    header =
+        at::tensor({out.size(0), out.size(1), out.size(2), static_cast<int64_t>(out.scalar_type())},
+                   at::kLong);
+  }
+  header = header.to(group->device());
+  group->broadcast(header, last).wait();
+  header = header.cpu();
+  const int64_t* h = header.data_ptr<int64_t>();
+  at::Tensor whole =
+      pp_rank() == last
+          ? out.contiguous()
+          : at::empty(
+                {h[0], h[1], h[2]},
+                at::TensorOptions().dtype(static_cast<at::ScalarType>(h[3])).device(device()));
+  group->broadcast(whole, last).wait();
+  return whole;
+}
+
+at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
+  // Each parameter's gradient is on its stage's rank alone (its data-parallel peers hold the
+  // same): per parameter its norm, summed over the pipeline (the owner's, exactly), then the
+  // norm of them all in the model's order, as one process takes it: the same bits where one
+  // process's parameters all have gradients. (TorchTitan sums each rank's total instead,
+  // ShardNorm::kPerRank, which rounds differently.)
+  comm::Communicator* group = mesh_->pp().get();
+  constexpr auto kRule = sharding::ShardNorm::kPerParameter;
+  if (max_norm > 0) {
+    return sharding::clip_grad_norm_tensor_(parameters(), max_norm, 2.0, group,
+                                            /*error_if_nonfinite=*/false, kRule);
+  }
+  return sharding::grad_norm(parameters(), 2.0, group, kRule);
+}
+
+void PipelineStrategy::share(torch::optim::Optimizer* optimizer) {
+  const std::vector<at::Tensor> params = parameters();
+  std::vector<ParamState> states;
+  if (optimizer != nullptr) {
+    const std::vector<at::Tensor> held = optimizer_parameters(*optimizer);
+    DTRAIN_CHECK(held.size() == params.size(),
+                 "pipeline: the optimizer must hold the model's parameters in order");
+    for (size_t i = 0; i < held.size(); ++i) {
+      DTRAIN_CHECK(held[i].unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl(),
+                   "pipeline: the optimizer must hold the model's parameters in order");
+    }
+    states = export_optimizer_state(*optimizer);
+  }
+  const auto& group = mesh_->pp();
+  const int me = pp_rank();
+  // Which state each parameter has, from its owner.
+  const size_t K = kStateKeys.size();
+  at::Tensor has = at::zeros({static_cast<int64_t>(params.size() * K)}, at::kLong);
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (owner_of(i) != me) continue;
+    for (const auto& [key, t] : states[i]) {
+      auto it = std::find_if(kStateKeys.begin(), kStateKeys.end(),
+                             [&](const char* k) { return key == k; });
+      DTRAIN_CHECK(it != kStateKeys.end(), "pipeline: optimizer state '", key, "' is unknown");
+      has[static_cast<int64_t>(i * K + static_cast<size_t>(it - kStateKeys.begin()))] = 1;
+    }
+  }
+  has = has.to(group->device());
+  group->all_reduce(has, comm::ReduceOp::kSum).wait();
+  has = has.cpu();
+  const int64_t* present = has.data_ptr<int64_t>();
+  // Each owner's parameters and their state in one message, in parameter order.
+  c10::NoGradGuard no_grad;
+  for (int owner = 0; owner < pipe_.schedule().ranks; ++owner) {
+    std::vector<at::Tensor> mine;  // what the owner sends, in order
+    int64_t numel = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (owner_of(i) != owner) continue;
+      numel += params[i].numel();
+      for (size_t k = 0; k < K; ++k) {
+        if (!present[i * K + k]) continue;
+        numel += k == 0 ? 1 : params[i].numel();
+      }
+    }
+    if (numel == 0) continue;
+    at::Tensor flat;
+    if (owner == me) {
+      std::vector<at::Tensor> parts;
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (owner_of(i) != owner) continue;
+        parts.push_back(params[i].detach().reshape(-1).to(device(), at::kFloat));
+        for (size_t k = 0; k < K; ++k) {
+          if (!present[i * K + k]) continue;
+          parts.push_back(states[i].at(kStateKeys[k]).reshape(-1).to(device(), at::kFloat));
+        }
+      }
+      flat = at::cat(parts);
+    } else {
+      flat = at::empty({numel}, at::TensorOptions(at::kFloat).device(device()));
+    }
+    group->broadcast(flat, owner).wait();
+    if (owner == me) continue;
+    int64_t at = 0;
+    auto next = [&](const std::vector<int64_t>& shape) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      at::Tensor t = flat.narrow(0, at, n).view(shape);
+      at += n;
+      return t;
+    };
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (owner_of(i) != owner) continue;
+      params[i].detach().copy_(next(params[i].sizes().vec()));
+      if (optimizer == nullptr) {
+        for (size_t k = 0; k < K; ++k) {
+          if (present[i * K + k]) next(state_shape(kStateKeys[k], params[i]));
+        }
+        continue;
+      }
+      states[i].clear();
+      for (size_t k = 0; k < K; ++k) {
+        if (!present[i * K + k]) continue;
+        at::Tensor t = next(state_shape(kStateKeys[k], params[i]));
+        states[i][kStateKeys[k]] = k == 0 ? t.cpu().clone() : t.clone();
+      }
+    }
+  }
+  if (optimizer != nullptr) import_optimizer_state(*optimizer, states);
+}
+
+void PipelineStrategy::drop_foreign_state(torch::optim::Optimizer& optimizer) {
+  const std::vector<at::Tensor> params = parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (owner_of(i) != pp_rank()) optimizer.state().erase(params[i].unsafeGetTensorImpl());
+  }
+}
+
+std::vector<std::string> PipelineStrategy::describe() const {
+  const auto& s = pipe_.schedule();
+  std::vector<std::string> out;
+  out.push_back("pipeline: " + std::to_string(s.stages) + " stages over " +
+                std::to_string(s.ranks) + " ranks, schedule " +
+                sharding::pp::schedule_name(s.kind) + ", " + std::to_string(s.micro_batches) +
+                " micro-batches (train.micro_batches), activations in " +
+                comm::dtype_name(activation_dtype_) + "; bubble " +
+                std::to_string(static_cast<int>(sharding::pp::theoretical_bubble(s) * 100 + 0.5)) +
+                "% in theory");
+  const int per_stage = mesh_->shape().size() / s.ranks;
+  for (int stage = 0; stage < s.stages; ++stage) {
+    const auto& [begin, end] = ranges_[static_cast<size_t>(stage)];
+    std::string what = "layers " + std::to_string(begin) + "-" + std::to_string(end - 1);
+    if (stage == 0) what = "the embedding, " + what;
+    if (stage == s.stages - 1) what += ", the norm and the head";
+    std::string ranks;
+    const int r = s.rank_of(stage);
+    for (int k = 0; k < per_stage; ++k) {
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(r * per_stage + k);
+    }
+    out.push_back("pipeline: stage " + std::to_string(stage) + ": " + what + " on rank" +
+                  (per_stage > 1 ? "s " : " ") + ranks);
+  }
+  return out;
+}
+
+}  // namespace dtrain::framework

@@ -1,0 +1,118 @@
+// PipelineStrategy: the trainer's pipeline parallelism (parallel.pp > 1; docs/pipeline.md).
+// The model's layers are split into pp x pp_stages_per_rank stages (sharding/pipeline_schedule.h
+// split_layers), stage s on pipeline rank s % pp, and each optimizer step's micro-batches run
+// through them under the configured schedule (sharding/pipeline.h). The mesh is pp x
+// (data-parallel ranks), pp outermost (sharding/mesh.h): after the schedule, each stage's
+// gradients are averaged over its data-parallel ranks in one coalesced all-reduce in
+// reduce_dtype, as DDP's would be (no_sync for all but the last micro-batch).
+//
+// What each rank holds: every rank builds the whole model from the same seed (so its
+// parameters start as one process's), and computes, keeps gradients and optimizer state for,
+// and steps only its own stages' parameters: the first stage's rank the embedding, the last
+// stage's the final norm and the head. The others stay as built until share() brings their
+// owners' values (checkpoints, exports). Activations cross stage boundaries in the policy's
+// param_dtype under autocast (fp32 otherwise); a receiving stage computes on in fp32, as the
+// residual stream of one process does.
+//
+// Agreed over the pipeline (collective over its ranks): the loss (the last stage's, on every
+// rank), the gradient norm (per parameter over the pipeline, then over the parameters in the
+// model's order: one process's norm), and a GradScaler's found-inf flag (the trainer's
+// ShardedGradScaler over the world).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "framework/config.h"
+#include "framework/data.h"
+#include "framework/strategy.h"
+#include "sharding/mesh.h"
+#include "sharding/pipeline.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace dtrain::framework {
+
+// What the pipeline needs of a model: its layers, how to run a range of them, and which layer
+// each parameter belongs to.
+struct PipelineModel {
+  std::shared_ptr<torch::nn::Module> module;
+  int64_t layers = 0;
+  int64_t hidden = 0;  // the last dimension of the activation between layers
+  // Layers [begin, end) on x: tokens in when begin is 0 (the embedding first), the logits out
+  // when end is `layers` (the final norm and the head last), else the hidden states.
+  std::function<at::Tensor(const at::Tensor& x, int64_t begin, int64_t end)> forward;
+  // A parameter's layer by its name: -1 before the first (the embedding), `layers` after the
+  // last (the norm and the head).
+  std::function<int64_t(const std::string& name)> layer_of;
+};
+
+class PipelineStrategy final : public Strategy {
+ public:
+  // Collective over nothing: `mesh` has the pipeline (mesh->pp()) and data-parallel groups.
+  PipelineStrategy(PipelineModel model, std::shared_ptr<sharding::DeviceMesh> mesh,
+                   const RunConfig& c);
+
+  // The whole model's output for `inputs` on every rank of the pipeline: a forward-only run of
+  // one micro-batch, the last stage's output broadcast (sampling). Collective over the pipeline.
+  at::Tensor forward(const at::Tensor& inputs) override;
+  // Every parameter of the model (the optimizer holds them all; only this rank's stages' get
+  // gradients, so only they are stepped).
+  std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
+  torch::nn::Module& module() override { return *model_.module; }
+  PipelineStrategy* pipeline() override { return this; }
+  at::Tensor clip_grad_norm(double max_norm) override;
+
+  // One optimizer step's forwards and backwards over `batches` (train.micro_batches of them;
+  // every rank of a pipeline is given the same ones, which its first and last stage read), under
+  // the schedule. `loss(m, output)` is micro-batch m's loss as logged; `scale(loss)` is what
+  // backward starts from (a GradScaler's scaled loss). Then each stage's gradients averaged
+  // over its data-parallel ranks. Returns the losses' sum on every rank (a 0-d double tensor).
+  using LossOf = std::function<at::Tensor(int micro, const at::Tensor& output)>;
+  at::Tensor train(const std::vector<Batch>& batches, const LossOf& loss,
+                   const std::function<at::Tensor(const at::Tensor&)>& scale);
+  // `reduce(output)` of the whole model's output for `inputs` (a forward-only run), on every
+  // rank of the pipeline (a 0-d double tensor): the validation loss's sum, computed on the
+  // last stage without moving the logits.
+  at::Tensor evaluate(const at::Tensor& inputs,
+                      const std::function<at::Tensor(const at::Tensor& output)>& reduce);
+
+  // Every parameter's value from its owner (the rank of its stage), and with `optimizer` its
+  // optimizer state too: afterwards every rank holds the whole model and its whole optimizer
+  // state, as one process would (what a full checkpoint or an export writes). Collective over
+  // the pipeline. drop_foreign_state() frees the optimizer state of the other ranks' stages
+  // again (after a checkpoint is staged or restored).
+  void share(torch::optim::Optimizer* optimizer);
+  void drop_foreign_state(torch::optim::Optimizer& optimizer);
+
+  const sharding::pp::Schedule& schedule() const { return pipe_.schedule(); }
+  int pp_rank() const { return pipe_.rank(); }
+  // The log's lines: each stage's layers and its ranks.
+  std::vector<std::string> describe() const;
+  // Of the last training step: the most micro-batches this rank held at once.
+  int peak_in_flight() const { return pipe_.peak_in_flight(); }
+
+ private:
+  at::Tensor run_stage(int stage, const at::Tensor& input) const;
+  int owner_of(size_t param) const { return owner_[param]; }
+  at::Device device() const;
+
+  PipelineModel model_;
+  std::shared_ptr<sharding::DeviceMesh> mesh_;
+  const RunConfig& c_;
+  sharding::pp::Pipeline pipe_;
+  std::vector<std::pair<int64_t, int64_t>> ranges_;  // per stage: its layers [begin, end)
+  at::ScalarType activation_dtype_ = at::kFloat;
+  std::vector<int> owner_;  // per parameter (module order): the pipeline rank of its stage
+};
+
+}  // namespace dtrain::framework
