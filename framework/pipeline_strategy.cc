@@ -48,6 +48,21 @@ PipelineStrategy::PipelineStrategy(PipelineModel model, std::shared_ptr<sharding
       while (ranges_[static_cast<size_t>(stage)].second <= layer) ++stage;
     }
     owner_.push_back(pipe_.schedule().rank_of(stage));
+    shapes_.push_back(kv.value().sizes().vec());
+  }
+  hold_whole(false);
+}
+
+void PipelineStrategy::hold_whole(bool whole) {
+  c10::NoGradGuard no_grad;
+  const std::vector<at::Tensor> params = parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (owner_of(i) == pp_rank()) continue;
+    at::Tensor p = params[i];
+    const bool held = p.sizes().vec() == shapes_[i];
+    // set_data keeps the tensor (the optimizer's, the module's) and swaps its storage.
+    if (whole && !held) p.set_data(at::zeros(shapes_[i], p.options()));
+    if (!whole && held && p.numel() > 0) p.set_data(at::empty({0}, p.options()));
   }
 }
 
@@ -183,7 +198,11 @@ at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
   return sharding::grad_norm(parameters(), 2.0, group, kRule);
 }
 
-void PipelineStrategy::share(torch::optim::Optimizer* optimizer) {
+void PipelineStrategy::share(torch::optim::Optimizer* optimizer, bool to_first) {
+  // To the first stage's rank of the first pipeline alone: the rank that writes.
+  if (to_first && mesh_->dp_rank() != 0) return;
+  const bool receives = !to_first || pp_rank() == 0;
+  if (receives) hold_whole(true);
   const std::vector<at::Tensor> params = parameters();
   std::vector<ParamState> states;
   if (optimizer != nullptr) {
@@ -228,6 +247,8 @@ void PipelineStrategy::share(torch::optim::Optimizer* optimizer) {
       }
     }
     if (numel == 0) continue;
+    const bool sends = owner == me, lands = receives && owner != me;
+    if (to_first && (owner == 0 || (!sends && !lands))) continue;  // rank 0 has its own
     at::Tensor flat;
     if (owner == me) {
       std::vector<at::Tensor> parts;
@@ -243,8 +264,14 @@ void PipelineStrategy::share(torch::optim::Optimizer* optimizer) {
     } else {
       flat = at::empty({numel}, at::TensorOptions(at::kFloat).device(device()));
     }
-    group->broadcast(flat, owner).wait();
-    if (owner == me) continue;
+    if (!to_first) {
+      group->broadcast(flat, owner).wait();
+    } else if (sends) {
+      group->send(flat, 0).wait();
+    } else {
+      group->recv(flat, owner).wait();
+    }
+    if (!lands) continue;
     int64_t at = 0;
     auto next = [&](const std::vector<int64_t>& shape) {
       int64_t n = 1;
@@ -270,7 +297,7 @@ void PipelineStrategy::share(torch::optim::Optimizer* optimizer) {
       }
     }
   }
-  if (optimizer != nullptr) import_optimizer_state(*optimizer, states);
+  if (optimizer != nullptr && receives) import_optimizer_state(*optimizer, states);
 }
 
 void PipelineStrategy::drop_foreign_state(torch::optim::Optimizer& optimizer) {
@@ -278,6 +305,7 @@ void PipelineStrategy::drop_foreign_state(torch::optim::Optimizer& optimizer) {
   for (size_t i = 0; i < params.size(); ++i) {
     if (owner_of(i) != pp_rank()) optimizer.state().erase(params[i].unsafeGetTensorImpl());
   }
+  hold_whole(false);
 }
 
 std::vector<std::string> PipelineStrategy::describe() const {

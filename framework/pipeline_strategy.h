@@ -7,12 +7,12 @@
 // reduce_dtype, as DDP's would be (no_sync for all but the last micro-batch).
 //
 // What each rank holds: every rank builds the whole model from the same seed (so its
-// parameters start as one process's), and computes, keeps gradients and optimizer state for,
-// and steps only its own stages' parameters: the first stage's rank the embedding, the last
-// stage's the final norm and the head. The others stay as built until share() brings their
-// owners' values (checkpoints, exports). Activations cross stage boundaries in the policy's
-// param_dtype under autocast (fp32 otherwise); a receiving stage computes on in fp32, as the
-// residual stream of one process does.
+// parameters start as one process's), then keeps only its own stages' parameters (the first
+// stage's rank the embedding, the last stage's the final norm and the head): the others become
+// empty tensors, which share() fills with their owners' values where a checkpoint or an export
+// needs the whole model. Only the own stages' parameters get gradients, optimizer state and
+// steps. Activations cross stage boundaries in the policy's param_dtype under autocast (fp32
+// otherwise); a receiving stage computes on in fp32, as the residual stream of one process does.
 //
 // Agreed over the pipeline (collective over its ranks): the loss (the last stage's, on every
 // rank), the gradient norm (per parameter over the pipeline, then over the parameters in the
@@ -88,11 +88,14 @@ class PipelineStrategy final : public Strategy {
 
   // Every parameter's value from its owner (the rank of its stage), and with `optimizer` its
   // optimizer state too: afterwards every rank holds the whole model and its whole optimizer
-  // state, as one process would (what a full checkpoint or an export writes). Collective over
-  // the pipeline. drop_foreign_state() frees the optimizer state of the other ranks' stages
-  // again (after a checkpoint is staged or restored).
-  void share(torch::optim::Optimizer* optimizer);
+  // state, as one process would (what an export or the end-of-run check reads). Collective over
+  // the pipeline. `to_first`: only the first pipeline's first rank receives them (world rank 0,
+  // which writes a full checkpoint; the other pipelines do nothing). drop_foreign_state() frees
+  // the other ranks' stages' parameters and optimizer state again (after a checkpoint is staged
+  // or restored); hold_whole(true) makes every parameter whole-sized (a restore reads into them).
+  void share(torch::optim::Optimizer* optimizer, bool to_first = false);
   void drop_foreign_state(torch::optim::Optimizer& optimizer);
+  void hold_whole(bool whole);
 
   const sharding::pp::Schedule& schedule() const { return pipe_.schedule(); }
   int pp_rank() const { return pipe_.rank(); }
@@ -113,6 +116,7 @@ class PipelineStrategy final : public Strategy {
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // per stage: its layers [begin, end)
   at::ScalarType activation_dtype_ = at::kFloat;
   std::vector<int> owner_;  // per parameter (module order): the pipeline rank of its stage
+  std::vector<std::vector<int64_t>> shapes_;  // per parameter: its whole shape
 };
 
 }  // namespace dtrain::framework

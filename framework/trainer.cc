@@ -537,9 +537,11 @@ std::map<std::string, std::string> Trainer::job_record() const {
 void Trainer::restore() {
   const std::string& resume = c_.checkpoint.resume;
   if (!checkpointer_.enabled() && (resume == "auto" || resume == "never")) return;
-  const std::optional<TrainerProgress> p = checkpointer_.restore(checkpoint_parts(), resume);
   // A pipeline's ranks read the whole model and its optimizer state: each keeps its stages'.
-  if (PipelineStrategy* pipeline = model_->pipeline()) pipeline->drop_foreign_state(*opt_);
+  PipelineStrategy* pipeline = model_->pipeline();
+  if (pipeline != nullptr) pipeline->hold_whole(true);
+  const std::optional<TrainerProgress> p = checkpointer_.restore(checkpoint_parts(), resume);
+  if (pipeline != nullptr) pipeline->drop_foreign_state(*opt_);
   if (!p) return;
   step_ = first_step_ = p->step;
   // Nothing left to train: said, not a "done" line over an empty run. A launcher's restart
@@ -858,9 +860,11 @@ void Trainer::roll_back(const SpikeGuard::Spike& spike) {
                ", and this run has no checkpoint before it to roll back to "
                "(train.spike_guard.action: rollback); stopping. checkpoint.every_steps below ",
                spike.first, " gives it one");
+  PipelineStrategy* pipeline = model_->pipeline();
+  if (pipeline != nullptr) pipeline->hold_whole(true);
   const std::optional<TrainerProgress> p =
       checkpointer_.restore(checkpoint_parts(), newest_checkpoint_);
-  if (PipelineStrategy* pipeline = model_->pipeline()) pipeline->drop_foreign_state(*opt_);
+  if (pipeline != nullptr) pipeline->drop_foreign_state(*opt_);
   DTRAIN_CHECK(p && p->step < spike.first, "roll back: the checkpoint '", newest_checkpoint_,
                "' is not before the spike's first step ", spike.first);
   step_ = p->step;
@@ -987,10 +991,10 @@ void Trainer::save_checkpoint(const StepStats& s, bool background) {
                            nonfinite_.run(), spike_.record()};
   progress.data_step = spike_.data_step(s.step);  // the next step's
   progress.data = data_->position(progress.data_step);
-  // A full checkpoint of a pipeline: every rank holds the whole model and optimizer state
-  // while it is staged (rank 0 writes them), its own stages' alone again after.
+  // A full checkpoint of a pipeline: rank 0, which writes it, holds the whole model and
+  // optimizer state while it is staged, its own stages' alone again after.
   PipelineStrategy* pipeline = model_->pipeline();
-  if (pipeline != nullptr) pipeline->share(opt_.get());
+  if (pipeline != nullptr) pipeline->share(opt_.get(), /*to_first=*/true);
   const std::string path = checkpointer_.save(checkpoint_parts(), progress, background);
   if (pipeline != nullptr) pipeline->drop_foreign_state(*opt_);
   newest_checkpoint_ = path;

@@ -22,6 +22,8 @@ the same bits.
   ckpt            a pp 2 run saves at step 10 (checkpoint.async) and goes on to 20; its
                   checkpoint resumes at pp 2, in one process and at pp 4: the same losses and
                   the same trained model as the run that saved it, bit for bit.
+  ckpt-2x2        the same for 2 data-parallel pipelines of 2 stages, resumed at 2 x 2 and
+                  as DDP over 2 ranks without a pipeline.
   errors          parallel.pp that does not split the ranks, a stage without layers, a
                   pp_split that does not add up, a tied embedding, strategy fsdp: each refused
                   before training, exit 2, naming the key.
@@ -201,6 +203,18 @@ def main():
                 sets.append("parallel.strategy=none")
             compare(f"ckpt-resume-pp{pp}", r.run(f"resume-pp{pp}", kind, np, sets), full,
                     resumed=True)
+    if want("ckpt-2x2"):
+        # Two data-parallel pipelines: the first pipeline's first rank writes the checkpoint.
+        ckpt = os.path.join(work, "ckpt-2x2")
+        full = r.run("ckpt-2x2", "launch", 4, [f"checkpoint.dir={ckpt}",
+                                               "checkpoint.every_steps=10"])
+        saved = os.path.join(ckpt, "step_00000010")
+        compare("ckpt-2x2-resume-2x2",
+                r.run("resume-2x2", "launch", 4, [f"checkpoint.resume={saved}"]), full,
+                resumed=True)
+        compare("ckpt-2x2-resume-ddp2",
+                r.run("resume-ddp2", "launch", 2, [f"checkpoint.resume={saved}", "parallel.pp=1"]),
+                full, resumed=True)
     if want("errors"):
         for name, np, sets, key in [
             ("pp-ranks", 2, ["parallel.pp=4"], "parallel.pp is 4, and the job has 2 rank(s)"),
