@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "framework/model_registry.h"
+#include "sharding/pipeline_schedule.h"
 
 namespace dtrain::framework {
 namespace {
@@ -16,7 +17,89 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 double bytes_of(c10::ScalarType t) { return t == c10::kFloat ? 4 : t == c10::kDouble ? 8 : 2; }
 
+double optimizer_bytes_per_parameter(const TrainConfig& t) {
+  return t.optimizer == OptimizerType::kAdamW ? 8 : (t.momentum > 0 ? 4 : 0);
+}
+
+// The layers of each stage: the config's split, or as even as it goes (a depth the estimate's
+// search tries need not split evenly).
+std::vector<std::pair<int64_t, int64_t>> stage_ranges(int64_t layers, int stages,
+                                                      const std::vector<int64_t>& split) {
+  try {
+    return sharding::pp::split_layers(layers, stages, split);
+  } catch (const ConfigError&) {
+  }
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t begin = 0;
+  for (int s = 0; s < stages; ++s) {
+    const int64_t n = layers / stages + (s < layers % stages ? 1 : 0);
+    out.emplace_back(begin, begin + n);
+    begin += n;
+  }
+  return out;
+}
+
 }  // namespace
+
+std::vector<StageEstimate> estimate_pipeline_ranks(const RunConfig& c, int world) {
+  const ModelSpec& spec = model_spec(c);
+  DTRAIN_CHECK(c.parallel.pp > 1 && spec.pipeline_layers != nullptr, "model.type ", spec.name,
+               ": no pipeline to estimate");
+  const ModelMemory mm = spec.memory(c);
+  const auto& mp = c.precision.mixed;
+  const int64_t layers = spec.pipeline_layers(*c.model.settings);
+  const int pp = static_cast<int>(c.parallel.pp),
+            v = static_cast<int>(c.parallel.pp_stages_per_rank);
+  const sharding::pp::Schedule schedule = sharding::pp::make_schedule(
+      c.parallel.pp_schedule, pp, static_cast<int>(c.train.micro_batches), v);
+  const auto ranges = stage_ranges(layers, schedule.stages, c.parallel.pp_split);
+  const double total = static_cast<double>(mm.parameters);
+  const double layer_params = mm.largest_unit, tail = mm.root - mm.embedding;
+  const double layer_activations =
+      (mm.activations - mm.head_activations) / static_cast<double>(std::max<int64_t>(1, layers));
+  const double opt = optimizer_bytes_per_parameter(c.train);
+  const int dp = std::max(1, world / pp);
+  std::vector<StageEstimate> out;
+  for (int r = 0; r < pp; ++r) {
+    double n = 0, held = 0;  // layers; activations of one micro-batch on each of its stages
+    bool first = false, last = false;
+    std::string holds;
+    for (int stage : schedule.stages_of(r)) {
+      const auto& [begin, end] = ranges[static_cast<size_t>(stage)];
+      n += static_cast<double>(end - begin);
+      first = first || stage == 0;
+      last = last || stage == schedule.stages - 1;
+      holds += (holds.empty() ? "stage " : ", stage ") + std::to_string(stage) + " (" +
+               (stage == 0 ? "the embedding, " : "") + "layers " + std::to_string(begin) + "-" +
+               std::to_string(end - 1) + (stage == schedule.stages - 1 ? ", the head" : "") + ")";
+      held += static_cast<double>(end - begin) * layer_activations +
+              (stage == schedule.stages - 1 ? mm.head_activations : 0);
+    }
+    const double p = n * layer_params + (first ? mm.embedding : 0) + (last ? tail : 0);
+    StageEstimate st;
+    st.holds = holds;
+    st.in_flight = schedule.promised_in_flight[static_cast<size_t>(r)];
+    MemoryEstimate& e = st.memory;
+    e.parameter_count = mm.parameters;
+    e.parameters = 4 * p;
+    e.gradients = 4 * p;
+    // The data-parallel average of a stage's gradients: one flat copy in the reduce dtype.
+    if (dp > 1) e.gradients += bytes_of(mp.effective_reduce_dtype()) * p;
+    e.optimizer = opt * p;
+    e.compute = mp.is_low_precision() ? bytes_of(mp.param_dtype) * p : 0;
+    // The mean micro-batch over its stages, times the most the schedule holds at once.
+    e.activations = static_cast<double>(st.in_flight) * held / static_cast<double>(v);
+    // Every rank builds the whole model before it keeps its stages; rank 0 holds the whole
+    // model and optimizer state while a full checkpoint is staged.
+    e.construction = 4 * total;
+    if (r == 0 && !c.checkpoint.dir.empty()) {
+      e.construction = std::max(e.construction, (4 + opt) * total + e.gradients);
+      if (c.checkpoint.async) e.checkpoint_staging = (4 + opt) * total;
+    }
+    out.push_back(std::move(st));
+  }
+  return out;
+}
 
 std::string format_bytes(double bytes) {
   char buf[32];
@@ -42,6 +125,13 @@ std::string MemoryEstimate::describe() const {
 }
 
 MemoryEstimate estimate_memory(const RunConfig& c, int world) {
+  if (c.parallel.pp > 1 && model_spec(c).pipeline_layers != nullptr) {
+    MemoryEstimate largest;
+    for (const auto& st : estimate_pipeline_ranks(c, world)) {
+      if (st.memory.peak() > largest.peak()) largest = st.memory;
+    }
+    return largest;
+  }
   MemoryEstimate e;
   const auto& mp = c.precision.mixed;
   const double cb = bytes_of(mp.param_dtype);  // compute dtype
@@ -64,8 +154,7 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
   }
   const double largest_unit = mm.largest_unit / t, root = mm.root / t;
   const double p = static_cast<double>(e.parameter_count) / t;
-  const double opt_per_param =
-      c.train.optimizer == OptimizerType::kAdamW ? 8 : (c.train.momentum > 0 ? 4 : 0);
+  const double opt_per_param = optimizer_bytes_per_parameter(c.train);
   e.construction = 4 * p;
   if (c.parallel.strategy == ParallelStrategy::kFsdp) {
     using sharding::ShardingStrategy;
@@ -207,6 +296,19 @@ std::string estimate_report(const RunConfig& c, int world, int ranks_here, int64
           ? "this rank's shards and one unit in fp32 (built deferred, initialized unit by unit)"
           : "the full fp32 model, before FSDP shards it, and one unit's copy");
   row("peak", e.peak());
+  if (c.parallel.pp > 1 && spec.pipeline_layers != nullptr) {
+    os << "per pipeline rank (parallel.pp " << c.parallel.pp << ", "
+       << sharding::pp::schedule_name(c.parallel.pp_schedule) << "; above: the largest):\n";
+    int r = 0;
+    for (const auto& st : estimate_pipeline_ranks(c, world)) {
+      os << "  pp rank " << r++ << ": " << st.holds << "\n    " << format_bytes(st.memory.peak())
+         << ": parameters " << format_bytes(st.memory.parameters) << ", gradients "
+         << format_bytes(st.memory.gradients) << ", optimizer state "
+         << format_bytes(st.memory.optimizer) << ", activations "
+         << format_bytes(st.memory.activations) << " (" << st.in_flight
+         << " micro-batch(es) held at once)\n";
+    }
+  }
   if (available < 0) {
     os << "this node's available memory is unknown";
   } else {

@@ -24,11 +24,17 @@
 //                block's activations while it is recomputed
 //   construction the full fp32 model, before FSDP shards it; a model FSDP builds deferred
 //                (the transformer, llama) holds its shards and one unit's fp32 buffer instead
+//   pipeline     (parallel.pp > 1) each rank's stages' parameters, gradients and optimizer
+//                state, and the activations of as many micro-batches as its schedule holds at
+//                once (Schedule::promised_in_flight); the estimate is the largest rank's, and
+//                while a full checkpoint is staged rank 0 holds the whole model and its
+//                optimizer state (the construction peak covers it)
 // It is an estimate: the allocator's slack, libraries and threads come on top.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "framework/config.h"
 
@@ -49,8 +55,17 @@ struct MemoryEstimate {
 // "812.3 MiB", "3.20 GiB".
 std::string format_bytes(double bytes);
 
-// Per rank, for `world` ranks with the config's strategy.
+// Per rank, for `world` ranks with the config's strategy (the largest rank's under a pipeline).
 MemoryEstimate estimate_memory(const RunConfig& c, int world);
+
+// Under a pipeline (parallel.pp > 1): per pipeline rank, its stages' layers ("layers 0-3")
+// and its estimate.
+struct StageEstimate {
+  std::string holds;
+  int in_flight = 0;  // micro-batches whose activations it holds at most
+  MemoryEstimate memory;
+};
+std::vector<StageEstimate> estimate_pipeline_ranks(const RunConfig& c, int world);
 
 // Bytes the system can give new allocations now (MemAvailable), or -1 when unknown.
 int64_t available_memory_bytes();

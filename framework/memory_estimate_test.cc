@@ -166,6 +166,40 @@ TEST(MemoryEstimate, AsyncStagingUnderTensorParallelismHoldsTheWholeModel) {
   EXPECT_DOUBLE_EQ(tp_sharded.checkpoint_staging, 12 * p / 4);  // its shards of its slices
 }
 
+// Under a pipeline each rank holds its stages' parameters (together the whole model, once) and
+// the activations of as many micro-batches as its schedule keeps: 1f1b's first rank pp of them,
+// gpipe's every rank all of them; the report lists every pipeline rank.
+TEST(MemoryEstimate, PipelineRanksHoldTheirStagesAndTheirSchedulesMicroBatches) {
+  auto config = [](int pp, const std::string& schedule) {
+    return parse_config(
+        "model:\n  type: llama\n  vocab_size: 256\n  hidden_size: 128\n"
+        "  intermediate_size: 352\n  num_hidden_layers: 4\n  num_attention_heads: 8\n"
+        "  num_key_value_heads: 4\n  seq_len: 64\n  tie_word_embeddings: false\ntrain:\n"
+        "  steps: 1\n  batch_size: 8\n  micro_batches: 4\n  lr: 1.0e-3\nparallel:\n  pp: " +
+            std::to_string(pp) + "\n  pp_schedule: " + schedule + "\nprecision:\n  policy: fp32\n",
+        "run.yaml");
+  };
+  const RunConfig c = config(2, "1f1b");
+  const std::vector<StageEstimate> ranks = estimate_pipeline_ranks(c, 2);
+  ASSERT_EQ(ranks.size(), 2u);
+  const double p = static_cast<double>(ranks[0].memory.parameter_count);
+  EXPECT_DOUBLE_EQ(ranks[0].memory.parameters + ranks[1].memory.parameters, 4 * p);
+  EXPECT_EQ(ranks[0].in_flight, 2);
+  EXPECT_EQ(ranks[1].in_flight, 1);
+  EXPECT_EQ(ranks[0].holds, "stage 0 (the embedding, layers 0-1)");
+  EXPECT_EQ(ranks[1].holds, "stage 1 (layers 2-3, the head)");
+  const auto gpipe = estimate_pipeline_ranks(config(2, "gpipe"), 2);
+  EXPECT_EQ(gpipe[0].in_flight, 4);
+  EXPECT_DOUBLE_EQ(gpipe[0].memory.activations, 2 * ranks[0].memory.activations);
+  // The estimate is the largest rank's; one process holds more than either.
+  const MemoryEstimate largest = estimate_memory(c, 2);
+  EXPECT_DOUBLE_EQ(largest.peak(), std::max(ranks[0].memory.peak(), ranks[1].memory.peak()));
+  EXPECT_LT(largest.steady(), estimate_memory(config(1, "1f1b"), 1).steady());
+  const std::string report = estimate_report(c, 2, 2, -1);
+  EXPECT_NE(report.find("pp rank 1: stage 1 (layers 2-3, the head)"), std::string::npos) << report;
+  EXPECT_NE(report.find("(2 micro-batch(es) held at once)"), std::string::npos) << report;
+}
+
 // --estimate's report: every term, recompute's effect, and the deepest model that fits, which
 // does fit while one layer more does not.
 TEST(MemoryEstimate, TheReportNamesEveryTermAndTheDeepestModelThatFits) {

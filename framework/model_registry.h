@@ -63,6 +63,12 @@ struct ModelMemory {
   std::string activations_note;
   // Whether FSDP builds it deferred (placeholders, one unit initialized at a time).
   bool deferred_under_fsdp = false;
+  // Pipeline stages (ModelSpec::pipeline_layers): the parameters before the first layer (the
+  // embedding, on the first stage; the rest of `root` is after the last layer, on the last),
+  // and the part of `activations` the head makes (the logits and the loss, on the last stage;
+  // the rest is the layers', alike).
+  double embedding = 0;
+  double head_activations = 0;
 };
 
 struct ModelSpec {

@@ -327,6 +327,8 @@ ModelMemory llama_memory(const RunConfig& c) {
                            static_cast<double>(o.vocab_size()) * (cb + 16);
   e.activations = micro_batch_samples(c) * t * per_token;
   e.deferred_under_fsdp = o.deferred_init();
+  e.embedding = static_cast<double>(o.vocab_size()) * h;
+  e.head_activations = micro_batch_samples(c) * t * static_cast<double>(o.vocab_size()) * (cb + 16);
   return e;
 }
 
