@@ -366,7 +366,9 @@ TEST_F(Test, PointToPointRingCarriesEveryDtypeAndShape) {
 
 TEST_F(Test, PointToPointPairsByPeerTagAndOrder) {
   const int rank = world().rank(), size = world().size();
-  if (rank % 2 == 1 || rank + 1 < size) {
+  // Repeated: which header a receiver's poll finds first varies from run to run, and a payload
+  // posted in that order rather than its receive's would take another message's bytes.
+  for (int round = 0; round < 30 && (rank % 2 == 1 || rank + 1 < size); ++round) {
     const int peer = rank % 2 == 0 ? rank + 1 : rank - 1;
     if (rank % 2 == 0) {
       // Three messages: tag 0, tag 5, tag 0; single sends, in order.

@@ -7,7 +7,9 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
+#include <mutex>
 #include <numeric>
 #include <sstream>
 #include <thread>
@@ -378,6 +380,13 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
     for (size_t i = 0; i < n; ++i) {
       if (c.p2p[i].kind == P2POp::kRecv) waiting.push_back(i);
     }
+    // Receives from one peer under one tag match its messages in the order they are posted,
+    // headers and payloads alike: a payload is posted only after those of the earlier
+    // receives of its (peer, tag), or a later header that a poll found first would take an
+    // earlier message's bytes.
+    auto same_pair = [&](size_t a, size_t b) {
+      return c.p2p[a].peer == c.p2p[b].peer && c.p2p[a].tag == c.p2p[b].tag;
+    };
     if (waiting.size() == 1 && !header_done[waiting[0]].done) {
       // One receive on a transport that cannot be polled (Gloo's works complete in wait()):
       // waited here (a pipeline's usual batch; a thread costs more than its transfer).
@@ -391,20 +400,39 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
       // started, should starting one fail).
       std::vector<std::exception_ptr> errors(n);
       std::vector<std::thread> threads;
+      std::mutex order;
+      std::condition_variable turn;
+      std::vector<char> posted(n, 0);  // a receive's payload posted (or given up)
       auto join_all = [&threads] {
         for (auto& th : threads) th.join();
       };
       try {
         for (size_t i : waiting) {
           threads.emplace_back([&, i] {
+            auto mark = [&] {
+              std::lock_guard<std::mutex> lock(order);
+              posted[i] = 1;
+              turn.notify_all();
+            };
             try {
               header_done[i].wait();
               header_done[i] = {};
+              {
+                std::unique_lock<std::mutex> lock(order);
+                turn.wait(lock, [&] {
+                  for (size_t j : waiting) {
+                    if (j < i && same_pair(j, i) && !posted[j]) return false;
+                  }
+                  return true;
+                });
+              }
               bytes_done[i] = checked(i);
+              mark();
               if (bytes_done[i]) bytes_done[i].wait();
               bytes_done[i] = {};
             } catch (...) {
               errors[i] = std::current_exception();
+              mark();
             }
           });
         }
@@ -421,7 +449,9 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
         bool progressed = false;
         for (size_t k = 0; k < waiting.size();) {
           const size_t i = waiting[k];
-          if (!header_done[i].done()) {
+          bool earlier = false;  // an earlier receive of this (peer, tag) still waits
+          for (size_t e = 0; e < k; ++e) earlier = earlier || same_pair(waiting[e], i);
+          if (earlier || !header_done[i].done()) {
             ++k;
             continue;
           }
