@@ -89,9 +89,10 @@ std::vector<StageEstimate> estimate_pipeline_ranks(const RunConfig& c, int world
     e.compute = mp.is_low_precision() ? bytes_of(mp.param_dtype) * p : 0;
     // The mean micro-batch over its stages, times the most the schedule holds at once.
     e.activations = static_cast<double>(st.in_flight) * held / static_cast<double>(v);
-    // Every rank builds the whole model before it keeps its stages; rank 0 holds the whole
-    // model and optimizer state while a full checkpoint is staged.
-    e.construction = 4 * total;
+    // A model built deferred makes only the rank's stages, another is built whole before the
+    // rank keeps its stages; rank 0 holds the whole model and optimizer state while a full
+    // checkpoint is staged.
+    e.construction = mm.deferred_under_fsdp ? 4 * p : 4 * total;
     if (r == 0 && !c.checkpoint.dir.empty()) {
       e.construction = std::max(e.construction, (4 + opt) * total + e.gradients);
       if (c.checkpoint.async) e.checkpoint_staging = (4 + opt) * total;

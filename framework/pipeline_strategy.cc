@@ -49,6 +49,15 @@ PipelineStrategy::PipelineStrategy(PipelineModel model, std::shared_ptr<sharding
     }
     owner_.push_back(pipe_.schedule().rank_of(stage));
     shapes_.push_back(kv.value().sizes().vec());
+    // Deferred: this rank's parameters made as the eager constructor makes them.
+    if (owner_.back() == pp_rank() && sharding::is_placeholder(kv.value())) {
+      DTRAIN_CHECK(static_cast<bool>(model_.init), "pipeline: parameter '", kv.key(),
+                   "' is a placeholder, and the model gave no initializer");
+      c10::NoGradGuard no_grad;
+      at::Tensor full = at::empty(shapes_.back(), kv.value().options().dtype(at::kFloat));
+      model_.init(kv.key(), full);
+      kv.value().set_data(full.to(kv.value().scalar_type()));
+    }
   }
   hold_whole(false);
 }

@@ -6,13 +6,14 @@
 // gradients are averaged over its data-parallel ranks in one coalesced all-reduce in
 // reduce_dtype, as DDP's would be (no_sync for all but the last micro-batch).
 //
-// What each rank holds: every rank builds the whole model from the same seed (so its
-// parameters start as one process's), then keeps only its own stages' parameters (the first
-// stage's rank the embedding, the last stage's the final norm and the head): the others become
-// empty tensors, which share() fills with their owners' values where a checkpoint or an export
-// needs the whole model. Only the own stages' parameters get gradients, optimizer state and
-// steps. Activations cross stage boundaries in the policy's param_dtype under autocast (fp32
-// otherwise); a receiving stage computes on in fp32, as the residual stream of one process does.
+// What each rank holds: its own stages' parameters (the first stage's rank the embedding, the
+// last stage's the final norm and the head), made as one process makes them (a deferred
+// model's initializer, or the whole model built from the same seed and the rest dropped). The
+// others are empty tensors, which share() fills with their owners' values where a checkpoint
+// or an export needs the whole model. Only the own stages' parameters get gradients, optimizer
+// state and steps. Activations cross stage boundaries in the policy's param_dtype under autocast
+// (fp32 otherwise); a receiving stage computes on in fp32, as the residual stream of one process
+// does.
 //
 // Agreed over the pipeline (collective over its ranks): the loss (the last stage's, on every
 // rank), the gradient norm (per parameter over the pipeline, then over the parameters in the
@@ -33,6 +34,7 @@
 #include "framework/config.h"
 #include "framework/data.h"
 #include "framework/strategy.h"
+#include "sharding/deferred_init.h"
 #include "sharding/mesh.h"
 #include "sharding/pipeline.h"
 
@@ -54,6 +56,10 @@ struct PipelineModel {
   // A parameter's layer by its name: -1 before the first (the embedding), `layers` after the
   // last (the norm and the head).
   std::function<int64_t(const std::string& name)> layer_of;
+  // A model built deferred (sharding/deferred_init.h: its parameters placeholders): each rank
+  // makes its own stages' parameters with this, so none ever holds the whole model. Null: the
+  // module was built whole.
+  sharding::ParamInit init;
 };
 
 class PipelineStrategy final : public Strategy {

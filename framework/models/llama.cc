@@ -411,9 +411,11 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
   const auto& m = c.model.as<LlamaSettings>();
   LlamaOptions o = m.options;
   // Under FSDP: placeholders, and each unit initialized (or loaded from the checkpoint) as it
-  // is sharded; otherwise the whole model, loaded on every rank (DDP broadcasts rank 0's).
-  const bool deferred =
-      ctx.comm && c.parallel.strategy == ParallelStrategy::kFsdp && o.deferred_init();
+  // is sharded; under a pipeline, each rank's own stages' parameters alone; otherwise the
+  // whole model, loaded on every rank (DDP broadcasts rank 0's).
+  const bool pipelined = ctx.mesh && ctx.mesh->shape().pp > 1;
+  const bool deferred = ctx.comm && (c.parallel.strategy == ParallelStrategy::kFsdp || pipelined) &&
+                        o.deferred_init();
   o.deferred_init(deferred);
   LlamaForCausalLM lm(o);
   sharding::ParamInit init;
@@ -429,7 +431,6 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
   // strategy runs over the data-parallel ranks.
   std::shared_ptr<sharding::TensorParallelism> tp;
   std::shared_ptr<comm::Communicator> dp = ctx.comm;
-  const bool pipelined = ctx.mesh && ctx.mesh->shape().pp > 1;
   if (ctx.mesh && !pipelined) {
     tp = std::make_shared<sharding::TensorParallelism>(ctx.mesh->tp(), c.parallel.sequence_parallel,
                                                        c.parallel.sequence_parallel_regather);
@@ -455,10 +456,11 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
   out.task.per_token_validation = true;
   if (pipelined) {
     // Pipeline parallelism: stages of decoder layers (framework/pipeline_strategy.h).
-    out.task.make_strategy = [lm, mesh = ctx.mesh, c = &c,
+    out.task.make_strategy = [lm, init, mesh = ctx.mesh, c = &c,
                               o](amp::NumericsMonitor*) -> std::unique_ptr<Strategy> {
       PipelineModel pm;
       pm.module = lm.ptr();
+      pm.init = init;
       pm.layers = o.num_hidden_layers();
       pm.hidden = o.hidden_size();
       pm.forward = [lm](const at::Tensor& x, int64_t begin, int64_t end) mutable {
