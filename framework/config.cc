@@ -909,9 +909,6 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
             "over its data-parallel ranks); strategy " +
                 std::string(name_of(cfg.parallel.strategy)) +
                 " with a pipeline is not built yet: set parallel.strategy: ddp, or parallel.pp: 1");
-    p.check(cfg.parallel.tp == 1, "pp",
-            "tensor and pipeline parallelism together (parallel.tp and parallel.pp both above 1) "
-            "are not built yet: set one of them to 1");
     p.check(!cfg.train.optimizer_in_backward, "pp",
             "train.optimizer_in_backward is FSDP's; the pipeline's stages step after the whole "
             "schedule: remove optimizer_in_backward");

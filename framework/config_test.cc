@@ -636,7 +636,7 @@ parallel:
                     {"model.tie_word_embeddings=true"});
   expect_yaml_error(llama, {"parallel.pp", "set parallel.strategy: ddp"},
                     {"parallel.strategy=fsdp"});
-  expect_yaml_error(llama, {"parallel.pp", "not built yet"}, {"parallel.tp=2"});
+  EXPECT_EQ(parse_config(llama, "run.yaml", {"parallel.tp=2"}).parallel.tp, 2);  // 2-D: pp x tp
   expect_yaml_error(kGood, {"parallel.pp", "model.type transformer has no pipeline split"},
                     {"parallel.pp=2"});
 }

@@ -17,6 +17,19 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 double bytes_of(c10::ScalarType t) { return t == c10::kFloat ? 4 : t == c10::kDouble ? 8 : 2; }
 
+// Tensor parallelism's share of one rank's activations: Megatron's formula (Korthikanti et
+// al. 2022, sbh(34 + 5as/h) without TP): with TP, sbh(10 + 24/t + 5as/(ht)), the norms' and
+// residual's 10 whole; with sequence parallelism, everything / t; with it but without the
+// regather in backward, the gathered inputs of attention and the MLP (4 of the 10) stay whole.
+// The attention term is taken as cut with the rest.
+double tp_activation_share(const ParallelConfig& p) {
+  const double t = static_cast<double>(p.tp);
+  if (t == 1) return 1;
+  return !p.sequence_parallel           ? (10 + 24 / t) / 34
+         : p.sequence_parallel_regather ? 1 / t
+                                        : (4 + 30 / t) / 34;
+}
+
 double optimizer_bytes_per_parameter(const TrainConfig& t) {
   return t.optimizer == OptimizerType::kAdamW ? 8 : (t.momentum > 0 ? 4 : 0);
 }
@@ -53,12 +66,16 @@ std::vector<StageEstimate> estimate_pipeline_ranks(const RunConfig& c, int world
   const sharding::pp::Schedule schedule = sharding::pp::make_schedule(
       c.parallel.pp_schedule, pp, static_cast<int>(c.train.micro_batches), v);
   const auto ranges = stage_ranges(layers, schedule.stages, c.parallel.pp_split);
+  // Under tensor parallelism each rank holds 1/tp of every layer (tp_activation_share of its
+  // activations), and a full checkpoint's writer the whole model still.
+  const double t = static_cast<double>(c.parallel.tp), share = tp_activation_share(c.parallel);
   const double total = static_cast<double>(mm.parameters);
-  const double layer_params = mm.largest_unit, tail = mm.root - mm.embedding;
-  const double layer_activations =
-      (mm.activations - mm.head_activations) / static_cast<double>(std::max<int64_t>(1, layers));
+  const double layer_params = mm.largest_unit / t, tail = (mm.root - mm.embedding) / t;
+  const double embedding = mm.embedding / t, head_activations = mm.head_activations * share;
+  const double layer_activations = (mm.activations - mm.head_activations) * share /
+                                   static_cast<double>(std::max<int64_t>(1, layers));
   const double opt = optimizer_bytes_per_parameter(c.train);
-  const int dp = std::max(1, world / pp);
+  const int dp = std::max(1, world / (pp * static_cast<int>(c.parallel.tp)));
   std::vector<StageEstimate> out;
   for (int r = 0; r < pp; ++r) {
     double n = 0, held = 0;  // layers; activations of one micro-batch on each of its stages
@@ -73,9 +90,9 @@ std::vector<StageEstimate> estimate_pipeline_ranks(const RunConfig& c, int world
                (stage == 0 ? "the embedding, " : "") + "layers " + std::to_string(begin) + "-" +
                std::to_string(end - 1) + (stage == schedule.stages - 1 ? ", the head" : "") + ")";
       held += static_cast<double>(end - begin) * layer_activations +
-              (stage == schedule.stages - 1 ? mm.head_activations : 0);
+              (stage == schedule.stages - 1 ? head_activations : 0);
     }
-    const double p = n * layer_params + (first ? mm.embedding : 0) + (last ? tail : 0);
+    const double p = n * layer_params + (first ? embedding : 0) + (last ? tail : 0);
     StageEstimate st;
     st.holds = holds;
     st.in_flight = schedule.promised_in_flight[static_cast<size_t>(r)];
@@ -92,7 +109,7 @@ std::vector<StageEstimate> estimate_pipeline_ranks(const RunConfig& c, int world
     // A model built deferred makes only the rank's stages, another is built whole before the
     // rank keeps its stages; rank 0 holds the whole model and optimizer state while a full
     // checkpoint is staged.
-    e.construction = mm.deferred_under_fsdp ? 4 * p : 4 * total;
+    e.construction = mm.deferred_under_fsdp ? 4 * p : 4 * total / t;
     if (r == 0 && !c.checkpoint.dir.empty()) {
       e.construction = std::max(e.construction, (4 + opt) * total + e.gradients);
       if (c.checkpoint.async) e.checkpoint_staging = (4 + opt) * total;
@@ -140,18 +157,12 @@ MemoryEstimate estimate_memory(const RunConfig& c, int world) {
   e.parameter_count = mm.parameters;
   e.activations = mm.activations;
   // Tensor parallelism: each rank holds 1/tp of every cut layer (the norms, a sliver, are
-  // counted cut too) and the data-parallel strategy runs over world / tp ranks. Activations
-  // per layer by Megatron's formula (Korthikanti et al. 2022, sbh(34 + 5as/h) without TP):
-  // with TP, sbh(10 + 24/t + 5as/(ht)), the norms' and residual's 10 whole; with sequence
-  // parallelism, everything / t; with it but without the regather in backward, the gathered
-  // inputs of attention and the MLP (4 of the 10) stay whole. The attention term is taken as
-  // cut with the rest.
+  // counted cut too) and the data-parallel strategy runs over world / tp ranks; activations
+  // by tp_activation_share.
   const double t = static_cast<double>(c.parallel.tp);
   if (t > 1) {
     world = std::max(1, world / static_cast<int>(c.parallel.tp));
-    e.activations *= !c.parallel.sequence_parallel           ? (10 + 24 / t) / 34
-                     : c.parallel.sequence_parallel_regather ? 1 / t
-                                                             : (4 + 30 / t) / 34;
+    e.activations *= tp_activation_share(c.parallel);
   }
   const double largest_unit = mm.largest_unit / t, root = mm.root / t;
   const double p = static_cast<double>(e.parameter_count) / t;

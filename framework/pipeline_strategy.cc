@@ -69,13 +69,24 @@ void PipelineStrategy::hold_whole(bool whole) {
     if (owner_of(i) == pp_rank()) continue;
     at::Tensor p = params[i];
     const bool held = p.sizes().vec() == shapes_[i];
-    // set_data keeps the tensor (the optimizer's, the module's) and swaps its storage.
+    // set_data keeps the tensor (the optimizer's, the module's) and swaps its storage. An
+    // empty one keeps its dimensions (its first one 0): a TP gather of it still has a shape.
     if (whole && !held) p.set_data(at::zeros(shapes_[i], p.options()));
-    if (!whole && held && p.numel() > 0) p.set_data(at::empty({0}, p.options()));
+    if (!whole && held && p.numel() > 0) {
+      std::vector<int64_t> none = shapes_[i];
+      if (!none.empty()) none[0] = 0;
+      p.set_data(at::empty(none, p.options()));
+    }
   }
 }
 
 at::Device PipelineStrategy::device() const { return at::Device(torch_device(c_.device)); }
+
+std::vector<int64_t> PipelineStrategy::activation_shape(const at::Tensor& tokens) const {
+  // Under sequence parallelism the residual stream between layers holds this rank's part of
+  // the sequence.
+  return {tokens.size(0), tokens.size(1) / sequence_multiple(), model_.hidden};
+}
 
 at::Tensor PipelineStrategy::run_stage(int stage, const at::Tensor& input) const {
   at::Tensor x = input;
@@ -98,8 +109,7 @@ at::Tensor PipelineStrategy::train(const std::vector<Batch>& batches, const Loss
     return scale(l);
   };
   for (const auto& b : batches) step.inputs.push_back(b.inputs);
-  const at::Tensor& first = batches.front().inputs;
-  step.activation_shape = {first.size(0), first.size(1), model_.hidden};
+  step.activation_shape = activation_shape(batches.front().inputs);
   step.activation_dtype = activation_dtype_;
   step.device = device();
   pipe_.run(step);
@@ -143,7 +153,7 @@ at::Tensor PipelineStrategy::evaluate(
     return sums.back();
   };
   step.inputs = {inputs};
-  step.activation_shape = {inputs.size(0), inputs.size(1), model_.hidden};
+  step.activation_shape = activation_shape(inputs);
   step.activation_dtype = activation_dtype_;
   step.device = device();
   eval.run(step);
@@ -163,7 +173,7 @@ at::Tensor PipelineStrategy::forward(const at::Tensor& inputs) {
     return at::zeros({}, output.options());
   };
   step.inputs = {inputs};
-  step.activation_shape = {inputs.size(0), inputs.size(1), model_.hidden};
+  step.activation_shape = activation_shape(inputs);
   step.activation_dtype = activation_dtype_;
   step.device = device();
   eval.run(step);
@@ -199,6 +209,11 @@ at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
   // process's parameters all have gradients. (TorchTitan sums each rank's total instead,
   // ShardNorm::kPerRank, which rounds differently.)
   comm::Communicator* group = mesh_->pp().get();
+  if (tensor_parallel() != nullptr && tensor_parallel()->size() > 1) {
+    // The TP slices' norms combine over the tp group too (as without a pipeline).
+    return sharding::clip_grad_norm_tp_(parameters(), max_norm > 0 ? max_norm : 0.0, 2.0, group,
+                                        tensor_parallel()->group().get(), tp_sliced());
+  }
   constexpr auto kRule = sharding::ShardNorm::kPerParameter;
   if (max_norm > 0) {
     return sharding::clip_grad_norm_tensor_(parameters(), max_norm, 2.0, group,

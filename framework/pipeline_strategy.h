@@ -112,6 +112,7 @@ class PipelineStrategy final : public Strategy {
 
  private:
   at::Tensor run_stage(int stage, const at::Tensor& input) const;
+  std::vector<int64_t> activation_shape(const at::Tensor& tokens) const;
   int owner_of(size_t param) const { return owner_[param]; }
   at::Device device() const;
 

@@ -94,10 +94,11 @@ class Strategy {
   // slices gathered: collective over the TP group); `local` as it is without TP.
   at::Tensor full_parameter(const std::string& name, const at::Tensor& local);
 
- private:
+ protected:
   // Per entry of parameters(): whether it is a TP slice.
   const std::vector<bool>& tp_sliced();
 
+ private:
   std::shared_ptr<sharding::TensorParallelism> tp_;
   std::function<at::Tensor()> head_;
   std::vector<bool> tp_sliced_;

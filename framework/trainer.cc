@@ -304,6 +304,11 @@ std::shared_ptr<sharding::DeviceMesh> make_mesh(const RunConfig& c,
       " rank(s), which do not split into groups of ", tp,
       ": the mesh is (data-parallel ranks) x tp = the job's ranks. Start a multiple of ", tp,
       " ranks (dtrain-launch --nproc-per-node), or set parallel.tp to a divisor of ", world);
+  DTRAIN_CHECK_AS(ConfigError, world % (tp * pp) == 0, c.source, ": parallel.pp x parallel.tp is ",
+                  pp, " x ", tp, ", and the job has ", world,
+                  " rank(s): the mesh is pp x (data-parallel ranks) x tp = the job's ranks. Start "
+                  "a multiple of ",
+                  pp * tp, " ranks (dtrain-launch --nproc-per-node)");
   const int dp = world / (tp * pp);
   sharding::MeshShape shape;
   shape.tp = tp;

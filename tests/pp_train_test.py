@@ -15,6 +15,10 @@ the same bits.
   2x2-ddp         4 ranks: 2 data-parallel pipelines of 2 stages, against DDP over 2 ranks
                   without a pipeline: bitwise (the stage's gradients averaged as DDP's).
   pp2-mpi         2 ranks under mpirun (MPI's point-to-point): bitwise.
+  pp2-tp2         4 ranks: 2 stages, each over a tensor-parallel group of 2 with sequence
+                  parallelism, against tp 2 without a pipeline: bitwise.
+  3d              8 ranks: 2 data-parallel x 2 stages x tp 2, against DDP over 2 x tp 2 at 4
+                  ranks: bitwise.
   pp2-bf16        bf16 autocast, activations sent in bf16, against one process in bf16: within
                   bf16 rounding (the stage boundary rounds the residual stream once).
   pp2-fp16-skip   fp16 with a loss scale that overflows: every stage skips the same steps
@@ -24,10 +28,12 @@ the same bits.
                   the same trained model as the run that saved it, bit for bit.
   ckpt-2x2        the same for 2 data-parallel pipelines of 2 stages, resumed at 2 x 2 and
                   as DDP over 2 ranks without a pipeline.
-  errors          parallel.pp that does not split the ranks, a stage without layers, a
+  ckpt-tp         pp 2 x tp 2 saves at step 10; resumed at tp 2 without a pipeline and at pp 4
+                  x tp 2 (8 ranks): bitwise.
+  errors          parallel.pp (or pp x tp) that does not split the ranks, a stage without layers, a
                   pp_split that does not add up, a tied embedding, strategy fsdp: each refused
                   before training, exit 2, naming the key.
-Usage: pp_train_test.py --launcher PATH --trainer PATH [--only NAME] [--no-mpi]
+Usage: pp_train_test.py --launcher PATH --trainer PATH [--only NAME[,NAME...]] [--no-mpi]
 """
 import argparse
 import json
@@ -135,7 +141,7 @@ def main():
     work = tempfile.mkdtemp(prefix="dtrain_pp_")
     r = Runner(args, work)
     one = ["parallel.pp=1", "parallel.strategy=none"]
-    want = lambda n: args.only in (None, n)
+    want = lambda n: args.only is None or n in args.only.split(",")
     refs = {}
 
     def ref(key, kind, np, sets):
@@ -172,6 +178,19 @@ def main():
         compare("2x2-ddp", got, ref("ddp2", "launch", 2, ["parallel.pp=1"]))
     if want("pp2-mpi") and mpi:
         compare("pp2-mpi", r.run("pp2-mpi", "mpi", 2, []), ref("one", "one", 1, one))
+    if want("pp2-tp2"):
+        sp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+        got = r.run("pp2-tp2", "launch", 4, sp)
+        for line in ["mesh: pp 2 x replicate 1 x shard 1 x tp 2 = 4 rank(s), tp innermost",
+                     "mesh: tp groups [0, 1] on node 0, [2, 3] on node 0",
+                     "mesh: pipelines (pp groups, stage 0 first) [0, 2], [1, 3]",
+                     "pipeline: stage 1: layers 2-3, the norm and the head on ranks 2, 3"]:
+            assert line in got[1], f"pp2-tp2: '{line}' not in the log:\n{got[1][-3000:]}"
+        compare("pp2-tp2", got, ref("tp2-sp", "launch", 2, ["parallel.pp=1"] + sp))
+    if want("3d"):
+        tp = ["parallel.tp=2"]
+        compare("3d", r.run("3d", "launch", 8, tp),
+                ref("ddp2-tp2", "launch", 4, ["parallel.pp=1"] + tp))
     if want("pp2-bf16"):
         compare("pp2-bf16", r.run("pp2-bf16", "launch", 2, ["precision.policy=bf16"]),
                 ref("one-bf16", "one", 1, one + ["precision.policy=bf16"]), tol=5e-3)
@@ -215,9 +234,22 @@ def main():
         compare("ckpt-2x2-resume-ddp2",
                 r.run("resume-ddp2", "launch", 2, [f"checkpoint.resume={saved}", "parallel.pp=1"]),
                 full, resumed=True)
+    if want("ckpt-tp"):
+        ckpt = os.path.join(work, "ckpt-tp")
+        full = r.run("ckpt-pp2-tp2", "launch", 4, ["parallel.tp=2", f"checkpoint.dir={ckpt}",
+                                                   "checkpoint.every_steps=10"])
+        saved = os.path.join(ckpt, "step_00000010")
+        compare("ckpt-tp-resume-tp2",
+                r.run("resume-tp2", "launch", 2, [f"checkpoint.resume={saved}", "parallel.pp=1",
+                                                  "parallel.tp=2"]), full, resumed=True)
+        compare("ckpt-tp-resume-pp4-tp2",
+                r.run("resume-pp4-tp2", "launch", 8, [f"checkpoint.resume={saved}",
+                                                      "parallel.pp=4", "parallel.tp=2"]),
+                full, resumed=True)
     if want("errors"):
         for name, np, sets, key in [
             ("pp-ranks", 2, ["parallel.pp=4"], "parallel.pp is 4, and the job has 2 rank(s)"),
+            ("pp-tp-ranks", 2, ["parallel.tp=2"], "parallel.pp x parallel.tp is 2 x 2"),
             ("pp-empty", 1, ["parallel.pp=8"], "parallel.pp"),
             ("pp-split-sum", 1, ["parallel.pp_split=[1, 2]"], "parallel.pp_split"),
             ("pp-tied", 1, ["model.tie_word_embeddings=true"], "tie_word_embeddings"),

@@ -431,7 +431,7 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
   // strategy runs over the data-parallel ranks.
   std::shared_ptr<sharding::TensorParallelism> tp;
   std::shared_ptr<comm::Communicator> dp = ctx.comm;
-  if (ctx.mesh && !pipelined) {
+  if (ctx.mesh && ctx.mesh->shape().tp > 1) {
     tp = std::make_shared<sharding::TensorParallelism>(ctx.mesh->tp(), c.parallel.sequence_parallel,
                                                        c.parallel.sequence_parallel_regather);
     const auto sliced = lm->parallelize(tp);
@@ -456,7 +456,7 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
   out.task.per_token_validation = true;
   if (pipelined) {
     // Pipeline parallelism: stages of decoder layers (framework/pipeline_strategy.h).
-    out.task.make_strategy = [lm, init, mesh = ctx.mesh, c = &c,
+    out.task.make_strategy = [lm, init, tp, mesh = ctx.mesh, c = &c,
                               o](amp::NumericsMonitor*) -> std::unique_ptr<Strategy> {
       PipelineModel pm;
       pm.module = lm.ptr();
@@ -474,7 +474,10 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
         }
         return name.rfind("model.embed_tokens.", 0) == 0 ? -1 : layers;
       };
-      return std::make_unique<PipelineStrategy>(std::move(pm), mesh, *c);
+      auto s = std::make_unique<PipelineStrategy>(std::move(pm), mesh, *c);
+      // Tensor parallelism inside each stage: the mesh's tp groups (the same stages).
+      if (tp) s->set_tensor_parallel(tp, [lm] { return lm->head_weight(); });
+      return s;
     };
   } else {
     out.task.make_strategy = [lm, init, dp, tp, c = &c](amp::NumericsMonitor* mon) {
