@@ -43,6 +43,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_jobs import run_job  # noqa: E402
+
 CONFIG = "configs/tiny/llama_pp.yaml"
 
 
@@ -79,25 +82,7 @@ class Runner:
                  "--set", f"logging.metrics_file={run}/metrics.jsonl"]
         for s in sets:
             train += ["--set", s]
-        if kind == "mpi":
-            cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--allow-run-as-root",
-                   "--bind-to", "none", "-x", "OMP_NUM_THREADS=1", "-x",
-                   "DTRAIN_BACKEND=mpi"] + train
-        elif kind == "launch":
-            cmd = [self.args.launcher, "--nproc-per-node", str(np), "--master-port", "0",
-                   "--"] + train
-        else:
-            cmd = train
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if kind == "mpi":
-            # A sanitized build (CI): OpenMPI leaks at exit; memory errors only under mpirun.
-            env["ASAN_OPTIONS"] = ":".join(filter(None, [env.get("ASAN_OPTIONS"), "detect_leaks=0"]))
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=env, timeout=600)
-        if p.returncode != expect_rc:
-            sys.stdout.write(p.stdout[-6000:])
-            raise AssertionError(f"{name}: exit {p.returncode}, expected {expect_rc}")
-        return run, p.stdout
+        return run, run_job(name, kind, np, train, self.args.launcher, expect_rc)
 
 
 def compare(name, got, want, tol=0.0, resumed=False):

@@ -37,6 +37,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_jobs import run_job  # noqa: E402
+
 CONFIG = "configs/tiny/llama_tp.yaml"
 
 
@@ -68,27 +71,7 @@ class Runner:
             train += ["--set", f"model.save_pretrained={run}/hf"]
         for s in sets:
             train += ["--set", s]
-        if kind == "mpi":
-            cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--allow-run-as-root",
-                   "--bind-to", "none", "-x", "OMP_NUM_THREADS=1", "-x",
-                   "DTRAIN_BACKEND=mpi"] + train
-        elif kind == "launch":
-            cmd = [self.args.launcher, "--nproc-per-node", str(np), "--master-port", "0",
-                   "--"] + train
-        else:
-            cmd = train
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if kind == "mpi":
-            # A sanitized build (CI): OpenMPI leaks at exit, and suppressing that by library
-            # needs whole stacks (5-10x slower). Under mpirun, memory errors only; the Gloo
-            # cases look for leaks (as scripts/examples does).
-            env["ASAN_OPTIONS"] = ":".join(filter(None, [env.get("ASAN_OPTIONS"), "detect_leaks=0"]))
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=env, timeout=600)
-        if p.returncode != expect_rc:
-            sys.stdout.write(p.stdout[-6000:])
-            raise AssertionError(f"{name}: exit {p.returncode}, expected {expect_rc}")
-        return run, p.stdout
+        return run, run_job(name, kind, np, train, self.args.launcher, expect_rc)
 
 
 def load_safetensors(path):
