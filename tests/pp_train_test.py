@@ -44,23 +44,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_jobs import run_job  # noqa: E402
+from train_jobs import rows, run_job  # noqa: E402
 
 CONFIG = "configs/tiny/llama_pp.yaml"
-
-
-def rows(path):
-    train, val = {}, {}
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            if "step" not in r:
-                continue
-            if "loss" in r:
-                train[r["step"]] = r["loss"]
-            if "val_loss" in r and not r.get("restored"):
-                val[r["step"]] = r["val_loss"]
-    return train, val
 
 
 def model_hash(out):

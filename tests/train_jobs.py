@@ -1,9 +1,10 @@
 """dtrain-train as a job, for the end-to-end tests: in one process, under dtrain-launch or
-under mpirun (DTRAIN_BACKEND=mpi), one compute thread per rank.
+under mpirun (DTRAIN_BACKEND=mpi), one compute thread per rank; and its metrics file read.
 
     from train_jobs import run_job
     out = run_job("pp2", "launch", 2, [trainer, "--config", cfg], launcher=path)
 """
+import json
 import os
 import subprocess
 import sys
@@ -32,3 +33,19 @@ def run_job(name, kind, np, train, launcher=None, expect_rc=0, timeout=600):
         sys.stdout.write(p.stdout[-6000:])
         raise AssertionError(f"{name}: exit {p.returncode}, expected {expect_rc}")
     return p.stdout
+
+
+def rows(path):
+    """A metrics file's losses by step: ({step: loss}, {step: val_loss}), the validation of a
+    restored checkpoint left out."""
+    train, val = {}, {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if "step" not in r:
+                continue
+            if "loss" in r:
+                train[r["step"]] = r["loss"]
+            if "val_loss" in r and not r.get("restored"):
+                val[r["step"]] = r["val_loss"]
+    return train, val
