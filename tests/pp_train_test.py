@@ -36,7 +36,6 @@ the same bits.
 Usage: pp_train_test.py --launcher PATH --trainer PATH [--only NAME[,NAME...]] [--no-mpi]
 """
 import argparse
-import json
 import os
 import re
 import subprocess
