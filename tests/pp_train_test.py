@@ -28,6 +28,9 @@ the same bits.
                   the same trained model as the run that saved it, bit for bit.
   ckpt-2x2        the same for 2 data-parallel pipelines of 2 stages, resumed at 2 x 2 and
                   as DDP over 2 ranks without a pipeline.
+  rollback        batches that make the loss spike at step 12: the spike guard rolls the pp 2
+                  run back to its step-10 checkpoint and skips them, ending with one process's
+                  model (which does the same), bit for bit.
   ckpt-tp         pp 2 x tp 2 saves at step 10; resumed at tp 2 without a pipeline and at pp 4
                   x tp 2 (8 ranks): bitwise.
   errors          parallel.pp (or pp x tp) that does not split the ranks, a stage without layers, a
@@ -58,7 +61,7 @@ class Runner:
     def __init__(self, args, work):
         self.args, self.work = args, work
 
-    def run(self, name, kind, np, sets, expect_rc=0):
+    def run(self, name, kind, np, sets, expect_rc=0, env=None):
         run = os.path.join(self.work, name)
         os.makedirs(run, exist_ok=True)
         train = [self.args.trainer, "--config", CONFIG,
@@ -67,7 +70,7 @@ class Runner:
                  "--set", f"logging.metrics_file={run}/metrics.jsonl"]
         for s in sets:
             train += ["--set", s]
-        return run, run_job(name, kind, np, train, self.args.launcher, expect_rc)
+        return run, run_job(name, kind, np, train, self.args.launcher, expect_rc, env=env)
 
 
 def compare(name, got, want, tol=0.0, resumed=False):
@@ -216,6 +219,17 @@ def main():
                 r.run("resume-pp4-tp2", "launch", 8, [f"checkpoint.resume={saved}",
                                                       "parallel.pp=4", "parallel.tp=2"]),
                 full, resumed=True)
+    if want("rollback"):
+        bad = {"DTRAIN_TEST_BAD_BATCHES": "12:2"}
+        guard = ["checkpoint.every_steps=5", "train.spike_guard.action=rollback",
+                 "train.spike_guard.window=5"]
+        got = r.run("rollback-pp2", "launch", 2,
+                    guard + [f"checkpoint.dir={os.path.join(work, 'rollback-pp2-ckpt')}"], env=bad)
+        base = r.run("rollback-one", "one", 1, one + guard + [
+            f"checkpoint.dir={os.path.join(work, 'rollback-one-ckpt')}"], env=bad)
+        assert "rolled back from step" in got[1], got[1][-3000:]
+        assert model_hash(got[1]) == model_hash(base[1]), "rollback: the trained models differ"
+        print("rollback: rolled back past the spike; the trained model is one process's, bitwise")
     if want("errors"):
         for name, np, sets, key in [
             ("pp-ranks", 2, ["parallel.pp=4"], "parallel.pp is 4, and the job has 2 rank(s)"),

@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 
-def run_job(name, kind, np, train, launcher=None, expect_rc=0, timeout=600):
+def run_job(name, kind, np, train, launcher=None, expect_rc=0, timeout=600, env=None):
     """Runs `train` (dtrain-train's command line) as `kind` ("one", "launch" or "mpi") on `np`
-    ranks; returns its output, or raises AssertionError (the output's tail printed) when it
-    exits with another code than `expect_rc`."""
+    ranks, with `env` added to the environment; returns its output, or raises AssertionError
+    (the output's tail printed) when it exits with another code than `expect_rc`."""
     if kind == "mpi":
         cmd = ["mpirun", "-np", str(np), "--oversubscribe", "--allow-run-as-root",
                "--bind-to", "none", "-x", "OMP_NUM_THREADS=1", "-x", "DTRAIN_BACKEND=mpi"] + train
@@ -21,7 +21,7 @@ def run_job(name, kind, np, train, launcher=None, expect_rc=0, timeout=600):
         cmd = [launcher, "--nproc-per-node", str(np), "--master-port", "0", "--"] + train
     else:
         cmd = train
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     if kind == "mpi":
         # A sanitized build (CI): OpenMPI leaks at exit, and suppressing that by library needs
         # whole stacks (5-10x slower). Under mpirun, memory errors only; the Gloo cases look for
