@@ -257,6 +257,16 @@ std::string straggler_report(comm::Communicator* comm, double compute_s, JsonObj
          " ms (slowest rank " + std::to_string(t.back().second) + ")";
 }
 
+// The mesh in the run's line: " over pp 2 x 2 data-parallel rank(s) x tp 2 (sequence
+// parallel)"; empty without tp and pp.
+std::string mesh_text(const ParallelConfig& p, int world) {
+  if (p.tp == 1 && p.pp == 1) return "";
+  return " over " + (p.pp > 1 ? "pp " + std::to_string(p.pp) + " x " : std::string()) +
+         std::to_string(world / (p.tp * p.pp)) + " data-parallel rank(s)" +
+         (p.tp > 1 ? " x tp " + std::to_string(p.tp) : std::string()) +
+         (p.sequence_parallel ? " (sequence parallel)" : "");
+}
+
 // "transformer, mlp, llama".
 std::string registered_model_list() {
   std::string list;
@@ -478,16 +488,9 @@ void Trainer::setup() {
   logging::info(
       "run: ", c_.source, ", ", task_.description.empty() ? "custom model" : task_.description,
       " on ", data_->describe(), ", ", world_, " rank(s), strategy ", name_of(c_.parallel.strategy),
-      c_.parallel.tp > 1 ? " over " + std::to_string(world_ / c_.parallel.tp) +
-                               " data-parallel rank(s) x tp " + std::to_string(c_.parallel.tp) +
-                               (c_.parallel.sequence_parallel ? " (sequence parallel)" : "")
-                         : std::string(),
-      c_.parallel.pp > 1 ? " over pp " + std::to_string(c_.parallel.pp) + " x " +
-                               std::to_string(world_ / c_.parallel.pp) + " data-parallel rank(s)"
-                         : std::string(),
-      comm_ ? ", backend " + comm_->backend() : std::string(), ", precision ",
-      name_of(c_.precision.policy), " ", c_.precision.mixed.to_string(), ", loss scaling ",
-      sc.enabled ? "on" : "off");
+      mesh_text(c_.parallel, world_), comm_ ? ", backend " + comm_->backend() : std::string(),
+      ", precision ", name_of(c_.precision.policy), " ", c_.precision.mixed.to_string(),
+      ", loss scaling ", sc.enabled ? "on" : "off");
   checkpointer_.set_job(job_record());
   if (checkpointer_.enabled() && c_.checkpoint.on_signal_s > 0) {
     preemption::install(c_.checkpoint.on_interrupt);
