@@ -542,8 +542,10 @@ void read_parallel(Section s, ParallelConfig& p) {
   s.check(!p.sequence_parallel || p.tp > 1, "sequence_parallel",
           "splits the sequence over a tensor-parallel group, and parallel.tp is 1: set "
           "parallel.tp (2 or more), or remove sequence_parallel");
-  s.check(p.pp >= 1, "pp", "must be >= 1 (pipeline stages' ranks; 1: off)");
-  s.check(p.pp_stages_per_rank >= 1, "pp_stages_per_rank", "must be >= 1");
+  s.check(p.pp >= 1 && p.pp <= 4096, "pp",
+          "must be in [1, 4096] (pipeline stages' ranks; 1: off), got " + std::to_string(p.pp));
+  s.check(p.pp_stages_per_rank >= 1 && p.pp_stages_per_rank <= 256, "pp_stages_per_rank",
+          "must be in [1, 256], got " + std::to_string(p.pp_stages_per_rank));
   s.check(p.pp > 1 || p.pp_stages_per_rank == 1, "pp_stages_per_rank",
           "places several pipeline stages on each rank, and parallel.pp is 1 (no pipeline): "
           "set parallel.pp (2 or more), or remove pp_stages_per_rank");
@@ -912,6 +914,16 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
     p.check(!cfg.train.optimizer_in_backward, "pp",
             "train.optimizer_in_backward is FSDP's; the pipeline's stages step after the whole "
             "schedule: remove optimizer_in_backward");
+    // Every rank's list holds a few actions per stage and micro-batch: planned here and by
+    // every rank, so a size that would take gigabytes is refused first.
+    constexpr int64_t kMaxPlanned = int64_t{1} << 22;
+    const int64_t planned =
+        cfg.parallel.pp * cfg.parallel.pp_stages_per_rank * cfg.train.micro_batches;
+    p.check(planned <= kMaxPlanned, "pp",
+            "a pipeline of parallel.pp x pp_stages_per_rank stages and train.micro_batches "
+            "micro-batches (" +
+                std::to_string(planned) + " pairs) is too large to plan (at most " +
+                std::to_string(kMaxPlanned) + "): fewer stages or micro-batches");
     try {
       sharding::pp::make_schedule(cfg.parallel.pp_schedule, static_cast<int>(cfg.parallel.pp),
                                   static_cast<int>(cfg.train.micro_batches),

@@ -612,7 +612,10 @@ parallel:
                          {"parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"})
                 .parallel.pp_schedule,
             sharding::pp::ScheduleKind::kInterleaved1F1B);
-  expect_yaml_error(llama, {"parallel.pp", "must be >= 1"}, {"parallel.pp=0"});
+  expect_yaml_error(llama, {"parallel.pp", "must be in [1, 4096]"}, {"parallel.pp=0"});
+  expect_yaml_error(llama, {"parallel.pp", "must be in [1, 4096]"}, {"parallel.pp=100000000"});
+  expect_yaml_error(llama, {"parallel.pp", "too large to plan"},
+                    {"parallel.pp=4096", "train.micro_batches=4096", "train.batch_size=4096"});
   expect_yaml_error(llama, {"parallel.pp_schedule", "unknown pipeline schedule 'zb'"},
                     {"parallel.pp_schedule=zb"});
   expect_yaml_error(llama, {"parallel.pp_split", "expected a list of layer counts", "'x'"},
