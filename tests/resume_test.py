@@ -164,7 +164,10 @@ def main():
           ref_out)
 
     def preempt(name, kind, sig, to_launcher, extra=()):
-        stop_after = rng.randint(3, STEPS - 8)
+        # The signal lands some steps after the step the test saw logged (it polls the metrics
+        # file every 50 ms, a step takes ~7 ms): 20 steps leave room for it before the end
+        # (with 8, a loaded machine once saw the run finish first).
+        stop_after = rng.randint(3, STEPS - 20)
         proc = r.start(kind, name, extra)
         metrics = f"{work}/{name}/metrics.jsonl"
         if not wait_for_step(metrics, stop_after, proc):
