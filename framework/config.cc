@@ -906,11 +906,19 @@ RunConfig parse_node(YAML::Node root, Origin& origin) {
     // Pipeline parallelism: one schedule for every pipeline, checked here (it refuses what it
     // cannot run) rather than at the first step.
     Section p = top.section("parallel");
-    p.check(cfg.parallel.strategy == ParallelStrategy::kDdp, "pp",
-            "pipeline stages run with parallel.strategy: ddp (each stage's gradients averaged "
-            "over its data-parallel ranks); strategy " +
-                std::string(name_of(cfg.parallel.strategy)) +
-                " with a pipeline is not built yet: set parallel.strategy: ddp, or parallel.pp: 1");
+    p.check(cfg.parallel.strategy != ParallelStrategy::kNone, "pp",
+            "pipeline stages run with parallel.strategy ddp (each stage's gradients averaged "
+            "over its data-parallel ranks) or fsdp (each stage sharded over them); strategy "
+            "none has no data-parallel ranks: set ddp or fsdp, or parallel.pp: 1");
+    const auto ss = cfg.parallel.sharding_strategy;
+    p.check(cfg.parallel.strategy != ParallelStrategy::kFsdp ||
+                ss == sharding::ShardingStrategy::kFullShard ||
+                ss == sharding::ShardingStrategy::kShardGradOp,
+            "sharding_strategy",
+            "a pipeline's stages shard over all of their data-parallel ranks (full_shard; "
+            "shard_grad_op is the same there: a stage's parameters are gathered once per step); " +
+                std::string(name_of(ss)) +
+                " with a pipeline is not built yet: set full_shard, or parallel.pp: 1");
     p.check(!cfg.train.optimizer_in_backward, "pp",
             "train.optimizer_in_backward is FSDP's; the pipeline's stages step after the whole "
             "schedule: remove optimizer_in_backward");

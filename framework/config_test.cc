@@ -637,8 +637,12 @@ parallel:
                     {"parallel.pp=1", "parallel.pp_stages_per_rank=2"});
   expect_yaml_error(llama, {"parallel.pp", "tie_word_embeddings"},
                     {"model.tie_word_embeddings=true"});
-  expect_yaml_error(llama, {"parallel.pp", "set parallel.strategy: ddp"},
-                    {"parallel.strategy=fsdp"});
+  expect_yaml_error(llama, {"parallel.pp", "strategy none has no data-parallel ranks"},
+                    {"parallel.strategy=none"});
+  expect_yaml_error(llama, {"parallel.sharding_strategy", "hybrid_shard with a pipeline"},
+                    {"parallel.strategy=fsdp", "parallel.sharding_strategy=hybrid_shard"});
+  EXPECT_EQ(parse_config(llama, "run.yaml", {"parallel.strategy=fsdp"}).parallel.strategy,
+            ParallelStrategy::kFsdp);                                            // pp x fsdp
   EXPECT_EQ(parse_config(llama, "run.yaml", {"parallel.tp=2"}).parallel.tp, 2);  // 2-D: pp x tp
   expect_yaml_error(kGood, {"parallel.pp", "model.type transformer has no pipeline split"},
                     {"parallel.pp=2"});

@@ -76,6 +76,7 @@ std::vector<StageEstimate> estimate_pipeline_ranks(const RunConfig& c, int world
                                    static_cast<double>(std::max<int64_t>(1, layers));
   const double opt = optimizer_bytes_per_parameter(c.train);
   const int dp = std::max(1, world / (pp * static_cast<int>(c.parallel.tp)));
+  const double d = c.parallel.strategy == ParallelStrategy::kFsdp ? dp : 1;
   std::vector<StageEstimate> out;
   for (int r = 0; r < pp; ++r) {
     double n = 0, held = 0;  // layers; activations of one micro-batch on each of its stages
@@ -98,18 +99,24 @@ std::vector<StageEstimate> estimate_pipeline_ranks(const RunConfig& c, int world
     st.in_flight = schedule.promised_in_flight[static_cast<size_t>(r)];
     MemoryEstimate& e = st.memory;
     e.parameter_count = mm.parameters;
-    e.parameters = 4 * p;
+    // Sharded (strategy fsdp): the fp32 masters and the optimizer state are 1/dp; in a step
+    // the stage is gathered whole and its gradients accumulate whole until the reduce-scatter.
+    e.parameters = 4 * p / d;
     e.gradients = 4 * p;
     // The data-parallel average of a stage's gradients: one flat copy in the reduce dtype.
     if (dp > 1) e.gradients += bytes_of(mp.effective_reduce_dtype()) * p;
-    e.optimizer = opt * p;
-    e.compute = mp.is_low_precision() ? bytes_of(mp.param_dtype) * p : 0;
+    e.optimizer = opt * p / d;
+    e.compute = (d > 1 ? 4 * p : 0) + (mp.is_low_precision() ? bytes_of(mp.param_dtype) * p : 0);
     // The mean micro-batch over its stages, times the most the schedule holds at once.
     e.activations = static_cast<double>(st.in_flight) * held / static_cast<double>(v);
     // A model built deferred makes only the rank's stages, another is built whole before the
     // rank keeps its stages; rank 0 holds the whole model and optimizer state while a full
     // checkpoint is staged.
     e.construction = mm.deferred_under_fsdp ? 4 * p : 4 * total / t;
+    // Sharded, a checkpoint gathers each stage and its optimizer state whole first.
+    if (d > 1 && !c.checkpoint.dir.empty()) {
+      e.construction = std::max(e.construction, e.steady() + (4 + opt) * p);
+    }
     if (r == 0 && !c.checkpoint.dir.empty()) {
       e.construction = std::max(e.construction, (4 + opt) * total + e.gradients);
       if (c.checkpoint.async) e.checkpoint_staging = (4 + opt) * total;

@@ -200,6 +200,32 @@ TEST(MemoryEstimate, PipelineRanksHoldTheirStagesAndTheirSchedulesMicroBatches) 
   EXPECT_NE(report.find("(2 micro-batch(es) held at once)"), std::string::npos) << report;
 }
 
+// Sharded stages (strategy fsdp, pp 2 x 2 data-parallel ranks): the masters and the optimizer
+// state halve against DDP's stages; the step holds the gathered stage and its whole gradients.
+TEST(MemoryEstimate, ShardedPipelineStagesHoldTheirShardsBetweenSteps) {
+  auto config = [](const std::string& strategy) {
+    return parse_config(
+        "model:\n  type: llama\n  vocab_size: 256\n  hidden_size: 128\n"
+        "  intermediate_size: 352\n  num_hidden_layers: 4\n  num_attention_heads: 8\n"
+        "  num_key_value_heads: 4\n  seq_len: 64\n  tie_word_embeddings: false\ntrain:\n"
+        "  steps: 1\n  batch_size: 8\n  micro_batches: 4\n  lr: 1.0e-3\nparallel:\n"
+        "  strategy: " +
+            strategy + "\n  pp: 2\nprecision:\n  policy: fp32\n",
+        "run.yaml");
+  };
+  const auto ddp = estimate_pipeline_ranks(config("ddp"), 4);
+  const auto fsdp = estimate_pipeline_ranks(config("fsdp"), 4);
+  ASSERT_EQ(fsdp.size(), 2u);
+  for (size_t r = 0; r < 2; ++r) {
+    const MemoryEstimate &d = ddp[r].memory, &f = fsdp[r].memory;
+    EXPECT_DOUBLE_EQ(f.parameters, d.parameters / 2);
+    EXPECT_DOUBLE_EQ(f.optimizer, d.optimizer / 2);
+    EXPECT_DOUBLE_EQ(f.gradients, d.gradients);
+    EXPECT_DOUBLE_EQ(f.compute, d.parameters);  // the stage gathered whole, in fp32
+    EXPECT_LT(f.steady(), d.steady());
+  }
+}
+
 // --estimate's report: every term, recompute's effect, and the deepest model that fits, which
 // does fit while one layer more does not.
 TEST(MemoryEstimate, TheReportNamesEveryTermAndTheDeepestModelThatFits) {

@@ -8,6 +8,7 @@
 #include "comm/types.h"
 #include "core/error.h"
 #include "framework/checkpoint/optim_state.h"
+#include "framework/config.h"
 #include "sharding/clip_grad.h"
 
 namespace dtrain::framework {
@@ -60,9 +61,114 @@ PipelineStrategy::PipelineStrategy(PipelineModel model, std::shared_ptr<sharding
     }
   }
   hold_whole(false);
+  // parallel.strategy fsdp: the stage's data-parallel ranks shard its parameters.
+  const auto& dp = mesh_->dp();
+  if (c.parallel.strategy == ParallelStrategy::kFsdp && dp && dp->size() > 1) {
+    shards_ = dp.get();
+    layout_ = c.parallel.shard_layout;
+    std::vector<std::vector<int64_t>> shapes;
+    const std::vector<at::Tensor> params = parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (owner_of(i) != pp_rank()) continue;
+      DTRAIN_CHECK(params[i].scalar_type() == at::kFloat, "pipeline: parameter ", i, " is ",
+                   params[i].scalar_type(), "; sharded stages hold fp32 parameters");
+      own_.push_back(i);
+      shapes.push_back(shapes_[i]);
+    }
+    shard_size_ = sharding::place_params(layout_, shapes, shards_->size(), places_);
+    // A parameter's norm combines over the pipeline and the shards: the ranks with this rank's
+    // tp coordinate (the world without tensor parallelism).
+    const int tp = mesh_->shape().tp;
+    norm_group_ = tp == 1 ? mesh_->world() : mesh_->world()->split(mesh_->tp_rank(), 0);
+    reshard(nullptr);
+  }
+}
+
+at::Tensor PipelineStrategy::shard_of(size_t k, const at::Tensor& whole) const {
+  const sharding::Held h = sharding::held_by(layout_, places_[k], shard_size_, shards_->rank());
+  return whole.detach().reshape(-1).narrow(0, h.begin, h.count).clone();
+}
+
+std::vector<at::Tensor> PipelineStrategy::gather_shards(
+    const std::vector<at::Tensor>& shards) const {
+  const int64_t n = shards_->size(), S = shard_size_;
+  const auto options = at::TensorOptions(at::kFloat).device(device());
+  at::Tensor mine = at::zeros({S}, options);
+  for (size_t k = 0; k < own_.size(); ++k) {
+    if (!shards[k].defined()) continue;
+    const sharding::Held h = sharding::held_by(layout_, places_[k], S, shards_->rank());
+    mine.narrow(0, h.pos, h.count).copy_(shards[k].detach().reshape(-1));
+  }
+  at::Tensor all = at::empty({n * S}, options);
+  shards_->all_gather(mine, all).wait();
+  std::vector<at::Tensor> out(own_.size());
+  for (size_t k = 0; k < own_.size(); ++k) {
+    if (!shards[k].defined()) continue;
+    out[k] = at::empty(shapes_[own_[k]], options);
+    at::Tensor flat = out[k].view(-1);
+    for (int64_t r = 0; r < n; ++r) {
+      const sharding::Held h = sharding::held_by(layout_, places_[k], S, r);
+      flat.narrow(0, h.begin, h.count).copy_(all.narrow(0, r * S + h.pos, h.count));
+    }
+  }
+  return out;
+}
+
+void PipelineStrategy::unshard(torch::optim::Optimizer* optimizer) {
+  if (!holds_shards_) return;
+  c10::NoGradGuard no_grad;
+  const std::vector<at::Tensor> params = parameters();
+  std::vector<at::Tensor> shards;
+  for (size_t i : own_) shards.push_back(params[i]);
+  const std::vector<at::Tensor> whole = gather_shards(shards);
+  for (size_t k = 0; k < own_.size(); ++k) params[own_[k]].set_data(whole[k]);
+  holds_shards_ = false;
+  if (optimizer == nullptr) return;
+  // The state a parameter's shape has, key by key (every data-parallel rank has the same keys:
+  // its parameters got gradients alike).
+  std::vector<ParamState> states = export_optimizer_state(*optimizer);
+  for (size_t key = 1; key < kStateKeys.size(); ++key) {
+    std::vector<at::Tensor> parts(own_.size());
+    bool any = false;
+    for (size_t k = 0; k < own_.size(); ++k) {
+      auto it = states[own_[k]].find(kStateKeys[key]);
+      if (it != states[own_[k]].end()) parts[k] = it->second;
+      any = any || parts[k].defined();
+    }
+    if (!any) continue;
+    const std::vector<at::Tensor> full = gather_shards(parts);
+    for (size_t k = 0; k < own_.size(); ++k) {
+      if (full[k].defined()) states[own_[k]][kStateKeys[key]] = full[k];
+    }
+  }
+  import_optimizer_state(*optimizer, states);
+}
+
+void PipelineStrategy::reshard(torch::optim::Optimizer* optimizer) {
+  if (shards_ == nullptr || holds_shards_) return;
+  c10::NoGradGuard no_grad;
+  const std::vector<at::Tensor> params = parameters();
+  for (size_t k = 0; k < own_.size(); ++k) {
+    at::Tensor p = params[own_[k]];
+    p.set_data(shard_of(k, p));
+  }
+  holds_shards_ = true;
+  if (optimizer == nullptr) return;
+  std::vector<ParamState> states = export_optimizer_state(*optimizer);
+  for (size_t k = 0; k < own_.size(); ++k) {
+    for (auto& [key, t] : states[own_[k]]) {
+      // Whole state (gathered, or restored from a checkpoint) to its shard; a shard stays (a
+      // whole one-row parameter is its own shard on the rank that holds it).
+      if (key != "step" && t.sizes().vec() == shapes_[own_[k]]) t = shard_of(k, t);
+    }
+  }
+  import_optimizer_state(*optimizer, states);
 }
 
 void PipelineStrategy::hold_whole(bool whole) {
+  // The own stages' parameters whole with their values (a restore that finds no checkpoint
+  // keeps them); their optimizer state stays sharded until a restore replaces it.
+  if (whole) unshard(nullptr);
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> params = parameters();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -112,10 +218,15 @@ at::Tensor PipelineStrategy::train(const std::vector<Batch>& batches, const Loss
   step.activation_shape = activation_shape(batches.front().inputs);
   step.activation_dtype = activation_dtype_;
   step.device = device();
+  // Sharded: the stage's parameters gathered once for all of the step's micro-batches.
+  unshard(nullptr);
   pipe_.run(step);
-  // Each stage's gradients averaged over its data-parallel ranks, in one message.
+  // Each stage's gradients averaged over its data-parallel ranks, in one message: scattered
+  // as shards, or whole (DDP's).
   const auto& dp = mesh_->dp();
-  if (dp && dp->size() > 1) {
+  if (shards_ != nullptr) {
+    reduce_scatter_grads();
+  } else if (dp && dp->size() > 1) {
     std::vector<at::Tensor> grads;
     const auto params = parameters();
     for (size_t i = 0; i < params.size(); ++i) {
@@ -139,6 +250,42 @@ at::Tensor PipelineStrategy::train(const std::vector<Batch>& batches, const Loss
   return pipe_.loss_sum(losses);
 }
 
+void PipelineStrategy::reduce_scatter_grads() {
+  c10::NoGradGuard no_grad;
+  const int64_t n = shards_->size(), S = shard_size_;
+  const at::ScalarType reduce = c_.precision.mixed.effective_reduce_dtype();
+  // FSDP2's averaging (sharding/fsdp_unit.cc): fp32 and bf16 summed, then divided; fp16 split
+  // into DDP's pre- and post-divide factors.
+  const bool average_after = reduce == at::kFloat || reduce == at::kBFloat16;
+  const sharding::DivideFactors f = average_after
+                                        ? sharding::DivideFactors{1.0, static_cast<double>(n)}
+                                        : sharding::divide_factors(n, reduce);
+  const std::vector<at::Tensor> params = parameters();
+  at::Tensor input = at::zeros({n * S}, at::TensorOptions(reduce).device(device()));
+  std::vector<bool> has(own_.size());
+  for (size_t k = 0; k < own_.size(); ++k) {
+    const at::Tensor& g = params[own_[k]].grad();
+    has[k] = g.defined();
+    if (!has[k]) continue;
+    const at::Tensor flat = g.reshape(-1);
+    for (int64_t r = 0; r < n; ++r) {
+      const sharding::Held h = sharding::held_by(layout_, places_[k], S, r);
+      input.narrow(0, r * S + h.pos, h.count).copy_(flat.narrow(0, h.begin, h.count));
+    }
+  }
+  if (f.pre != 1) input.div_(f.pre);
+  at::Tensor output = at::empty({S}, input.options());
+  shards_->reduce_scatter(input, output, comm::ReduceOp::kSum).wait();
+  if (f.post != 1) output.div_(f.post);
+  for (size_t i : own_) params[i].mutable_grad() = at::Tensor();
+  reshard(nullptr);
+  for (size_t k = 0; k < own_.size(); ++k) {
+    if (!has[k]) continue;
+    const sharding::Held h = sharding::held_by(layout_, places_[k], S, shards_->rank());
+    params[own_[k]].mutable_grad() = output.narrow(0, h.pos, h.count).to(at::kFloat).clone();
+  }
+}
+
 at::Tensor PipelineStrategy::evaluate(
     const at::Tensor& inputs, const std::function<at::Tensor(const at::Tensor& output)>& reduce) {
   const auto& s = pipe_.schedule();
@@ -156,7 +303,10 @@ at::Tensor PipelineStrategy::evaluate(
   step.activation_shape = activation_shape(inputs);
   step.activation_dtype = activation_dtype_;
   step.device = device();
+  const bool held = holds_shards_;
+  unshard(nullptr);
   eval.run(step);
+  if (held) reshard(nullptr);
   return eval.loss_sum(sums);
 }
 
@@ -176,7 +326,10 @@ at::Tensor PipelineStrategy::forward(const at::Tensor& inputs) {
   step.activation_shape = activation_shape(inputs);
   step.activation_dtype = activation_dtype_;
   step.device = device();
+  const bool held = holds_shards_;
+  unshard(nullptr);
   eval.run(step);
+  if (held) reshard(nullptr);
   // The last stage's output to every rank of the pipeline: its shape and dtype first.
   const int last = s.rank_of(s.stages - 1);
   const auto& group = mesh_->pp();
@@ -208,7 +361,8 @@ at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
   // norm of them all in the model's order, as one process takes it: the same bits where one
   // process's parameters all have gradients. (TorchTitan sums each rank's total instead,
   // ShardNorm::kPerRank, which rounds differently.)
-  comm::Communicator* group = mesh_->pp().get();
+  // Sharded, a parameter's norm combines over its shards too: over the pipeline x shards.
+  comm::Communicator* group = shards_ != nullptr ? norm_group_.get() : mesh_->pp().get();
   if (tensor_parallel() != nullptr && tensor_parallel()->size() > 1) {
     // The TP slices' norms combine over the tp group too (as without a pipeline).
     return sharding::clip_grad_norm_tp_(parameters(), max_norm > 0 ? max_norm : 0.0, 2.0, group,
@@ -223,6 +377,8 @@ at::Tensor PipelineStrategy::clip_grad_norm(double max_norm) {
 }
 
 void PipelineStrategy::share(torch::optim::Optimizer* optimizer, bool to_first) {
+  // Sharded: the own stages and their optimizer state whole on every data-parallel rank first.
+  unshard(optimizer);
   // To the first stage's rank of the first pipeline alone: the rank that writes.
   if (to_first && mesh_->dp_rank() != 0) return;
   const bool receives = !to_first || pp_rank() == 0;
@@ -330,6 +486,7 @@ void PipelineStrategy::drop_foreign_state(torch::optim::Optimizer& optimizer) {
     if (owner_of(i) != pp_rank()) optimizer.state().erase(params[i].unsafeGetTensorImpl());
   }
   hold_whole(false);
+  reshard(&optimizer);
 }
 
 std::vector<std::string> PipelineStrategy::describe() const {
@@ -342,6 +499,12 @@ std::vector<std::string> PipelineStrategy::describe() const {
                 comm::dtype_name(activation_dtype_) + "; bubble " +
                 std::to_string(static_cast<int>(sharding::pp::theoretical_bubble(s) * 100 + 0.5)) +
                 "% in theory");
+  if (shards_ != nullptr) {
+    out.push_back("pipeline: each stage sharded over its " + std::to_string(shards_->size()) +
+                  " data-parallel ranks (parallel.strategy fsdp, " +
+                  name_of(c_.parallel.shard_layout) +
+                  "): gathered once per step, its gradients reduce-scattered once");
+  }
   const int per_stage = mesh_->shape().size() / s.ranks;
   for (int stage = 0; stage < s.stages; ++stage) {
     const auto& [begin, end] = ranges_[static_cast<size_t>(stage)];

@@ -15,10 +15,19 @@
 // (fp32 otherwise); a receiving stage computes on in fp32, as the residual stream of one process
 // does.
 //
+// Under parallel.strategy fsdp the data-parallel ranks of a stage shard its parameters, their
+// gradients and their optimizer state (FSDP's shards, sharding/flat.h place_params, in the
+// configured shard_layout): between steps each of its own parameters holds this rank's 1-D
+// shard (the fp32 master, which the optimizer steps). A step gathers the stage's parameters
+// once (one all-gather), runs every micro-batch on them, and reduce-scatters the accumulated
+// gradients once: TorchTitan's FSDP under a pipeline, with no re-gather per micro-batch (what
+// FSDP2's reshard_after_forward=False gives it). A checkpoint or an export gathers the stage
+// and its optimizer state whole first (share), and drop_foreign_state shards them again.
+//
 // Agreed over the pipeline (collective over its ranks): the loss (the last stage's, on every
 // rank), the gradient norm (per parameter over the pipeline, then over the parameters in the
-// model's order: one process's norm), and a GradScaler's found-inf flag (the trainer's
-// ShardedGradScaler over the world).
+// model's order: one process's norm; with shards, per parameter over them too, as FSDP's), and
+// a GradScaler's found-inf flag (the trainer's ShardedGradScaler over the world).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,6 +44,7 @@
 #include "framework/data.h"
 #include "framework/strategy.h"
 #include "sharding/deferred_init.h"
+#include "sharding/flat.h"
 #include "sharding/mesh.h"
 #include "sharding/pipeline.h"
 
@@ -72,7 +82,7 @@ class PipelineStrategy final : public Strategy {
   // one micro-batch, the last stage's output broadcast (sampling). Collective over the pipeline.
   at::Tensor forward(const at::Tensor& inputs) override;
   // Every parameter of the model (the optimizer holds them all; only this rank's stages' get
-  // gradients, so only they are stepped).
+  // gradients, so only they are stepped; sharded, as their 1-D shards).
   std::vector<at::Tensor> parameters() override { return model_.module->parameters(); }
   torch::nn::Module& module() override { return *model_.module; }
   PipelineStrategy* pipeline() override { return this; }
@@ -98,7 +108,9 @@ class PipelineStrategy final : public Strategy {
   // the pipeline. `to_first`: only the first pipeline's first rank receives them (world rank 0,
   // which writes a full checkpoint; the other pipelines do nothing). drop_foreign_state() frees
   // the other ranks' stages' parameters and optimizer state again (after a checkpoint is staged
-  // or restored); hold_whole(true) makes every parameter whole-sized (a restore reads into them).
+  // or restored; sharded, it shards the own stages' again); hold_whole(true) makes every
+  // parameter whole-sized (a restore reads into them). Collective over the data-parallel ranks
+  // when the stages are sharded (share, drop_foreign_state).
   void share(torch::optim::Optimizer* optimizer, bool to_first = false);
   void drop_foreign_state(torch::optim::Optimizer& optimizer);
   void hold_whole(bool whole);
@@ -109,8 +121,25 @@ class PipelineStrategy final : public Strategy {
   std::vector<std::string> describe() const;
   // Of the last training step: the most micro-batches this rank held at once.
   int peak_in_flight() const { return pipe_.peak_in_flight(); }
+  // parallel.strategy fsdp over more than one data-parallel rank.
+  bool sharded() const { return shards_ != nullptr; }
 
  private:
+  // Sharding (parallel.strategy fsdp). unshard: every own parameter whole (an all-gather over
+  // the data-parallel ranks), and with `optimizer` its state too; reshard: back to this rank's
+  // shards (no communication: every rank holds the whole values). Both do nothing when the
+  // parameters already are so.
+  void unshard(torch::optim::Optimizer* optimizer);
+  void reshard(torch::optim::Optimizer* optimizer);
+  // Every data-parallel rank's shards of the own parameters (`shards[k]` of own_[k]; undefined:
+  // none) as whole tensors of their shapes: one all-gather.
+  std::vector<at::Tensor> gather_shards(const std::vector<at::Tensor>& shards) const;
+  // This rank's part of own_[k]'s whole value (a 1-D copy).
+  at::Tensor shard_of(size_t k, const at::Tensor& whole) const;
+  // The own parameters' gradients, averaged over the data-parallel ranks and scattered: each
+  // rank's shard of them (one reduce-scatter in reduce_dtype), the parameters resharded.
+  void reduce_scatter_grads();
+
   at::Tensor run_stage(int stage, const at::Tensor& input) const;
   std::vector<int64_t> activation_shape(const at::Tensor& tokens) const;
   int owner_of(size_t param) const { return owner_[param]; }
@@ -124,6 +153,16 @@ class PipelineStrategy final : public Strategy {
   at::ScalarType activation_dtype_ = at::kFloat;
   std::vector<int> owner_;  // per parameter (module order): the pipeline rank of its stage
   std::vector<std::vector<int64_t>> shapes_;  // per parameter: its whole shape
+  // Sharding: the data-parallel group (null: not sharded), the own parameters' indices and
+  // their places in every rank's shard of shard_size_ elements, and whether they hold shards
+  // now. norm_group_: the ranks over which a parameter's norm combines (pipeline x shards).
+  comm::Communicator* shards_ = nullptr;
+  sharding::ShardLayout layout_ = sharding::ShardLayout::kPerParameter;
+  std::vector<size_t> own_;
+  std::vector<sharding::ParamPlace> places_;
+  int64_t shard_size_ = 0;
+  bool holds_shards_ = false;
+  std::shared_ptr<comm::Communicator> norm_group_;
 };
 
 }  // namespace dtrain::framework

@@ -17,8 +17,14 @@ the same bits.
   pp2-mpi         2 ranks under mpirun (MPI's point-to-point): bitwise.
   pp2-tp2         4 ranks: 2 stages, each over a tensor-parallel group of 2 with sequence
                   parallelism, against tp 2 without a pipeline: bitwise.
-  3d              8 ranks: 2 data-parallel x 2 stages x tp 2, against DDP over 2 x tp 2 at 4
-                  ranks: bitwise.
+  2x2-fsdp        4 ranks: 2 stages, each sharded over 2 data-parallel ranks (strategy fsdp),
+                  against FSDP over 2 ranks without a pipeline: bitwise (the same shards, the
+                  gradients reduce-scattered once per step and the norm taken per parameter
+                  over the shards, as FSDP's). It saves at step 10 (checkpoint.async), which
+                  resumes at 2 x 2 and as FSDP over 2 ranks: bitwise.
+  rollback-fsdp   the spike-guard rollback of 2 x 2 sharded stages, against FSDP's: bitwise.
+  3d              8 ranks: 2 stages x 2 sharded data-parallel ranks x tp 2, against FSDP over
+                  2 x tp 2 at 4 ranks: bitwise.
   pp2-bf16        bf16 autocast, activations sent in bf16, against one process in bf16: within
                   bf16 rounding (the stage boundary rounds the residual stream once).
   pp2-fp16-skip   fp16 with a loss scale that overflows: every stage skips the same steps
@@ -34,7 +40,7 @@ the same bits.
   ckpt-tp         pp 2 x tp 2 saves at step 10; resumed at tp 2 without a pipeline and at pp 4
                   x tp 2 (8 ranks): bitwise.
   errors          parallel.pp (or pp x tp) that does not split the ranks, a stage without layers, a
-                  pp_split that does not add up, a tied embedding, strategy fsdp: each refused
+                  pp_split that does not add up, a tied embedding, strategy none, hybrid_shard: each refused
                   before training, exit 2, naming the key.
 Usage: pp_train_test.py --launcher PATH --trainer PATH [--only NAME[,NAME...]] [--no-mpi]
 """
@@ -160,10 +166,37 @@ def main():
                      "pipeline: stage 1: layers 2-3, the norm and the head on ranks 2, 3"]:
             assert line in got[1], f"pp2-tp2: '{line}' not in the log:\n{got[1][-3000:]}"
         compare("pp2-tp2", got, ref("tp2-sp", "launch", 2, ["parallel.pp=1"] + sp))
+    fsdp = ["parallel.strategy=fsdp"]
+    if want("2x2-fsdp"):
+        ckpt = os.path.join(work, "ckpt-fsdp")
+        got = r.run("2x2-fsdp", "launch", 4, fsdp + [
+            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=10", "checkpoint.async=true"])
+        line = ("pipeline: each stage sharded over its 2 data-parallel ranks (parallel.strategy "
+                "fsdp, per_parameter): gathered once per step, its gradients reduce-scattered once")
+        assert line in got[1], f"2x2-fsdp: '{line}' not in the log:\n{got[1][-3000:]}"
+        compare("2x2-fsdp", got, ref("fsdp2", "launch", 2, ["parallel.pp=1"] + fsdp))
+        saved = os.path.join(ckpt, "step_00000010")
+        compare("2x2-fsdp-resume-2x2",
+                r.run("fsdp-resume-2x2", "launch", 4, fsdp + [f"checkpoint.resume={saved}"]),
+                got, resumed=True)
+        compare("2x2-fsdp-resume-fsdp2",
+                r.run("fsdp-resume-fsdp2", "launch", 2,
+                      fsdp + [f"checkpoint.resume={saved}", "parallel.pp=1"]), got, resumed=True)
+    if want("rollback-fsdp"):
+        bad = {"DTRAIN_TEST_BAD_BATCHES": "12:2"}
+        guard = fsdp + ["checkpoint.every_steps=5", "train.spike_guard.action=rollback",
+                        "train.spike_guard.window=5"]
+        got = r.run("rollback-2x2-fsdp", "launch", 4, guard + [
+            f"checkpoint.dir={os.path.join(work, 'rollback-2x2-ckpt')}"], env=bad)
+        base = r.run("rollback-fsdp2", "launch", 2, guard + ["parallel.pp=1", (
+            f"checkpoint.dir={os.path.join(work, 'rollback-fsdp2-ckpt')}")], env=bad)
+        assert "rolled back from step" in got[1], got[1][-3000:]
+        assert model_hash(got[1]) == model_hash(base[1]), "rollback-fsdp: the trained models differ"
+        print("rollback-fsdp: rolled back past the spike; the trained model is FSDP's, bitwise")
     if want("3d"):
-        tp = ["parallel.tp=2"]
+        tp = ["parallel.tp=2"] + fsdp
         compare("3d", r.run("3d", "launch", 8, tp),
-                ref("ddp2-tp2", "launch", 4, ["parallel.pp=1"] + tp))
+                ref("fsdp2-tp2", "launch", 4, ["parallel.pp=1"] + tp))
     if want("pp2-bf16"):
         compare("pp2-bf16", r.run("pp2-bf16", "launch", 2, ["precision.policy=bf16"]),
                 ref("one-bf16", "one", 1, one + ["precision.policy=bf16"]), tol=5e-3)
@@ -237,7 +270,9 @@ def main():
             ("pp-empty", 1, ["parallel.pp=8"], "parallel.pp"),
             ("pp-split-sum", 1, ["parallel.pp_split=[1, 2]"], "parallel.pp_split"),
             ("pp-tied", 1, ["model.tie_word_embeddings=true"], "tie_word_embeddings"),
-            ("pp-fsdp", 1, ["parallel.strategy=fsdp"], "parallel.strategy: ddp"),
+            ("pp-none", 1, ["parallel.strategy=none"], "strategy none has no data-parallel"),
+            ("pp-hybrid", 1, ["parallel.strategy=fsdp", "parallel.sharding_strategy=hybrid_shard"],
+             "parallel.sharding_strategy"),
             ("pp-interleaved-v1", 1, ["parallel.pp_schedule=interleaved_1f1b"],
              "pp_stages_per_rank"),
         ]:

@@ -27,7 +27,7 @@ groups) with a run of the same job without tensor parallelism, made in this test
   errors          parallel.tp that does not split the ranks, that does not divide the heads, a
                   model without a plan, sequence parallelism over a seq_len it does not divide:
                   each refused before training, exit 2, naming the key.
-Usage: tp_train_test.py --launcher PATH --trainer PATH [--only NAME] [--no-mpi]
+Usage: tp_train_test.py --launcher PATH --trainer PATH [--only NAME[,NAME...]] [--no-mpi]
 """
 import argparse
 import json
@@ -125,7 +125,7 @@ def main():
     work = tempfile.mkdtemp(prefix="dtrain_tp_")
     r = Runner(args, work)
     off = ["parallel.tp=1", "parallel.sequence_parallel=false"]
-    want = lambda n: args.only in (None, n)
+    want = lambda n: args.only is None or n in args.only.split(",")
     refs = {}
 
     def ref(key, kind, np, sets):
