@@ -3,7 +3,8 @@
 # run. A 58M-parameter Llama (8 layers, hidden 512, a 32000-token vocabulary, 256 tokens per
 # sample, 8 samples in 4 micro-batches per step, fp32, AdamW) trains STEPS steps:
 #   one process (2 threads), DDP over 2 ranks, pp 2 under 1f1b, and pp 2 under gpipe
-# (2 ranks: one thread each). Per run: the mean step time of the steps after the first, and
+# (2 ranks: one thread each), pp 2 with every layer recomputed; then pp 2 x 2 data-parallel
+# ranks under ddp and under fsdp. Per run: the mean step time of the steps after the first, and
 # each rank's peak of tensor memory (the trainer's end-of-run report) beside the estimate.
 #   bench/run_pp_trainer_bench.sh [STEPS]
 set -euo pipefail
@@ -68,3 +69,8 @@ run "one process" 1 parallel.strategy=none
 run "DDP, 2 ranks" 2
 run "pp 2, 1f1b" 2 parallel.pp=2
 run "pp 2, gpipe" 2 parallel.pp=2 parallel.pp_schedule=gpipe
+run "pp 2, 1f1b, model.recompute full" 2 parallel.pp=2 model.recompute=full
+# 4 ranks on this machine's cores: their step times are not comparable with the rows above;
+# their memory is. Two pipelines whose stages are averaged (ddp) or sharded (fsdp) over 2.
+run "pp 2 x ddp 2 (4 ranks)" 4 parallel.pp=2
+run "pp 2 x fsdp 2 (4 ranks)" 4 parallel.pp=2 parallel.strategy=fsdp

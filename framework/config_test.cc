@@ -205,7 +205,11 @@ TEST(ModelRegistry, LlamaReadsLlamaConfigsNamesOrAPretrainedCheckpoint) {
   expect_yaml_error(llama, {"model.seq_len", "max_position_embeddings 16"},
                     {"model.max_position_embeddings=16"});
   expect_yaml_error(llama, {"model.num_layers", "unknown key"}, {"model.num_layers=2"});
-  expect_yaml_error(llama, {"model.recompute", "not supported"}, {"model.recompute=full"});
+  EXPECT_EQ(parse_config(llama, "run.yaml", {"model.recompute=full"})
+                .model.as<LlamaSettings>()
+                .options.recompute_every(),
+            1);
+  expect_yaml_error(llama, {"model.recompute", "expected none, full"}, {"model.recompute=some"});
   // A pretrained checkpoint gives the shape: shape keys beside it are refused.
   const std::string dir = ::testing::TempDir() + "/llama_config_test";
   std::filesystem::create_directories(dir);

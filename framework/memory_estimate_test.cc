@@ -200,6 +200,25 @@ TEST(MemoryEstimate, PipelineRanksHoldTheirStagesAndTheirSchedulesMicroBatches) 
   EXPECT_NE(report.find("(2 micro-batch(es) held at once)"), std::string::npos) << report;
 }
 
+// A Llama's recomputed layers keep their inputs alone: the activations fall to about one
+// layer's, and the report names the other choice's figure.
+TEST(MemoryEstimate, LlamaRecomputeKeepsOneLayersActivations) {
+  auto config = [](const std::string& recompute) {
+    return parse_config(
+        "model:\n  type: llama\n  vocab_size: 256\n  hidden_size: 128\n"
+        "  intermediate_size: 352\n  num_hidden_layers: 8\n  num_attention_heads: 8\n"
+        "  num_key_value_heads: 4\n  seq_len: 64\n  recompute: " +
+            recompute + "\ntrain:\n  steps: 1\n  batch_size: 8\n  lr: 1.0e-3\n",
+        "run.yaml");
+  };
+  const MemoryEstimate none = estimate_memory(config("none"), 1);
+  const MemoryEstimate full = estimate_memory(config("full"), 1);
+  EXPECT_LT(full.activations, none.activations / 3);
+  const std::string report = estimate_report(config("full"), 1, 1, -1);
+  EXPECT_NE(report.find("without recompute " + format_bytes(none.activations)), std::string::npos)
+      << report;
+}
+
 // Sharded stages (strategy fsdp, pp 2 x 2 data-parallel ranks): the masters and the optimizer
 // state halve against DDP's stages; the step holds the gathered stage and its whole gradients.
 TEST(MemoryEstimate, ShardedPipelineStagesHoldTheirShardsBetweenSteps) {

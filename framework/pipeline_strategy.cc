@@ -273,12 +273,14 @@ void PipelineStrategy::reduce_scatter_grads() {
       input.narrow(0, r * S + h.pos, h.count).copy_(flat.narrow(0, h.begin, h.count));
     }
   }
+  // The whole gradients and parameters go before the collective: the step's peak holds
+  // the stage's gradients once (in the message), not twice.
+  for (size_t i : own_) params[i].mutable_grad() = at::Tensor();
+  reshard(nullptr);
   if (f.pre != 1) input.div_(f.pre);
   at::Tensor output = at::empty({S}, input.options());
   shards_->reduce_scatter(input, output, comm::ReduceOp::kSum).wait();
   if (f.post != 1) output.div_(f.post);
-  for (size_t i : own_) params[i].mutable_grad() = at::Tensor();
-  reshard(nullptr);
   for (size_t k = 0; k < own_.size(); ++k) {
     if (!has[k]) continue;
     const sharding::Held h = sharding::held_by(layout_, places_[k], S, shards_->rank());

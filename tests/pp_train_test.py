@@ -12,6 +12,8 @@ the same bits.
   pp4-gpipe       4 ranks, 4 stages of one layer under gpipe: bitwise.
   pp2-interleaved 2 ranks, 4 stages (2 per rank) under interleaved_1f1b: bitwise.
   pp2-split       2 ranks, an uneven split (pp_split [1, 3]): bitwise.
+  pp2-recompute   2 ranks, every layer recomputed in backward (model.recompute: full), against
+                  one process without recompute: bitwise.
   2x2-ddp         4 ranks: 2 data-parallel pipelines of 2 stages, against DDP over 2 ranks
                   without a pipeline: bitwise (the stage's gradients averaged as DDP's).
   pp2-mpi         2 ranks under mpirun (MPI's point-to-point): bitwise.
@@ -23,8 +25,9 @@ the same bits.
                   over the shards, as FSDP's). It saves at step 10 (checkpoint.async), which
                   resumes at 2 x 2 and as FSDP over 2 ranks: bitwise.
   rollback-fsdp   the spike-guard rollback of 2 x 2 sharded stages, against FSDP's: bitwise.
-  3d              8 ranks: 2 stages x 2 sharded data-parallel ranks x tp 2, against FSDP over
-                  2 x tp 2 at 4 ranks: bitwise.
+  3d              8 ranks: 2 stages x 2 sharded data-parallel ranks x tp 2 with sequence
+                  parallelism and recompute, against FSDP over 2 x tp 2 (sequence parallel, no
+                  recompute) at 4 ranks: bitwise.
   pp2-bf16        bf16 autocast, activations sent in bf16, against one process in bf16: within
                   bf16 rounding (the stage boundary rounds the residual stream once).
   pp2-fp16-skip   fp16 with a loss scale that overflows: every stage skips the same steps
@@ -150,6 +153,10 @@ def main():
         got = r.run("pp2-split", "launch", 2, ["parallel.pp_split=[1, 3]"])
         assert "pipeline: stage 1: layers 1-3, the norm and the head on rank 1" in got[1]
         compare("pp2-split", got, ref("one", "one", 1, one))
+    if want("pp2-recompute"):
+        got = r.run("pp2-recompute", "launch", 2, ["model.recompute=full"])
+        assert "every layer recomputed in backward" in got[1], got[1][-3000:]
+        compare("pp2-recompute", got, ref("one", "one", 1, one))
     if want("2x2-ddp"):
         got = r.run("2x2-ddp", "launch", 4, [])
         assert "mesh: data-parallel groups (replicate x shard) [0, 1], [2, 3]" in got[1], got[1][-3000:]
@@ -194,9 +201,9 @@ def main():
         assert model_hash(got[1]) == model_hash(base[1]), "rollback-fsdp: the trained models differ"
         print("rollback-fsdp: rolled back past the spike; the trained model is FSDP's, bitwise")
     if want("3d"):
-        tp = ["parallel.tp=2"] + fsdp
-        compare("3d", r.run("3d", "launch", 8, tp),
-                ref("fsdp2-tp2", "launch", 4, ["parallel.pp=1"] + tp))
+        tp = ["parallel.tp=2", "parallel.sequence_parallel=true"] + fsdp
+        compare("3d", r.run("3d", "launch", 8, tp + ["model.recompute=full"]),
+                ref("fsdp2-tp2-sp", "launch", 4, ["parallel.pp=1"] + tp))
     if want("pp2-bf16"):
         compare("pp2-bf16", r.run("pp2-bf16", "launch", 2, ["precision.policy=bf16"]),
                 ref("one-bf16", "one", 1, one + ["precision.policy=bf16"]), tol=5e-3)

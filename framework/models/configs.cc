@@ -216,9 +216,7 @@ std::unique_ptr<ModelSettings> read_llama(ConfigSection& s) {
   s.read("seq_len", m->seq_len);
   bool deferred = true;
   s.read("deferred_init", deferred);
-  s.check(read_recompute(s) == 0, "recompute",
-          "is not supported by model.type llama yet (its layers keep their activations); "
-          "remove it");
+  const int64_t recompute_every = read_recompute(s);
   const char* shape_keys[] = {
       "vocab_size",          "hidden_size",         "intermediate_size",  "num_hidden_layers",
       "num_attention_heads", "num_key_value_heads", "head_dim",           "max_position_embeddings",
@@ -299,6 +297,7 @@ std::unique_ptr<ModelSettings> read_llama(ConfigSection& s) {
           "must be in [1, max_position_embeddings " + std::to_string(o.max_position_embeddings()) +
               "], got " + std::to_string(m->seq_len));
   o.deferred_init(deferred);
+  o.recompute_every(recompute_every);
   return m;
 }
 
@@ -323,9 +322,22 @@ ModelMemory llama_memory(const RunConfig& c) {
   const double cb = compute_bytes(c);
   const double scores = static_cast<double>(o.num_attention_heads()) * t * (4 + (cb != 4 ? cb : 0));
   const double layer = (4 * h + 5 * q + 3 * kv + 4 * inter) * cb + scores;
-  const double per_token = static_cast<double>(o.num_hidden_layers()) * layer +
-                           static_cast<double>(o.vocab_size()) * (cb + 16);
-  e.activations = micro_batch_samples(c) * t * per_token;
+  // model.recompute: the layers that keep their activations at the peak, and the recomputed
+  // ones' inputs (the residual stream in fp32), as the TransformerLM's.
+  auto activations = [&](int64_t every) {
+    const int64_t n = o.num_hidden_layers();
+    double live = static_cast<double>(n), kept = 0;
+    if (every > 0) {
+      const int64_t r = (n - 1) / every + 1;
+      live = static_cast<double>(std::max(n - r, (every - 1) * (r - 1) + 1));
+      kept = static_cast<double>(r);
+    }
+    const double input = c.parallel.strategy == ParallelStrategy::kFsdp ? cb : 4;
+    return micro_batch_samples(c) * t *
+           (live * layer + kept * h * input + static_cast<double>(o.vocab_size()) * (cb + 16));
+  };
+  e.activations = activations(o.recompute_every());
+  e.activations_other_recompute = activations(o.recompute_every() == 0 ? 1 : 0);
   e.deferred_under_fsdp = o.deferred_init();
   e.embedding = static_cast<double>(o.vocab_size()) * h;
   e.head_activations = micro_batch_samples(c) * t * static_cast<double>(o.vocab_size()) * (cb + 16);

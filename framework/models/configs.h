@@ -98,6 +98,9 @@ struct LlamaOptions {
   // Placeholder parameters until param_init() fills them (sharding/deferred_init.h): under
   // FSDP one unit at a time (FSDPOptions::param_init), otherwise sharding::materialize.
   TORCH_ARG(bool, deferred_init) = false;
+  // Activation recompute (sharding/recompute.h) of decoder layer i when i % recompute_every
+  // == 0 (model.recompute): 0 none, 1 every layer.
+  TORCH_ARG(int64_t, recompute_every) = 0;
 
  public:
   int64_t head_size() const {

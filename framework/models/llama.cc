@@ -20,6 +20,7 @@
 #include "framework/checkpoint/safetensors.h"
 #include "framework/pipeline_strategy.h"
 #include "framework/task.h"
+#include "sharding/recompute.h"
 
 namespace dtrain::framework {
 namespace {
@@ -159,8 +160,14 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaOptions& o) {
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x) {
-  at::Tensor h = x + self_attn->forward(input_layernorm->forward(x));
-  return h + mlp->forward(post_attention_layernorm->forward(h));
+  auto body = [this](const at::Tensor& in) {
+    at::Tensor h = in + self_attn->forward(input_layernorm->forward(in));
+    return h + mlp->forward(post_attention_layernorm->forward(h));
+  };
+  if (!recompute) return body(x);
+  return sharding::recompute(
+      [body](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{body(in[0])}; },
+      {x}, parameters())[0];
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward_cached(const at::Tensor& x, KVCache& cache,
@@ -180,6 +187,7 @@ LlamaModelImpl::LlamaModelImpl(const LlamaOptions& o) {
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.num_hidden_layers(); ++i) {
     LlamaLayerUnit layer(o);
+    layer->recompute = o.recompute_every() > 0 && i % o.recompute_every() == 0;
     built(*layer);
     layers->push_back(layer);
   }
@@ -441,8 +449,13 @@ void build_llama(const BuildContext& ctx, BuiltModel& out) {
     dp = ctx.mesh->dp();
   }
   const double n = static_cast<double>(llama_parameter_count(o));
+  const int64_t every = o.recompute_every();
   logging::info("model: Llama, ", n / 1e6, "M parameters",
-                m.pretrained.empty() ? std::string() : ", from " + m.pretrained);
+                m.pretrained.empty() ? std::string() : ", from " + m.pretrained,
+                every == 0 ? std::string()
+                : every == 1
+                    ? std::string(", every layer recomputed in backward")
+                    : ", one layer in every " + std::to_string(every) + " recomputed in backward");
   out.task.description = "Llama " + logging::fixed(n / 1e6, 1) + "M";
   if (tp) {
     // The vocabulary-parallel cross-entropy: the logits stay sliced over the TP group.

@@ -76,6 +76,8 @@ class LlamaDecoderLayerImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x);
   at::Tensor forward_cached(const at::Tensor& x, KVCache& cache, size_t layer);
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  // Recomputed in backward (sharding/recompute.h): only the layer's input is kept.
+  bool recompute = false;
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
 };
