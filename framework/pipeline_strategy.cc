@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 
+#include "comm/coalesced.h"
 #include "comm/types.h"
 #include "core/error.h"
 #include "framework/checkpoint/optim_state.h"
@@ -230,22 +231,10 @@ at::Tensor PipelineStrategy::train(const std::vector<Batch>& batches, const Loss
     std::vector<at::Tensor> grads;
     const auto params = parameters();
     for (size_t i = 0; i < params.size(); ++i) {
-      if (owner_of(i) == pp_rank() && params[i].grad().defined()) {
-        grads.push_back(params[i].grad());
-      }
+      if (owner_of(i) == pp_rank()) grads.push_back(params[i].grad());
     }
-    if (!grads.empty()) {
-      const at::ScalarType reduce = c_.precision.mixed.effective_reduce_dtype();
-      std::vector<at::Tensor> flat;
-      for (const auto& g : grads) flat.push_back(g.reshape(-1).to(reduce));
-      at::Tensor bucket = at::cat(flat);
-      dp->all_reduce(bucket, comm::ReduceOp::kAvg).wait();
-      int64_t at = 0;
-      for (auto& g : grads) {
-        g.copy_(bucket.narrow(0, at, g.numel()).view(g.sizes()));
-        at += g.numel();
-      }
-    }
+    comm::all_reduce_coalesced(*dp, grads, comm::ReduceOp::kAvg,
+                               c_.precision.mixed.effective_reduce_dtype());
   }
   return pipe_.loss_sum(losses);
 }
@@ -288,40 +277,16 @@ void PipelineStrategy::reduce_scatter_grads() {
   }
 }
 
-at::Tensor PipelineStrategy::evaluate(
-    const at::Tensor& inputs, const std::function<at::Tensor(const at::Tensor& output)>& reduce) {
+void PipelineStrategy::forward_only(const at::Tensor& inputs,
+                                    const std::function<void(const at::Tensor&)>& at_last) {
   const auto& s = pipe_.schedule();
-  sharding::pp::Pipeline eval(sharding::pp::make_schedule(sharding::pp::ScheduleKind::kForwardOnly,
+  sharding::pp::Pipeline once(sharding::pp::make_schedule(sharding::pp::ScheduleKind::kForwardOnly,
                                                           s.ranks, 1, s.stages_per_rank()),
                               mesh_->pp());
-  std::vector<at::Tensor> sums;
   sharding::pp::Pipeline::Step step;
   step.forward = [this](int stage, int, const at::Tensor& x) { return run_stage(stage, x); };
   step.loss = [&](int, const at::Tensor& output) {
-    sums.push_back(reduce(output).detach());
-    return sums.back();
-  };
-  step.inputs = {inputs};
-  step.activation_shape = activation_shape(inputs);
-  step.activation_dtype = activation_dtype_;
-  step.device = device();
-  const bool held = holds_shards_;
-  unshard(nullptr);
-  eval.run(step);
-  if (held) reshard(nullptr);
-  return eval.loss_sum(sums);
-}
-
-at::Tensor PipelineStrategy::forward(const at::Tensor& inputs) {
-  const auto& s = pipe_.schedule();
-  sharding::pp::Pipeline eval(sharding::pp::make_schedule(sharding::pp::ScheduleKind::kForwardOnly,
-                                                          s.ranks, 1, s.stages_per_rank()),
-                              mesh_->pp());
-  at::Tensor out;
-  sharding::pp::Pipeline::Step step;
-  step.forward = [this](int stage, int, const at::Tensor& x) { return run_stage(stage, x); };
-  step.loss = [&](int, const at::Tensor& output) {
-    out = output;
+    at_last(output);
     return at::zeros({}, output.options());
   };
   step.inputs = {inputs};
@@ -330,8 +295,21 @@ at::Tensor PipelineStrategy::forward(const at::Tensor& inputs) {
   step.device = device();
   const bool held = holds_shards_;
   unshard(nullptr);
-  eval.run(step);
+  once.run(step);
   if (held) reshard(nullptr);
+}
+
+at::Tensor PipelineStrategy::evaluate(
+    const at::Tensor& inputs, const std::function<at::Tensor(const at::Tensor& output)>& reduce) {
+  std::vector<at::Tensor> sums;
+  forward_only(inputs, [&](const at::Tensor& output) { sums.push_back(reduce(output).detach()); });
+  return pipe_.loss_sum(sums);
+}
+
+at::Tensor PipelineStrategy::forward(const at::Tensor& inputs) {
+  const auto& s = pipe_.schedule();
+  at::Tensor out;
+  forward_only(inputs, [&](const at::Tensor& output) { out = output; });
   // The last stage's output to every rank of the pipeline: its shape and dtype first.
   const int last = s.rank_of(s.stages - 1);
   const auto& group = mesh_->pp();

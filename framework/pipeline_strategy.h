@@ -141,6 +141,10 @@ class PipelineStrategy final : public Strategy {
   void reduce_scatter_grads();
 
   at::Tensor run_stage(int stage, const at::Tensor& input) const;
+  // One forward-only run of `inputs` through the stages (the own ones gathered when sharded);
+  // the last stage's rank hands the output to `at_last`.
+  void forward_only(const at::Tensor& inputs,
+                    const std::function<void(const at::Tensor&)>& at_last);
   std::vector<int64_t> activation_shape(const at::Tensor& tokens) const;
   int owner_of(size_t param) const { return owner_[param]; }
   at::Device device() const;

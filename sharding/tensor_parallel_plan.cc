@@ -4,6 +4,7 @@
 
 #include <sstream>
 
+#include "comm/coalesced.h"
 #include "core/error.h"
 #include "sharding/tensor_parallel.h"
 
@@ -203,23 +204,9 @@ at::Tensor TensorParallelism::gather_vocab(const at::Tensor& logits,
 
 void TensorParallelism::sync_replicated_grads(const std::vector<at::Tensor>& grads) const {
   if (!sequence_parallel()) return;
-  // Small tensors (the norms' weights): flattened into one buffer per dtype, as Megatron-LM
-  // all-reduces its layer norms' gradients, rather than one collective each.
-  std::map<c10::ScalarType, std::vector<at::Tensor>> by_dtype;
-  for (const auto& g : grads) {
-    if (g.defined() && g.numel() > 0) by_dtype[g.scalar_type()].push_back(g);
-  }
-  for (auto& [dtype, list] : by_dtype) {
-    std::vector<at::Tensor> flat;
-    for (const auto& g : list) flat.push_back(g.reshape({-1}));
-    at::Tensor buffer = at::cat(flat);
-    group_->all_reduce(buffer).wait();
-    int64_t offset = 0;
-    for (auto& g : list) {
-      g.copy_(buffer.narrow(0, offset, g.numel()).view_as(g));
-      offset += g.numel();
-    }
-  }
+  // Small tensors (the norms' weights): one buffer per dtype, as Megatron-LM all-reduces its
+  // layer norms' gradients, rather than one collective each.
+  comm::all_reduce_coalesced(*group_, grads);
 }
 
 at::Tensor TensorParallelism::full(const std::string& name, const at::Tensor& local) const {
