@@ -28,6 +28,18 @@ RunConfig lm_config(const std::string& strategy, int64_t d_model, int64_t layers
   return parse_config(yaml, "run.yaml");
 }
 
+// A small Llama (4 layers; 4 micro-batches of 2 samples) in fp32, with `sets` as --set gives
+// them.
+RunConfig small_llama(const std::vector<std::string>& sets) {
+  return parse_config(
+      "model:\n  type: llama\n  vocab_size: 256\n  hidden_size: 128\n"
+      "  intermediate_size: 352\n  num_hidden_layers: 4\n  num_attention_heads: 8\n"
+      "  num_key_value_heads: 4\n  seq_len: 64\n  tie_word_embeddings: false\ntrain:\n"
+      "  steps: 1\n  batch_size: 8\n  micro_batches: 4\n  lr: 1.0e-3\nprecision:\n"
+      "  policy: fp32\n",
+      "run.yaml", sets);
+}
+
 TEST(MemoryEstimate, FsdpShardsParametersGradientsAndOptimizerStateOverTheRanks) {
   const RunConfig ddp = lm_config("ddp", 512, 6), fsdp = lm_config("fsdp", 512, 6);
   const MemoryEstimate a = estimate_memory(ddp, 4), b = estimate_memory(fsdp, 4);
@@ -171,13 +183,7 @@ TEST(MemoryEstimate, AsyncStagingUnderTensorParallelismHoldsTheWholeModel) {
 // gpipe's every rank all of them; the report lists every pipeline rank.
 TEST(MemoryEstimate, PipelineRanksHoldTheirStagesAndTheirSchedulesMicroBatches) {
   auto config = [](int pp, const std::string& schedule) {
-    return parse_config(
-        "model:\n  type: llama\n  vocab_size: 256\n  hidden_size: 128\n"
-        "  intermediate_size: 352\n  num_hidden_layers: 4\n  num_attention_heads: 8\n"
-        "  num_key_value_heads: 4\n  seq_len: 64\n  tie_word_embeddings: false\ntrain:\n"
-        "  steps: 1\n  batch_size: 8\n  micro_batches: 4\n  lr: 1.0e-3\nparallel:\n  pp: " +
-            std::to_string(pp) + "\n  pp_schedule: " + schedule + "\nprecision:\n  policy: fp32\n",
-        "run.yaml");
+    return small_llama({"parallel.pp=" + std::to_string(pp), "parallel.pp_schedule=" + schedule});
   };
   const RunConfig c = config(2, "1f1b");
   const std::vector<StageEstimate> ranks = estimate_pipeline_ranks(c, 2);
@@ -204,12 +210,7 @@ TEST(MemoryEstimate, PipelineRanksHoldTheirStagesAndTheirSchedulesMicroBatches) 
 // layer's, and the report names the other choice's figure.
 TEST(MemoryEstimate, LlamaRecomputeKeepsOneLayersActivations) {
   auto config = [](const std::string& recompute) {
-    return parse_config(
-        "model:\n  type: llama\n  vocab_size: 256\n  hidden_size: 128\n"
-        "  intermediate_size: 352\n  num_hidden_layers: 8\n  num_attention_heads: 8\n"
-        "  num_key_value_heads: 4\n  seq_len: 64\n  recompute: " +
-            recompute + "\ntrain:\n  steps: 1\n  batch_size: 8\n  lr: 1.0e-3\n",
-        "run.yaml");
+    return small_llama({"model.num_hidden_layers=8", "model.recompute=" + recompute});
   };
   const MemoryEstimate none = estimate_memory(config("none"), 1);
   const MemoryEstimate full = estimate_memory(config("full"), 1);
@@ -223,14 +224,7 @@ TEST(MemoryEstimate, LlamaRecomputeKeepsOneLayersActivations) {
 // state halve against DDP's stages; the step holds the gathered stage and its whole gradients.
 TEST(MemoryEstimate, ShardedPipelineStagesHoldTheirShardsBetweenSteps) {
   auto config = [](const std::string& strategy) {
-    return parse_config(
-        "model:\n  type: llama\n  vocab_size: 256\n  hidden_size: 128\n"
-        "  intermediate_size: 352\n  num_hidden_layers: 4\n  num_attention_heads: 8\n"
-        "  num_key_value_heads: 4\n  seq_len: 64\n  tie_word_embeddings: false\ntrain:\n"
-        "  steps: 1\n  batch_size: 8\n  micro_batches: 4\n  lr: 1.0e-3\nparallel:\n"
-        "  strategy: " +
-            strategy + "\n  pp: 2\nprecision:\n  policy: fp32\n",
-        "run.yaml");
+    return small_llama({"parallel.strategy=" + strategy, "parallel.pp=2"});
   };
   const auto ddp = estimate_pipeline_ranks(config("ddp"), 4);
   const auto fsdp = estimate_pipeline_ranks(config("fsdp"), 4);
