@@ -402,6 +402,8 @@ MODELS = {
     "gpt2": ("GPT-2 small (124M)", 124e6, 12, 768, 12),
     "7b": ("7B", 6.7e9, 32, 4096, 32),
     "70b": ("70B", 70e9, 80, 8192, 64),
+    # bench/run_layout_validation.sh's Llama, trained here (CPU ranks as the "GPUs").
+    "llama58m": ("Llama 58M", 58.2e6, 8, 512, 8),
 }
 
 
@@ -413,7 +415,7 @@ def layout(args):
     n = args.gpus
     tokens_per_gpu = args.global_tokens // n if args.global_tokens else args.tokens_per_gpu
     prof = transformer_preset(name, params, layers, tokens_per_gpu, args.tflops, args.mfu,
-                              hidden=hidden)
+                              grad_bytes=args.param_bytes, hidden=hidden)
     rows = []
     for tp in (t for t in (1, 2, 4, 8) if t <= args.gpus_per_node and heads % t == 0):
         for pp in (q for q in range(1, layers + 1) if layers % q == 0):
@@ -421,9 +423,15 @@ def layout(args):
                 continue
             dp = n // (tp * pp)
             m = max(args.micro_batches, pp)
-            step, mem = pp_layout(prof, n, dp, tp, pp, m, links, args.prefetch)
+            step, mem = pp_layout(prof, n, dp, tp, pp, m, links, args.prefetch,
+                                  act_bytes=args.param_bytes)
             rows.append((step, dp, tp, pp, m, mem))
     rows.sort()
+    if args.json:
+        for step, dp, tp, pp, m, mem in rows:
+            print(json.dumps({"step_s": step, "dp": dp, "tp": tp, "pp": pp, "micro_batches": m,
+                              "memory_bytes": mem}))
+        return 0
     limit = args.gpu_gib * 2**30
     fits = [r for r in rows if r[5] <= limit]
     compute = prof.forward + prof.backward + prof.optimizer / n
@@ -598,6 +606,10 @@ def main():
         ly.add_argument("--" + name, type=float, default=default)
     ly.add_argument("--gpus-per-node", type=int, default=8)
     ly.add_argument("--prefetch", type=int, default=2)
+    ly.add_argument("--param-bytes", type=int, default=2,
+                    help="bytes per gathered parameter and activation (bf16: 2; fp32: 4)")
+    ly.add_argument("--json", action="store_true",
+                    help="every layout as a JSON line (step_s, dp, tp, pp, m, memory) instead")
     v = sub.add_parser("validate", help="predicted against measured on this machine")
     v.add_argument("--measured", required=True)
     v.add_argument("--cpu-share", type=float, default=1.0,
