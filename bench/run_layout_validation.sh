@@ -3,10 +3,12 @@
 # Llama (8 layers, hidden 512, 8 heads, a 32000-token vocabulary, 256 tokens per sample) at 4
 # ranks, the same global batch (16 samples, 4 micro-batches per data-parallel rank) under every
 # layout of 4 ranks: FSDP over dp, TP over tp (sequence parallel off), 1F1B over pp, fp32.
-#   1. One process (2 threads) measures the compute rate; each of 4 ranks on this machine's
-#      cores gets its share of it (the model's "GPU" throughput).
-#   2. bench/scaling_model.py layout predicts every layout's step with that rate and Gloo's
-#      alpha-beta at 4 ranks (docs/benchmarks.md: 730 us, 1.18 GB/s).
+#   1. One process (every core) measures the compute rate: one core's is the model's "GPU"
+#      throughput.
+#   2. bench/scaling_model.py layout --cores predicts every layout's step with that rate, the
+#      4 ranks sharing this machine's cores (processor sharing: a rank idle in the pipeline's
+#      bubble lends its core; no collective hides under compute), and Gloo's alpha-beta at 4
+#      ranks (docs/benchmarks.md: 730 us, 1.18 GB/s).
 #   3. dtrain-train runs every layout for STEPS steps; the step is the mean after the first.
 # Prints predicted against measured, and whether the model's top two are the measured top two
 # in the same order.
@@ -60,13 +62,14 @@ rm -f "$work/metrics.jsonl"
 OMP_NUM_THREADS=$cores bazel-bin/framework/dtrain-train --config "$work/llama58m.yaml" \
   --set parallel.strategy=none >/dev/null 2>&1
 one=$(mean_step)
-# 6 x parameters x tokens per second, shared by the ranks.
-tflops=$(python3 -c "print(6 * 58.2e6 * 8 * 256 / $one / $ranks / 1e12)")
-echo "one process: $one s per step of 8 samples; per rank at $ranks ranks: $tflops TFLOP/s"
+# 6 x parameters x tokens per second, per core.
+tflops=$(python3 -c "print(6 * 58.2e6 * 8 * 256 / $one / $cores / 1e12)")
+echo "one process: $one s per step of 8 samples on $cores cores: $tflops TFLOP/s per core"
 # 2. The model.
 python3 bench/scaling_model.py layout --model llama58m --gpus $ranks --gpus-per-node $ranks \
   --global-tokens $((global * 256)) --micro-batches 4 --tflops "$tflops" --mfu 1 \
-  --nvlink-us 730 --nvlink-gbps 1.18 --param-bytes 4 --json >"$work/predicted.jsonl"
+  --nvlink-us 730 --nvlink-gbps 1.18 --param-bytes 4 --cores "$cores" \
+  --json >"$work/predicted.jsonl"
 # 3. Every layout, measured.
 : >"$work/measured.jsonl"
 while read -r line; do
@@ -91,6 +94,15 @@ for i, r in enumerate(pred):
     print(f"| {r['dp']} | {r['tp']} | {r['pp']} | {r['step_s']:.3f} | {m:.3f} | "
           f"{(r['step_s'] - m) / m:+.1%} | {i + 1} | {by_meas.index(key(r)) + 1} |")
 top2 = [key(r) for r in pred[:2]]
-print(f"the model's top two {top2}: measured top two {by_meas[:2]}; "
-      f"{'the same, in the same order' if top2 == by_meas[:2] else 'different'}")
+if top2 == by_meas[:2]:
+    verdict = "the same, in the same order"
+elif set(top2) == set(by_meas[:2]):
+    verdict = "the same two, in the other order"
+else:
+    verdict = "different"
+best = meas[by_meas[0]]
+print(f"the model's top two {top2}: measured top two {by_meas[:2]}; {verdict}. The model's "
+      f"choice {top2[0]} measured {meas[top2[0]]:.3f} s, {(meas[top2[0]] - best) / best:+.1%} "
+      f"from the fastest layout; ranks 3-6 "
+      f"{'in its order' if [key(r) for r in pred[2:]] == by_meas[2:] else 'in another order'}")
 PY

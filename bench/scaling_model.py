@@ -35,16 +35,23 @@ The model
   reduce-scatters and 6 all-gathers (Megatron's regather in backward); FSDP then gathers and
   reduce-scatters 1/t of each layer over the dp GPUs, which cross nodes once p > GPUs per node.
 - Pipeline parallelism (FSDP x TP x PP, `layout`): pp stages of L/pp layers each, m
-  micro-batches under 1F1B. Each GPU computes what it would without PP (weak scaling), plus the
-  bubble, (pp-1)/m of the step's compute, plus 2 (m + pp - 1) activation transfers of one
-  micro-batch (b s h, bf16) on the critical path, over InfiniBand once tp x pp > GPUs per
-  node. FSDP runs over the dp GPUs on the stage's layers, gathered once and reduce-scattered
-  once per step (not per micro-batch). Memory per GPU: 16 bytes per parameter (bf16 parameter
-  and gradient, fp32 master and Adam's two moments) over all GPUs, the gathered units
-  (prefetch + 1 of them, bf16, 1/tp each), and activations of 34 h bytes per token and layer
-  over tp (Korthikanti et al. 2022, flash attention; no recompute) for the micro-batches
-  in flight: pp on the first stage under 1F1B, one without PP (the same m micro-batches
-  accumulated).
+  micro-batches under 1F1B, simulated action by action (`pipeline_time`: each stage's
+  forwards and backwards in 1F1B's order, each waiting for its inputs, plus one activation
+  transfer of one micro-batch, b s h, per message). Each GPU computes what it would without PP
+  (weak scaling); the bubble comes out of the simulation ((pp-1)/m of the compute with equal
+  stages). As dtrain runs them: a stage's FSDP over the dp GPUs gathers it once before the
+  schedule and reduce-scatters once after it, exposed; without PP, FSDP gathers every unit
+  again for each micro-batch's forward and backward (FULL_SHARD under no_sync) and
+  reduce-scatters with the last. TP's collectives run per micro-batch. Memory per GPU: 16
+  bytes per parameter (bf16 parameter and gradient, fp32 master and Adam's two moments) over
+  all GPUs, the gathered units (prefetch + 1 of them, bf16, 1/tp each), and activations of
+  34 h bytes per token and layer over tp (Korthikanti et al. 2022, flash attention; no
+  recompute) for the micro-batches in flight: pp on the first stage under 1F1B, one without
+  PP (the same m micro-batches accumulated).
+  `layout --cores C` models CPU ranks instead (bench/run_layout_validation.sh): the ranks
+  share C cores, each busy rank computing at min(1, C / busy ranks) of one core (processor
+  sharing, so a rank idle in the bubble lends its core), and no collective hides under the
+  compute (Gloo's copies and reductions run on the same cores).
 - Weak scaling: the per-GPU batch is fixed, so compute is the same at every scale;
   efficiency = step without communication / modelled step.
 - The step profile (forward, backward, optimizer, when each bucket's gradients are ready, each
@@ -134,16 +141,18 @@ def transformer_preset(name, params, layers, tokens_per_gpu, tflops, mfu, grad_b
     return prof
 
 
-def tp_profile(prof, t, p, links, sp=False, act_bytes=2):
+def tp_profile(prof, t, p, links, sp=False, act_bytes=2, micro=1):
     """The per-GPU profile of FSDP x TP with t GPUs per TP group (see the module's notes): each
     layer's unit 1/t of its parameters, its compute the same, plus TP's collectives on the
-    group's t GPUs (inside a node: NVLink), which wait on the critical path."""
-    n = t * prof.tokens * prof.hidden * act_bytes  # the group's activations, b s h
+    group's t GPUs (inside a node: NVLink), which wait on the critical path: each of the step's
+    `micro` micro-batches runs its own, of 1/micro of the activations."""
+    n = t * prof.tokens * prof.hidden * act_bytes / micro  # the group's activations, b s h
     if sp:
         fwd_c = 2 * gather_or_scatter(n, t, links) + 2 * gather_or_scatter(n, t, links)
         bwd_c = 4 * gather_or_scatter(n, t, links) + 2 * gather_or_scatter(n, t, links)
     else:
         fwd_c = bwd_c = 2 * all_reduce(n, t, links)
+    fwd_c, bwd_c = fwd_c * micro, bwd_c * micro
     units = [(b / t, f + fwd_c, bw + bwd_c) for b, f, bw in prof.units]
     out = Profile(f"{prof.name}, tp {t}", prof.forward + len(units) * fwd_c,
                   prof.backward + len(units) * bwd_c, prof.optimizer, [], units)
@@ -217,13 +226,18 @@ def ddp_step(prof, p, links, bucket_bytes=25e6, stretch=1.0, cpu_share=0.0):
     return t, max(0.0, queue - end_bwd)
 
 
-def fsdp_step(prof, p, links, prefetch=2, stretch=1.0, span=None):
+def fsdp_step(prof, p, links, prefetch=2, stretch=1.0, span=None, micro=1, overlap=True):
     """Step time and exposed communication of FSDP (FULL_SHARD) at p GPUs (a shard group of p
-    GPUs within a job of `span`: the link is the one `span` GPUs cross)."""
+    GPUs within a job of `span`: the link is the one `span` GPUs cross). With `micro`
+    micro-batches, each gathers every unit again in its forward and its backward (FULL_SHARD
+    reshards after each), and the last reduce-scatters. overlap=False: every collective waits
+    on the compute's cores (a CPU's: nothing runs beside them)."""
     units = prof.units
     if not units:
         sys.exit("scaling_model: an FSDP model needs per-unit figures (a preset)")
-
+    if not overlap:
+        gathers = sum(gather_or_scatter(u[0], p, links, span) for u in units)
+        return prof.compute * stretch + (2 * micro + 1) * gathers, (2 * micro + 1) * gathers
     def phase(order, compute_of, start, reduce_after):
         gather_q = start
         done = []  # compute end per position
@@ -240,9 +254,11 @@ def fsdp_step(prof, p, links, prefetch=2, stretch=1.0, span=None):
                 reduce_end = reduce_q
         return t, reduce_end
 
-    fwd_end, _ = phase(units, lambda u: u[1], 0.0, False)
-    bwd_end, red_end = phase(list(reversed(units)), lambda u: u[2], fwd_end, True)
-    t = max(bwd_end, red_end) + prof.optimizer * stretch
+    t, red_end = 0.0, 0.0
+    for k in range(micro):
+        fwd_end, _ = phase(units, lambda u: u[1] / micro, t, False)
+        t, red_end = phase(list(reversed(units)), lambda u: u[2] / micro, fwd_end, k == micro - 1)
+    t = max(t, red_end) + prof.optimizer * stretch
     return t, t - prof.compute * stretch
 
 
@@ -371,30 +387,126 @@ def tp_table(args):
                                                 "none of these scales.") + "\n")
 
 
-def pp_layout(prof, gpus, dp, tp, pp, m, links, prefetch=2, act_bytes=2):
+def one_f_one_b(pp, m):
+    """1F1B's order of actions per stage: ("F" or "B", micro-batch)."""
+    orders = []
+    for st in range(pp):
+        warm = min(pp - st - 1, m)
+        acts = [("F", i) for i in range(warm)]
+        f, b = warm, 0
+        while b < m:
+            if f < m:
+                acts.append(("F", f))
+                f += 1
+            acts.append(("B", b))
+            b += 1
+        orders.append(acts)
+    return orders
+
+
+def pipeline_time(pp, m, fwd, bwd, hop, latency=0.0, copies=1, cores=0):
+    """The makespan of one 1F1B step: per stage and micro-batch `fwd` and `bwd` seconds of
+    compute at a full core (or GPU), plus `latency` seconds that take no core (collectives
+    waited inside it); `hop` seconds per message between stages. cores > 0: `copies`
+    identical pipelines (dp x tp ranks each) share `cores` cores, each busy rank running at
+    min(1, cores / busy ranks) (processor sharing), so a rank idle in the bubble lends its core
+    to the others. cores = 0: every rank has its own."""
+    orders = one_f_one_b(pp, m)
+    done = {}  # (kind, stage, micro) -> end time
+    nxt = [0] * pp
+    left = [None] * pp  # per stage: [work left, latency left] of its running action
+    t = 0.0
+    while any(nxt[st] < len(orders[st]) for st in range(pp)):
+        # Start every action whose inputs have arrived.
+        wake = math.inf
+        for st in range(pp):
+            if left[st] is not None or nxt[st] >= len(orders[st]):
+                continue
+            kind, mb = orders[st][nxt[st]]
+            deps = [done.get(("F", st - 1, mb))] if kind == "F" and st > 0 else []
+            if kind == "B":
+                deps.append(done.get(("F", st, mb)))
+                if st < pp - 1:
+                    deps.append(done.get(("B", st + 1, mb)))
+            if any(d is None for d in deps):
+                continue
+            ready = max([t] + [d + (hop if k > 0 or kind == "F" else 0.0)
+                               for k, d in enumerate(deps)])
+            if ready > t:
+                wake = min(wake, ready)
+                continue
+            left[st] = [fwd if kind == "F" else bwd, latency]
+        busy = [st for st in range(pp) if left[st] is not None and left[st][0] > 0]
+        rate = 1.0 if cores <= 0 or not busy else min(1.0, cores / (copies * len(busy)))
+        # Advance to the next end of a compute, of a latency, or an arrival.
+        step = wake - t
+        for st in range(pp):
+            if left[st] is None:
+                continue
+            w, lat = left[st]
+            step = min(step, w / rate if w > 0 else lat)
+        if step == math.inf:
+            raise RuntimeError("pipeline_time: the schedule is stuck")
+        t += step
+        for st in range(pp):
+            if left[st] is None:
+                continue
+            if left[st][0] > 0:
+                left[st][0] = max(0.0, left[st][0] - step * rate)
+            else:
+                left[st][1] = max(0.0, left[st][1] - step)
+            if left[st][0] <= 1e-15 and left[st][1] <= 1e-15:
+                kind, mb = orders[st][nxt[st]]
+                done[(kind, st, mb)] = t
+                left[st] = None
+                nxt[st] += 1
+    return t
+
+
+def pp_layout(prof, gpus, dp, tp, pp, m, links, prefetch=2, act_bytes=2, cores=0):
     """Step (s) and memory per GPU (bytes) of FSDP over dp x TP over tp x PP over pp stages with
-    m micro-batches (1F1B), per the module's notes."""
+    m micro-batches (1F1B), as dtrain runs them: without a pipeline FSDP gathers each unit for
+    every micro-batch's forward and backward; a pipeline stage is gathered once before the
+    schedule and reduce-scattered once after it. cores > 0: the GPUs are CPU ranks sharing
+    `cores` cores (prof's compute is at one core): compute stretches by the ranks busy per core,
+    and no collective hides under it."""
     base = Profile(prof.name, prof.forward, prof.backward, prof.optimizer / gpus, [], prof.units)
     base.hidden, base.tokens, base.layers = prof.hidden, prof.tokens, prof.layers
-    staged = tp_profile(base, tp, gpus, links) if tp > 1 else base
-    per = len(staged.units) // pp
-    # A stage: its layers, each computing pp times its share (the GPU's compute unchanged).
-    units = [(b, f * pp, bw * pp) for b, f, bw in staged.units[:per]]
-    stage = Profile(staged.name, staged.forward, staged.backward, base.optimizer, [], units)
-    step, _ = fsdp_step(stage, dp, links, prefetch, span=gpus)
-    compute = staged.forward + staged.backward
     tokens = prof.tokens * tp * pp  # one pipeline's: its GPUs' tokens together
-    if pp > 1:
+    staged = tp_profile(base, tp, gpus, links, act_bytes=act_bytes, micro=m) if tp > 1 else base
+    tp_comm = getattr(staged, "tp_comm", 0.0)
+    stretch = max(1.0, gpus / cores) if cores > 0 else 1.0
+    if pp == 1:
+        if cores > 0:
+            # The TP collectives wait on the critical path; only the compute shares the cores.
+            compute = Profile(base.name, base.forward, base.backward, base.optimizer, [],
+                              [(b / tp, f, bw) for b, f, bw in base.units])
+            step, _ = fsdp_step(compute, dp, links, prefetch, stretch, gpus, m, overlap=False)
+            step += tp_comm
+        else:
+            step, _ = fsdp_step(staged, dp, links, prefetch, span=gpus, micro=m)
+    else:
+        per = len(staged.units) // pp
+        stage_bytes = sum(b for b, _, _ in staged.units[:per])
         a, bw = links.of(tp * pp)
         hop = a + tokens / m * prof.hidden * act_bytes / bw
-        step += (pp - 1) / m * compute + 2 * (m + pp - 1) * hop
+        # A stage: its layers, each computing pp times its share (the GPU's compute unchanged).
+        fwd, bwd = base.forward / m, base.backward / m
+        latency = tp_comm / (2 * m)  # each action's TP collectives, forward and backward alike
+        if cores > 0:
+            run = pipeline_time(pp, m, fwd, bwd, hop, latency, copies=dp * tp, cores=cores)
+        else:
+            run = pipeline_time(pp, m, fwd + latency, bwd + latency, hop)
+        shard = 2 * gather_or_scatter(stage_bytes, dp, links, gpus) if dp > 1 else 0.0
+        step = shard + run + base.optimizer * stretch
     params = sum(b for b, _, _ in prof.units) / 2  # the units hold bf16 bytes
     states = 16 * params / gpus
     gathered = (prefetch + 1) * (params * 2 / prof.layers) / tp if dp > 1 else 0
     # Micro-batches in flight: pp on the first stage under 1F1B; one without PP (gradient
     # accumulation over the same m micro-batches).
     in_flight = min(pp, m)
-    acts = in_flight * tokens / m * per * 34 * prof.hidden / tp
+    per_layers = prof.layers // pp
+    acts = in_flight * tokens / m * per_layers * 34 * prof.hidden / tp
     return step, states + gathered + acts
 
 
@@ -424,7 +536,7 @@ def layout(args):
             dp = n // (tp * pp)
             m = max(args.micro_batches, pp)
             step, mem = pp_layout(prof, n, dp, tp, pp, m, links, args.prefetch,
-                                  act_bytes=args.param_bytes)
+                                  act_bytes=args.param_bytes, cores=args.cores)
             rows.append((step, dp, tp, pp, m, mem))
     rows.sort()
     if args.json:
@@ -435,6 +547,8 @@ def layout(args):
     limit = args.gpu_gib * 2**30
     fits = [r for r in rows if r[5] <= limit]
     compute = prof.forward + prof.backward + prof.optimizer / n
+    if args.cores > 0:  # each rank's compute at its share of the cores
+        compute *= max(1.0, n / args.cores)
     print(f"{name} on {n} GPUs ({args.gpus_per_node} per node), {tokens_per_gpu} tokens "
           f"per GPU, 1F1B with max(pp, {args.micro_batches}) micro-batches; memory limit "
           f"{args.gpu_gib:g} GiB per GPU\n")
@@ -606,6 +720,8 @@ def main():
         ly.add_argument("--" + name, type=float, default=default)
     ly.add_argument("--gpus-per-node", type=int, default=8)
     ly.add_argument("--prefetch", type=int, default=2)
+    ly.add_argument("--cores", type=float, default=0,
+                    help="CPU ranks sharing this many cores (--tflops: one core's); 0: GPUs")
     ly.add_argument("--param-bytes", type=int, default=2,
                     help="bytes per gathered parameter and activation (bf16: 2; fp32: 4)")
     ly.add_argument("--json", action="store_true",
