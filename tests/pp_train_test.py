@@ -19,11 +19,12 @@ the same bits.
   pp2-mpi         2 ranks under mpirun (MPI's point-to-point): bitwise.
   pp2-tp2         4 ranks: 2 stages, each over a tensor-parallel group of 2 with sequence
                   parallelism, against tp 2 without a pipeline: bitwise.
-  2x2-fsdp        4 ranks: 2 stages, each sharded over 2 data-parallel ranks (strategy fsdp),
-                  against FSDP over 2 ranks without a pipeline: bitwise (the same shards, the
-                  gradients reduce-scattered once per step and the norm taken per parameter
-                  over the shards, as FSDP's). It saves at step 10 (checkpoint.async), which
-                  resumes at 2 x 2 and as FSDP over 2 ranks: bitwise.
+  2x2-fsdp        4 ranks: 4 stages under interleaved_1f1b (2 per rank), each sharded over 2
+                  data-parallel ranks (strategy fsdp), with an odd intermediate_size (129 rows:
+                  uneven shards), against FSDP over 2 ranks without a pipeline: bitwise (the
+                  same shards, the gradients reduce-scattered once per step and the norm taken
+                  per parameter over the shards, as FSDP's). It saves at step 10
+                  (checkpoint.async), which resumes at 2 x 2 and as FSDP over 2 ranks: bitwise.
   rollback-fsdp   the spike-guard rollback of 2 x 2 sharded stages, against FSDP's: bitwise.
   3d              8 ranks: 2 stages x 2 sharded data-parallel ranks x tp 2 with sequence
                   parallelism and recompute, against FSDP over 2 x tp 2 (sequence parallel, no
@@ -176,19 +177,21 @@ def main():
     fsdp = ["parallel.strategy=fsdp"]
     if want("2x2-fsdp"):
         ckpt = os.path.join(work, "ckpt-fsdp")
-        got = r.run("2x2-fsdp", "launch", 4, fsdp + [
+        odd = fsdp + ["model.intermediate_size=129"]
+        interleaved = ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"]
+        got = r.run("2x2-fsdp", "launch", 4, odd + interleaved + [
             f"checkpoint.dir={ckpt}", "checkpoint.every_steps=10", "checkpoint.async=true"])
         line = ("pipeline: each stage sharded over its 2 data-parallel ranks (parallel.strategy "
                 "fsdp, per_parameter): gathered once per step, its gradients reduce-scattered once")
         assert line in got[1], f"2x2-fsdp: '{line}' not in the log:\n{got[1][-3000:]}"
-        compare("2x2-fsdp", got, ref("fsdp2", "launch", 2, ["parallel.pp=1"] + fsdp))
+        compare("2x2-fsdp", got, ref("fsdp2-odd", "launch", 2, ["parallel.pp=1"] + odd))
         saved = os.path.join(ckpt, "step_00000010")
         compare("2x2-fsdp-resume-2x2",
-                r.run("fsdp-resume-2x2", "launch", 4, fsdp + [f"checkpoint.resume={saved}"]),
+                r.run("fsdp-resume-2x2", "launch", 4, odd + [f"checkpoint.resume={saved}"]),
                 got, resumed=True)
         compare("2x2-fsdp-resume-fsdp2",
                 r.run("fsdp-resume-fsdp2", "launch", 2,
-                      fsdp + [f"checkpoint.resume={saved}", "parallel.pp=1"]), got, resumed=True)
+                      odd + [f"checkpoint.resume={saved}", "parallel.pp=1"]), got, resumed=True)
     if want("rollback-fsdp"):
         bad = {"DTRAIN_TEST_BAD_BATCHES": "12:2"}
         guard = fsdp + ["checkpoint.every_steps=5", "train.spike_guard.action=rollback",
