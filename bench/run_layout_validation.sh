@@ -23,32 +23,8 @@ trap 'rm -rf "$work"' EXIT
 cores=$(nproc)
 ranks=4
 global=16
-cat >"$work/llama58m.yaml" <<EOF
-device: cpu
-model:
-  type: llama
-  vocab_size: 32000
-  hidden_size: 512
-  intermediate_size: 1408
-  num_hidden_layers: 8
-  num_attention_heads: 8
-  num_key_value_heads: 8
-  max_position_embeddings: 256
-  seq_len: 256
-  tie_word_embeddings: false
-train:
-  steps: $steps
-  batch_size: 8
-  micro_batches: 4
-  lr: 3.0e-4
-parallel:
-  strategy: fsdp
-logging:
-  every_steps: 1
-  sample_tokens: 0
-  progress_bar: false
-  metrics_file: $work/metrics.jsonl
-EOF
+base=(--config bench/llama58m.yaml --set train.steps="$steps"
+      --set logging.metrics_file="$work/metrics.jsonl" --set parallel.strategy=fsdp)
 mean_step() {
   python3 - "$work/metrics.jsonl" <<'PY'
 import json, sys
@@ -59,7 +35,7 @@ PY
 }
 # 1. The compute rate: one process, every core, 8 samples.
 rm -f "$work/metrics.jsonl"
-OMP_NUM_THREADS=$cores bazel-bin/framework/dtrain-train --config "$work/llama58m.yaml" \
+OMP_NUM_THREADS=$cores bazel-bin/framework/dtrain-train "${base[@]}" \
   --set parallel.strategy=none >/dev/null 2>&1
 one=$(mean_step)
 # 6 x parameters x tokens per second, per core.
@@ -76,7 +52,7 @@ while read -r line; do
   read -r dp tp pp < <(python3 -c "import json,sys; r=json.loads(sys.argv[1]); print(r['dp'], r['tp'], r['pp'])" "$line")
   rm -f "$work/metrics.jsonl"
   bazel-bin/launcher/dtrain-launch --nproc-per-node $ranks --master-port 0 -- \
-    bazel-bin/framework/dtrain-train --config "$work/llama58m.yaml" \
+    bazel-bin/framework/dtrain-train "${base[@]}" \
     --set parallel.tp=$tp --set parallel.pp=$pp --set train.batch_size=$((global / dp)) \
     >"$work/run.log" 2>&1 || { tail -20 "$work/run.log"; exit 1; }
   echo "{\"dp\": $dp, \"tp\": $tp, \"pp\": $pp, \"step_s\": $(mean_step)}" >>"$work/measured.jsonl"

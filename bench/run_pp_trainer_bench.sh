@@ -14,30 +14,8 @@ scripts/bootstrap >/dev/null
 bazel build --config=ci //framework:dtrain-train //launcher:dtrain-launch >/dev/null 2>&1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-cat >"$work/llama58m.yaml" <<EOF
-device: cpu
-model:
-  type: llama
-  vocab_size: 32000
-  hidden_size: 512
-  intermediate_size: 1408
-  num_hidden_layers: 8
-  num_attention_heads: 8
-  num_key_value_heads: 8
-  max_position_embeddings: 256
-  seq_len: 256
-  tie_word_embeddings: false
-train:
-  steps: $steps
-  batch_size: 8
-  micro_batches: 4
-  lr: 3.0e-4
-logging:
-  every_steps: 1
-  sample_tokens: 0
-  progress_bar: false
-  metrics_file: $work/metrics.jsonl
-EOF
+base=(--config bench/llama58m.yaml --set train.steps="$steps"
+      --set logging.metrics_file="$work/metrics.jsonl")
 run() {  # name, ranks, overrides...
   local name=$1 n=$2
   shift 2
@@ -46,11 +24,11 @@ run() {  # name, ranks, overrides...
   rm -f "$work/metrics.jsonl"
   local out
   if [ "$n" = 1 ]; then
-    out=$(OMP_NUM_THREADS=2 bazel-bin/framework/dtrain-train --config "$work/llama58m.yaml" \
+    out=$(OMP_NUM_THREADS=2 bazel-bin/framework/dtrain-train "${base[@]}" \
       "${sets[@]}" 2>&1)
   else
     out=$(bazel-bin/launcher/dtrain-launch --nproc-per-node "$n" --master-port 0 -- \
-      bazel-bin/framework/dtrain-train --config "$work/llama58m.yaml" "${sets[@]}" 2>&1)
+      bazel-bin/framework/dtrain-train "${base[@]}" "${sets[@]}" 2>&1)
   fi
   local step mem
   step=$(python3 - "$work/metrics.jsonl" <<'PY'
