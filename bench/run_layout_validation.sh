@@ -39,7 +39,7 @@ OMP_NUM_THREADS=$cores bazel-bin/framework/dtrain-train "${base[@]}" \
   --set parallel.strategy=none >/dev/null 2>&1
 one=$(mean_step)
 # 6 x parameters x tokens per second, per core.
-tflops=$(python3 -c "print(6 * 58.2e6 * 8 * 256 / $one / $cores / 1e12)")
+tflops=$(python3 -c "print(6 * 58.47e6 * 8 * 256 / $one / $cores / 1e12)")
 echo "one process: $one s per step of 8 samples on $cores cores: $tflops TFLOP/s per core"
 # 2. The model.
 python3 bench/scaling_model.py layout --model llama58m --gpus $ranks --gpus-per-node $ranks \

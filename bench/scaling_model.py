@@ -515,7 +515,7 @@ MODELS = {
     "7b": ("7B", 6.7e9, 32, 4096, 32),
     "70b": ("70B", 70e9, 80, 8192, 64),
     # bench/run_layout_validation.sh's Llama, trained here (CPU ranks as the "GPUs").
-    "llama58m": ("Llama 58M", 58.2e6, 8, 512, 8),
+    "llama58m": ("Llama 58M", 58.47e6, 8, 512, 8),
 }
 
 
