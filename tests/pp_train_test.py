@@ -24,7 +24,8 @@ the same bits.
                   uneven shards), against FSDP over 2 ranks without a pipeline: bitwise (the
                   same shards, the gradients reduce-scattered once per step and the norm taken
                   per parameter over the shards, as FSDP's). It saves at step 10
-                  (checkpoint.async), which resumes at 2 x 2 and as FSDP over 2 ranks: bitwise.
+                  (checkpoint.async), which resumes at 2 x 2 and as FSDP over 2 ranks: bitwise;
+                  and its model.save_pretrained writes FSDP's model.safetensors, byte for byte.
   rollback-fsdp   the spike-guard rollback of 2 x 2 sharded stages, against FSDP's: bitwise.
   3d              8 ranks: 2 stages x 2 sharded data-parallel ranks x tp 2 with sequence
                   parallelism and recompute, against FSDP over 2 x tp 2 (sequence parallel, no
@@ -179,12 +180,21 @@ def main():
         ckpt = os.path.join(work, "ckpt-fsdp")
         odd = fsdp + ["model.intermediate_size=129"]
         interleaved = ["parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"]
+        exported = os.path.join(work, "fsdp-hf")
         got = r.run("2x2-fsdp", "launch", 4, odd + interleaved + [
-            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=10", "checkpoint.async=true"])
+            f"checkpoint.dir={ckpt}", "checkpoint.every_steps=10", "checkpoint.async=true",
+            f"model.save_pretrained={exported}"])
         line = ("pipeline: each stage sharded over its 2 data-parallel ranks (parallel.strategy "
                 "fsdp, per_parameter): gathered once per step, its gradients reduce-scattered once")
         assert line in got[1], f"2x2-fsdp: '{line}' not in the log:\n{got[1][-3000:]}"
-        compare("2x2-fsdp", got, ref("fsdp2-odd", "launch", 2, ["parallel.pp=1"] + odd))
+        want_hf = os.path.join(work, "fsdp2-hf")
+        compare("2x2-fsdp", got, ref("fsdp2-odd", "launch", 2,
+                                     ["parallel.pp=1", f"model.save_pretrained={want_hf}"] + odd))
+        # The export gathers every stage's shards (a collective): the same file as FSDP's.
+        with open(os.path.join(exported, "model.safetensors"), "rb") as a, \
+                open(os.path.join(want_hf, "model.safetensors"), "rb") as b:
+            assert a.read() == b.read(), "2x2-fsdp: model.save_pretrained wrote other bytes"
+        print("2x2-fsdp: model.save_pretrained wrote FSDP's model.safetensors, byte for byte")
         saved = os.path.join(ckpt, "step_00000010")
         compare("2x2-fsdp-resume-2x2",
                 r.run("fsdp-resume-2x2", "launch", 4, odd + [f"checkpoint.resume={saved}"]),
