@@ -243,10 +243,8 @@ void PipelineStrategy::reduce_scatter_grads() {
   c10::NoGradGuard no_grad;
   const int64_t n = shards_->size(), S = shard_size_;
   const at::ScalarType reduce = c_.precision.mixed.effective_reduce_dtype();
-  // FSDP2's averaging (sharding/fsdp_unit.cc): fp32 and bf16 summed, then divided; fp16 split
-  // into DDP's pre- and post-divide factors.
-  const bool average_after = reduce == at::kFloat || reduce == at::kBFloat16;
-  const sharding::DivideFactors f = average_after
+  // FSDP2's averaging, as sharding/fsdp_unit.cc does it.
+  const sharding::DivideFactors f = sharding::fsdp_averages_after(reduce)
                                         ? sharding::DivideFactors{1.0, static_cast<double>(n)}
                                         : sharding::divide_factors(n, reduce);
   const std::vector<at::Tensor> params = parameters();

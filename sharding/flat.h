@@ -71,6 +71,12 @@ struct DivideFactors {
 };
 DivideFactors divide_factors(int64_t world, c10::ScalarType reduce_dtype);
 
+// FSDP2's rule (_get_gradient_divide_factors): fp32 and bf16 gradients are summed, then
+// divided once after the collective (ReduceOp.AVG); fp16 takes divide_factors' pre/post split.
+inline bool fsdp_averages_after(c10::ScalarType reduce_dtype) {
+  return reduce_dtype == c10::kFloat || reduce_dtype == c10::kBFloat16;
+}
+
 class BufferPool;
 
 // Releases t's memory; t and its views keep their shapes, and must not be read until

@@ -45,7 +45,7 @@ FlatUnit::FlatUnit(std::string name, std::vector<std::pair<std::string, at::Tens
   // divided (ReduceOp.AVG: by the shard group after the reduce-scatter, by the replicas after
   // their all-reduce), rounding as fully_shard's does; fp16 takes DDP's pre/post split,
   // which neither overflows nor underflows.
-  average_after_ = reduce_dtype_ == at::kFloat || reduce_dtype_ == at::kBFloat16;
+  average_after_ = fsdp_averages_after(reduce_dtype_);
   if (!average_after_) {
     const DivideFactors f = divide_factors(world_, reduce_dtype_);
     pre_ = f.pre;
