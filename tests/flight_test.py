@@ -158,10 +158,12 @@ def main():
           f"sigusr2: rank 0 dumped {len(dumped['entries']) if dumped else 0} collectives "
           f"on demand and the job trained to the end (exit {code})", log)
 
-    # slow: the straggler report.
+    # slow: the straggler report. The first interval is step 1 alone, where the ranks' warm-up
+    # differs by tens of milliseconds on a loaded two-core machine (13 ms of a 40 ms injected
+    # delay was seen left): the delay is 150 ms, and the report must show at least half of it.
     out = f"{work}/slow"
     os.makedirs(out)
-    code, log = finish(job(args, out, {"DTRAIN_TEST_SLOW_RANK": "40:1"},
+    code, log = finish(job(args, out, {"DTRAIN_TEST_SLOW_RANK": "150:1"},
                            ["--set", "logging.every_steps=2"], steps=8))
     rows = []
     if os.path.exists(f"{out}/metrics.jsonl"):
@@ -169,7 +171,7 @@ def main():
             rows = [json.loads(line) for line in f if '"step"' in line]
     named = [r.get("slowest_rank") for r in rows]
     check(code == 0 and rows and all(r == 1 for r in named) and
-          all(r["compute_max_s"] - r["compute_min_s"] > 0.020 for r in rows) and
+          all(r["compute_max_s"] - r["compute_min_s"] > 0.075 for r in rows) and
           log.count("(slowest rank 1)") == len(rows),
           f"slow: every interval names rank 1 (slowest_rank {named}, compute spread "
           f"{[round(r['compute_max_s'] - r['compute_min_s'], 3) for r in rows]} s)", log)
