@@ -82,6 +82,7 @@ PipelineStrategy::PipelineStrategy(PipelineModel model, std::shared_ptr<sharding
     const int tp = mesh_->shape().tp;
     norm_group_ = tp == 1 ? mesh_->world() : mesh_->world()->split(mesh_->tp_rank(), 0);
     reshard(nullptr);
+    state_sharded_ = true;  // the optimizer's state, made by its steps, takes the shards' shapes
   }
 }
 
@@ -116,15 +117,19 @@ std::vector<at::Tensor> PipelineStrategy::gather_shards(
 }
 
 void PipelineStrategy::unshard(torch::optim::Optimizer* optimizer) {
-  if (!holds_shards_) return;
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> params = parameters();
-  std::vector<at::Tensor> shards;
-  for (size_t i : own_) shards.push_back(params[i]);
-  const std::vector<at::Tensor> whole = gather_shards(shards);
-  for (size_t k = 0; k < own_.size(); ++k) params[own_[k]].set_data(whole[k]);
-  holds_shards_ = false;
-  if (optimizer == nullptr) return;
+  if (holds_shards_) {
+    std::vector<at::Tensor> shards;
+    for (size_t i : own_) shards.push_back(params[i]);
+    const std::vector<at::Tensor> whole = gather_shards(shards);
+    for (size_t k = 0; k < own_.size(); ++k) params[own_[k]].set_data(whole[k]);
+    holds_shards_ = false;
+  }
+  // The state apart from the parameters: a restore holds them whole (hold_whole) while the
+  // state stays sharded.
+  if (optimizer == nullptr || !state_sharded_) return;
+  state_sharded_ = false;
   // The state a parameter's shape has, key by key (every data-parallel rank has the same keys:
   // its parameters got gradients alike).
   std::vector<ParamState> states = export_optimizer_state(*optimizer);
@@ -146,15 +151,18 @@ void PipelineStrategy::unshard(torch::optim::Optimizer* optimizer) {
 }
 
 void PipelineStrategy::reshard(torch::optim::Optimizer* optimizer) {
-  if (shards_ == nullptr || holds_shards_) return;
+  if (shards_ == nullptr) return;
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> params = parameters();
-  for (size_t k = 0; k < own_.size(); ++k) {
-    at::Tensor p = params[own_[k]];
-    p.set_data(shard_of(k, p));
+  if (!holds_shards_) {
+    for (size_t k = 0; k < own_.size(); ++k) {
+      at::Tensor p = params[own_[k]];
+      p.set_data(shard_of(k, p));
+    }
+    holds_shards_ = true;
   }
-  holds_shards_ = true;
   if (optimizer == nullptr) return;
+  state_sharded_ = true;
   std::vector<ParamState> states = export_optimizer_state(*optimizer);
   for (size_t k = 0; k < own_.size(); ++k) {
     for (auto& [key, t] : states[own_[k]]) {

@@ -127,8 +127,8 @@ class PipelineStrategy final : public Strategy {
  private:
   // Sharding (parallel.strategy fsdp). unshard: every own parameter whole (an all-gather over
   // the data-parallel ranks), and with `optimizer` its state too; reshard: back to this rank's
-  // shards (no communication: every rank holds the whole values). Both do nothing when the
-  // parameters already are so.
+  // shards (no communication: every rank holds the whole values). The parameters and the
+  // state each move only when they are not so already (tracked apart).
   void unshard(torch::optim::Optimizer* optimizer);
   void reshard(torch::optim::Optimizer* optimizer);
   // Every data-parallel rank's shards of the own parameters (`shards[k]` of own_[k]; undefined:
@@ -166,6 +166,9 @@ class PipelineStrategy final : public Strategy {
   std::vector<sharding::ParamPlace> places_;
   int64_t shard_size_ = 0;
   bool holds_shards_ = false;
+  // The optimizer's state of the own parameters is shard-shaped (kept apart from
+  // holds_shards_: a restore holds the parameters whole while the state stays sharded).
+  bool state_sharded_ = false;
   std::shared_ptr<comm::Communicator> norm_group_;
 };
 
