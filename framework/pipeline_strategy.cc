@@ -117,6 +117,8 @@ std::vector<at::Tensor> PipelineStrategy::gather_shards(
 }
 
 void PipelineStrategy::unshard(torch::optim::Optimizer* optimizer) {
+  if (!holds_shards_ && (optimizer == nullptr || !state_sharded_))
+    return;  // nothing to move (each step)
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> params = parameters();
   if (holds_shards_) {
@@ -151,7 +153,7 @@ void PipelineStrategy::unshard(torch::optim::Optimizer* optimizer) {
 }
 
 void PipelineStrategy::reshard(torch::optim::Optimizer* optimizer) {
-  if (shards_ == nullptr) return;
+  if (shards_ == nullptr || (holds_shards_ && optimizer == nullptr)) return;
   c10::NoGradGuard no_grad;
   const std::vector<at::Tensor> params = parameters();
   if (!holds_shards_) {
