@@ -1,13 +1,19 @@
 // Pipeline parallelism against one process, on every rank of a real multi-process job: a Llama
 // split into stages by layer and run under each schedule (gpipe, 1f1b, interleaved_1f1b) with
 // 1, 2 and 8 micro-batches gives the loss of one process running the micro-batches in turn,
-// and every parameter of every stage the same gradient (within fp32 rounding). Each rank
+// and every parameter of every stage the same gradient (within fp32 rounding). Stages built
+// of the module patterns the FSDP tests try (a module called twice, frozen and unused
+// parameters, a parameter used by some micro-batches only, buffers of four dtypes updated in
+// a no-grad forward, a stage that cuts the graph for one micro-batch, gradients accumulated
+// over two steps) give one process's gradients and buffers too. Each rank
 // computes the one-process reference itself, on a model built from the same seed. A stage
 // that sends a wrong activation or gradient, or a schedule that drops or misorders a
 // micro-batch's backward, fails these.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -293,6 +299,144 @@ TEST_F(Test, ForwardOnlyGivesOneProcessLosses) {
     }
     for (const auto& t : model->parameters()) EXPECT_FALSE(t.grad().defined());
   }
+}
+
+// A stage of the module patterns the FSDP tests try: `shared` is called twice (its gradient
+// sums both uses), `frozen` has none, `unused` is never called, `gate` is used by the
+// even micro-batches only, and four buffers (fp32, double, bf16, int64) are updated under
+// NoGradGuard in every forward, then read by it. The stage given `cut` detaches its input for
+// micro-batch 1: nothing flows back from there to the stages before it.
+struct PatternStageImpl : torch::nn::Module {
+  explicit PatternStageImpl(int64_t h) {
+    shared = register_module("shared", torch::nn::Linear(h, h));
+    frozen = register_module("frozen", torch::nn::Linear(h, h));
+    unused = register_module("unused", torch::nn::Linear(h, h));
+    for (auto& t : frozen->parameters()) t.requires_grad_(false);
+    gate = register_parameter("gate", at::randn({h}) * 0.1);
+    mean = register_buffer("mean", at::zeros({h}));
+    var = register_buffer("var", at::ones({h}, at::kDouble));
+    ema = register_buffer("ema", at::zeros({h}, at::kBFloat16));
+    count = register_buffer("count", at::zeros({}, at::kLong));
+  }
+  at::Tensor forward(at::Tensor x, int micro, bool cut) {
+    if (cut && micro == 1) x = x.detach();
+    at::Tensor y = at::tanh(shared->forward(x));
+    y = at::tanh(shared->forward(y)) + frozen->forward(x);
+    if (micro % 2 == 0) y = y * (1 + gate);
+    {
+      c10::NoGradGuard no_grad;
+      const at::Tensor m = y.mean({0, 1});
+      mean.mul_(0.9).add_(m, 0.1);
+      var.mul_(0.9).add_(y.var({0, 1}).to(at::kDouble), 0.1);
+      ema.mul_(0.5).add_(m.to(at::kBFloat16), 0.5);
+      count.add_(1);
+    }
+    return y + mean * count.to(at::kFloat) * 0.01;
+  }
+  torch::nn::Linear shared{nullptr}, frozen{nullptr}, unused{nullptr};
+  at::Tensor gate, mean, var, ema, count;
+};
+TORCH_MODULE(PatternStage);
+
+void run_pattern_case(ScheduleKind kind, int M, int v) {
+  const int p = world().size(), me = world().rank();
+  SCOPED_TRACE(std::string(schedule_name(kind)) + " m=" + std::to_string(M) +
+               " v=" + std::to_string(v));
+  constexpr int64_t kH = 16;
+  const int S = p * v;
+  const int cut = S > 1 ? 1 : -1;  // stage 1 cuts micro-batch 1's graph
+  auto make = [&] {
+    at::manual_seed(5);
+    std::vector<PatternStage> stages;
+    for (int s = 0; s < S; ++s) stages.emplace_back(kH);
+    return stages;
+  };
+  constexpr int kSteps = 2;  // gradients accumulate over both, zeroed by neither run
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(300 + M);
+  std::vector<std::vector<at::Tensor>> inputs(kSteps), targets(kSteps);
+  for (int t = 0; t < kSteps; ++t) {
+    for (int m = 0; m < M; ++m) {
+      inputs[t].push_back(at::randn({kMicro, kSeq, kH}, gen));
+      targets[t].push_back(at::randn({kMicro, kSeq, kH}, gen));
+    }
+  }
+  auto loss_fn = [&](const at::Tensor& y, const at::Tensor& target) {
+    return (y - target).pow(2).mean() / M;
+  };
+  // One process: every micro-batch through every stage in turn.
+  std::vector<PatternStage> ref = make();
+  std::vector<double> ref_loss(kSteps, 0.0);
+  for (int t = 0; t < kSteps; ++t) {
+    for (int m = 0; m < M; ++m) {
+      at::Tensor y = inputs[t][m];
+      for (int s = 0; s < S; ++s) y = ref[s]->forward(y, m, s == cut);
+      at::Tensor loss = loss_fn(y, targets[t][m]);
+      loss.backward();
+      ref_loss[t] += loss.item<double>();
+    }
+  }
+  // The pipeline, run twice.
+  std::vector<PatternStage> stages = make();
+  Pipeline pipe(make_schedule(kind, p, M, v), world_ptr());
+  for (int t = 0; t < kSteps; ++t) {
+    Pipeline::Step step;
+    step.forward = [&](int stage, int micro, const at::Tensor& x) {
+      return stages[stage]->forward(x, micro, stage == cut);
+    };
+    step.loss = [&](int micro, const at::Tensor& y) {
+      return loss_fn(y, targets[t][static_cast<size_t>(micro)]);
+    };
+    step.inputs = inputs[t];
+    step.activation_shape = {kMicro, kSeq, kH};
+    std::vector<at::Tensor> losses = pipe.run(step);
+    EXPECT_NEAR(pipe.loss_sum(losses).item<double>(), ref_loss[t], 1e-6 * std::abs(ref_loss[t]));
+  }
+  int grads = 0, none = 0, buffers = 0;
+  double worst = 0;
+  for (int s = 0; s < S; ++s) {
+    const auto want = ref[s]->named_parameters();
+    for (const auto& kv : stages[s]->named_parameters()) {
+      const at::Tensor& got = kv.value().grad();
+      if (pipe.schedule().rank_of(s) != me) {
+        EXPECT_FALSE(got.defined()) << "stage " << s << " " << kv.key() << " is another rank's";
+        continue;
+      }
+      const at::Tensor& w = want[kv.key()].grad();
+      ASSERT_EQ(got.defined(), w.defined()) << "stage " << s << " " << kv.key();
+      if (!w.defined()) {
+        ++none;
+        continue;
+      }
+      const double scale = w.abs().max().item<double>();
+      const double diff = (got - w).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-6 * scale + 1e-12) << "stage " << s << " " << kv.key();
+      worst = std::max(worst, scale > 0 ? diff / scale : diff);
+      ++grads;
+    }
+    if (pipe.schedule().rank_of(s) != me) continue;
+    const auto want_buffers = ref[s]->named_buffers();
+    for (const auto& kv : stages[s]->named_buffers()) {
+      EXPECT_TRUE(at::equal(kv.value(), want_buffers[kv.key()]))
+          << "stage " << s << " buffer " << kv.key();
+      ++buffers;
+    }
+  }
+  // Each of this rank's v stages: shared (2) and gate with gradients; frozen (2), unused (2)
+  // without; 4 buffers.
+  EXPECT_EQ(grads, 3 * v);
+  EXPECT_EQ(none, 4 * v);
+  EXPECT_EQ(buffers, 4 * v);
+  std::printf(
+      "patterns %s pp=%d m=%d v=%d, 2 steps: %d gradients (worst difference %.2e of the "
+      "largest), %d none, %d buffers equal\n",
+      schedule_name(kind), p, M, v, grads, worst, none, buffers);
+}
+
+TEST_F(Test, ModulePatternsGiveOneProcessGradientsAndBuffers) {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+    for (int m : {2, 4}) run_pattern_case(kind, m, 1);
+  }
+  run_pattern_case(ScheduleKind::kInterleaved1F1B, 2 * world().size(), 2);
 }
 
 // A GradScaler's found-inf flag: one stage's inf makes every stage skip.
