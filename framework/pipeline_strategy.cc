@@ -41,15 +41,20 @@ PipelineStrategy::PipelineStrategy(PipelineModel model, std::shared_ptr<sharding
   // on the other side (run_stage).
   activation_dtype_ =
       c.precision.mixed.is_low_precision() ? c.precision.mixed.param_dtype : at::kFloat;
-  for (const auto& kv : model_.module->named_parameters()) {
-    const int64_t layer = model_.layer_of(kv.key());
+  // The pipeline rank of the stage that holds a parameter or buffer, by its name.
+  auto owner = [&](const std::string& name) {
+    const int64_t layer = model_.layer_of(name);
     int stage = 0;
     if (layer >= model_.layers) {
       stage = stages - 1;
     } else if (layer >= 0) {
       while (ranges_[static_cast<size_t>(stage)].second <= layer) ++stage;
     }
-    owner_.push_back(pipe_.schedule().rank_of(stage));
+    return pipe_.schedule().rank_of(stage);
+  };
+  for (const auto& kv : model_.module->named_buffers()) buffer_owner_.push_back(owner(kv.key()));
+  for (const auto& kv : model_.module->named_parameters()) {
+    owner_.push_back(owner(kv.key()));
     shapes_.push_back(kv.value().sizes().vec());
     // Deferred: this rank's parameters made as the eager constructor makes them.
     if (owner_.back() == pp_rank() && sharding::is_placeholder(kv.value())) {
@@ -466,6 +471,23 @@ void PipelineStrategy::share(torch::optim::Optimizer* optimizer, bool to_first) 
     }
   }
   if (optimizer != nullptr && receives) import_optimizer_state(*optimizer, states);
+  // Buffers (a norm's running statistics): only their stage's forwards update them, so each
+  // comes from its owner, in its own dtype.
+  size_t b = 0;
+  for (const auto& kv : model_.module->named_buffers()) {
+    const int owner = buffer_owner_[b++];
+    if (to_first && (owner == 0 || (owner != me && !receives))) continue;
+    at::Tensor buffer = kv.value();
+    at::Tensor msg = buffer.detach().contiguous();
+    if (!to_first) {
+      group->broadcast(msg, owner).wait();
+    } else if (owner == me) {
+      group->send(msg, 0).wait();
+    } else {
+      group->recv(msg, owner).wait();
+    }
+    if (owner != me && msg.data_ptr() != buffer.data_ptr()) buffer.detach().copy_(msg);
+  }
 }
 
 void PipelineStrategy::drop_foreign_state(torch::optim::Optimizer& optimizer) {

@@ -63,8 +63,8 @@ struct PipelineModel {
   // Layers [begin, end) on x: tokens in when begin is 0 (the embedding first), the logits out
   // when end is `layers` (the final norm and the head last), else the hidden states.
   std::function<at::Tensor(const at::Tensor& x, int64_t begin, int64_t end)> forward;
-  // A parameter's layer by its name: -1 before the first (the embedding), `layers` after the
-  // last (the norm and the head).
+  // A parameter's or buffer's layer by its name: -1 before the first (the embedding),
+  // `layers` after the last (the norm and the head).
   std::function<int64_t(const std::string& name)> layer_of;
   // A model built deferred (sharding/deferred_init.h: its parameters placeholders): each rank
   // makes its own stages' parameters with this, so none ever holds the whole model. Null: the
@@ -102,15 +102,15 @@ class PipelineStrategy final : public Strategy {
   at::Tensor evaluate(const at::Tensor& inputs,
                       const std::function<at::Tensor(const at::Tensor& output)>& reduce);
 
-  // Every parameter's value from its owner (the rank of its stage), and with `optimizer` its
-  // optimizer state too: afterwards every rank holds the whole model and its whole optimizer
-  // state, as one process would (what an export or the end-of-run check reads). Collective over
-  // the pipeline. `to_first`: only the first pipeline's first rank receives them (world rank 0,
-  // which writes a full checkpoint; the other pipelines do nothing). drop_foreign_state() frees
-  // the other ranks' stages' parameters and optimizer state again (after a checkpoint is staged
-  // or restored; sharded, it shards the own stages' again); hold_whole(true) makes every
-  // parameter whole-sized (a restore reads into them). Collective over the data-parallel ranks
-  // when the stages are sharded (share, drop_foreign_state).
+  // Every parameter's and buffer's value from its owner (the rank of its stage), and with
+  // `optimizer` its optimizer state too: afterwards every rank holds the whole model and its
+  // whole optimizer state, as one process would (what an export or the end-of-run check reads).
+  // Collective over the pipeline. `to_first`: only the first pipeline's first rank receives them
+  // (world rank 0, which writes a full checkpoint; the other pipelines do nothing).
+  // drop_foreign_state() frees the other ranks' stages' parameters and optimizer state again (after
+  // a checkpoint is staged or restored; sharded, it shards the own stages' again); hold_whole(true)
+  // makes every parameter whole-sized (a restore reads into them). Collective over the
+  // data-parallel ranks when the stages are sharded (share, drop_foreign_state).
   void share(torch::optim::Optimizer* optimizer, bool to_first = false);
   void drop_foreign_state(torch::optim::Optimizer& optimizer);
   void hold_whole(bool whole);
@@ -155,7 +155,8 @@ class PipelineStrategy final : public Strategy {
   sharding::pp::Pipeline pipe_;
   std::vector<std::pair<int64_t, int64_t>> ranges_;  // per stage: its layers [begin, end)
   at::ScalarType activation_dtype_ = at::kFloat;
-  std::vector<int> owner_;  // per parameter (module order): the pipeline rank of its stage
+  std::vector<int> owner_;         // per parameter (module order): the pipeline rank of its stage
+  std::vector<int> buffer_owner_;  // the same per buffer
   std::vector<std::vector<int64_t>> shapes_;  // per parameter: its whole shape
   // Sharding: the data-parallel group (null: not sharded), the own parameters' indices and
   // their places in every rank's shard of shard_size_ elements, and whether they hold shards

@@ -13,6 +13,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
 
 #include <algorithm>
@@ -21,8 +22,11 @@
 #include <string>
 
 #include "core/error.h"
+#include "framework/config.h"
 #include "framework/models/llama.h"
+#include "framework/pipeline_strategy.h"
 #include "sharding/clip_grad.h"
+#include "sharding/mesh.h"
 #include "sharding/pipeline.h"
 #include "sharding/recompute.h"
 #include "tests/multirank.h"
@@ -437,6 +441,136 @@ TEST_F(Test, ModulePatternsGiveOneProcessGradientsAndBuffers) {
     for (int m : {2, 4}) run_pattern_case(kind, m, 1);
   }
   run_pattern_case(ScheduleKind::kInterleaved1F1B, 2 * world().size(), 2);
+}
+
+// The trainer's PipelineStrategy on a user's model whose layers hold buffers of four dtypes,
+// updated by every forward: after the steps, share() gives every rank each buffer as its
+// stage's rank holds it (what a checkpoint or an export reads), and share(to_first) gives them
+// to rank 0, which writes a checkpoint. Both equal one process's buffers after the same
+// micro-batches; each stage's gradients are one process's too.
+struct BufferedLayerImpl : torch::nn::Module {
+  explicit BufferedLayerImpl(int64_t h) {
+    lin = register_module("lin", torch::nn::Linear(h, h));
+    mean = register_buffer("mean", at::zeros({h}));
+    var = register_buffer("var", at::ones({h}, at::kDouble));
+    ema = register_buffer("ema", at::zeros({h}, at::kBFloat16));
+    count = register_buffer("count", at::zeros({}, at::kLong));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor y = at::tanh(lin->forward(x));
+    c10::NoGradGuard no_grad;
+    const at::Tensor m = y.detach().mean({0, 1});
+    mean.mul_(0.9).add_(m, 0.1);
+    var.mul_(0.9).add_(y.detach().var({0, 1}).to(at::kDouble), 0.1);
+    ema.mul_(0.5).add_(m.to(at::kBFloat16), 0.5);
+    count.add_(1);
+    return y;
+  }
+  torch::nn::Linear lin{nullptr};
+  at::Tensor mean, var, ema, count;
+};
+TORCH_MODULE(BufferedLayer);
+
+struct BufferedStackImpl : torch::nn::Module {
+  BufferedStackImpl(int64_t layers, int64_t h) {
+    embed = register_parameter("embed", at::randn({h}));
+    auto list = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < layers; ++i) {
+      blocks.emplace_back(h);
+      list->push_back(blocks.back());
+    }
+    head = register_module("head", BufferedLayer(h));
+  }
+  // Layers [begin, end): the embedding first when begin is 0, the head last at the end.
+  at::Tensor forward(at::Tensor x, int64_t begin, int64_t end) {
+    if (begin == 0) x = x.unsqueeze(-1) * embed;
+    for (int64_t i = begin; i < end; ++i) x = blocks[static_cast<size_t>(i)]->forward(x);
+    if (end == static_cast<int64_t>(blocks.size())) x = head->forward(x);
+    return x;
+  }
+  at::Tensor embed;
+  std::vector<BufferedLayer> blocks;
+  BufferedLayer head{nullptr};
+};
+TORCH_MODULE(BufferedStack);
+
+TEST_F(Test, PipelineStrategySharesEachStagesBuffers) {
+  const int p = world().size();
+  constexpr int64_t kH = 8, kM = 2;
+  const int64_t layers = 2 * p;
+  framework::RunConfig c;
+  c.parallel.pp = p;
+  c.parallel.pp_schedule = ScheduleKind::k1F1B;
+  c.train.micro_batches = kM;
+  auto make = [&] {
+    at::manual_seed(9);
+    return BufferedStack(layers, kH);
+  };
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
+  constexpr int kSteps = 2;
+  std::vector<std::vector<framework::Batch>> batches(kSteps);
+  for (auto& step : batches) {
+    for (int64_t m = 0; m < kM; ++m) {
+      step.push_back({at::randn({kMicro, kSeq}, gen), at::randn({kMicro, kSeq, kH}, gen)});
+    }
+  }
+  auto loss_of = [&](const at::Tensor& y, const framework::Batch& b) {
+    return (y - b.targets).pow(2).mean() / kM;
+  };
+  // One process: the micro-batches in turn, gradients accumulated over both steps.
+  BufferedStack ref = make();
+  for (const auto& step : batches) {
+    for (const auto& b : step) loss_of(ref->forward(b.inputs, 0, layers), b).backward();
+  }
+  BufferedStack model = make();
+  framework::PipelineModel pm;
+  pm.module = model.ptr();
+  pm.layers = layers;
+  pm.hidden = kH;
+  pm.forward = [model](const at::Tensor& x, int64_t begin, int64_t end) mutable {
+    return model->forward(x, begin, end);
+  };
+  pm.layer_of = [layers](const std::string& name) -> int64_t {
+    if (name.rfind("layers.", 0) == 0) return std::stoll(name.substr(7, name.find('.', 7) - 7));
+    return name == "embed" ? -1 : layers;
+  };
+  sharding::MeshShape shape;
+  shape.pp = p;
+  framework::PipelineStrategy strategy(
+      std::move(pm), std::make_shared<sharding::DeviceMesh>(world_ptr(), shape), c);
+  for (const auto& step : batches) {
+    strategy.train(
+        step, [&](int micro, const at::Tensor& y) { return loss_of(y, step[micro]); },
+        [](const at::Tensor& l) { return l; });
+  }
+  // This rank's stages' gradients: one process's.
+  const auto want_params = ref->named_parameters();
+  int grads = 0;
+  for (const auto& kv : model->named_parameters()) {
+    if (!kv.value().grad().defined()) continue;
+    EXPECT_TRUE(at::allclose(kv.value().grad(), want_params[kv.key()].grad(), 1e-5, 1e-7))
+        << kv.key();
+    ++grads;
+  }
+  EXPECT_GT(grads, 0);
+  auto expect_buffers = [&](const char* what) {
+    const auto want = ref->named_buffers();
+    int equal = 0;
+    for (const auto& kv : model->named_buffers()) {
+      EXPECT_TRUE(at::equal(kv.value(), want[kv.key()])) << what << ": " << kv.key();
+      equal += at::equal(kv.value(), want[kv.key()]) ? 1 : 0;
+    }
+    std::printf("%s: %d of %zu buffers equal one process's\n", what, equal,
+                model->named_buffers().size());
+  };
+  // A checkpoint's: rank 0 receives every stage's buffers.
+  strategy.share(nullptr, /*to_first=*/true);
+  if (world().rank() == 0) expect_buffers("share(to_first) on rank 0");
+  strategy.hold_whole(false);
+  // An export's: every rank.
+  strategy.share(nullptr);
+  expect_buffers("share()");
+  EXPECT_EQ(model->named_buffers().size(), static_cast<size_t>(4 * (layers + 1)));
 }
 
 // A GradScaler's found-inf flag: one stage's inf makes every stage skip.
