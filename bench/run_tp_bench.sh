@@ -4,7 +4,7 @@
 # one thread per rank, in one run; and dtrain's TP traffic and memory against Megatron's
 # formulas (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 # Models").
-#   bench/run_tp_bench.sh [ROUNDS]
+#   bench/run_tp_bench.sh [ROUNDS [VALIDATION_ROUNDS]]
 # 1. Step time: shard 2 x tp 2, with and without sequence parallelism, and FSDP alone over 4
 #    (tp 1), each side; rounds alternate dtrain's and PyTorch's runs (a noisy machine), the
 #    table shows medians over rounds of each run's median step.
@@ -21,9 +21,12 @@
 # 4. The scaling model's FSDP x TP schedule (bench/scaling_model.py validate-tp) against these
 #    runs at 2 and 4 ranks: fed with ranks computing a tp rank's part side by side without
 #    collectives (--local-of) and each run's own probes of its collectives (--probe-comm).
+#    VALIDATION_ROUNDS (default 7; about 30 s each here): one round's runs on 2 shared cores
+#    scatter by up to +-30% around their medians, which 3 rounds do not tame.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
+validation_rounds=${2:-7}
 scripts/bootstrap >/dev/null
 bazel build --config=ci //bench:tp_bench //launcher:dtrain-launch //framework:libdtrain_memory.so \
   >/dev/null 2>&1
@@ -60,10 +63,10 @@ for layers in 4 8; do
       --flight-out "$dir" | sed "s|^{|{\"flight\":\"$dir\",\"probe\":true,|" >>"$out"
   done
 done
-# The scaling model's inputs and the runs it predicts, ROUNDS times.
+# The scaling model's inputs and the runs it predicts, VALIDATION_ROUNDS times.
 val=$work/validate.jsonl
-for r in $(seq "$rounds"); do
-  echo "validation round $r/$rounds" >&2
+for r in $(seq "$validation_rounds"); do
+  echo "validation round $r/$validation_rounds" >&2
   for cfg in "2 --local-of 1" "2 --local-of 2" "4 --local-of 1" "4 --local-of 2" \
     "4 --local-of 4" "2 --tp 2 --probe-comm" "2 --tp 1 --probe-comm" "4 --tp 2 --probe-comm" \
     "4 --tp 4 --probe-comm" "4 --tp 1 --probe-comm"; do
