@@ -31,6 +31,20 @@ LR = 1e-3
 
 
 def reference(args):
+    """PyTorch's side: each strategy of --strategy (a comma-separated list, all at this world
+    size) in turn in this one process group, each writing --out-dir/pytorch-<strategy>.safetensors
+    (one start of torch, transformers and the group for all of them)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    for strategy in args.strategy.split(","):
+        reference_one(args, strategy,
+                      os.path.join(args.out_dir, "pytorch-" + strategy + ".safetensors"))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def reference_one(args, strategy, out):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -45,9 +59,8 @@ def reference(args):
 
     hf_logging.set_verbosity_error()
     from torch.distributed.fsdp import fully_shard
-    dist.init_process_group("gloo")
     world = dist.get_world_size()
-    two_d = args.strategy.startswith("fsdp-")
+    two_d = strategy.startswith("fsdp-")
     dp = world // 2 if two_d else 1
     if two_d:
         mesh2 = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
@@ -56,7 +69,7 @@ def reference(args):
         mesh = init_device_mesh("cpu", (world,))
     model = LlamaForCausalLM.from_pretrained(args.dir, torch_dtype=torch.float32,
                                              attn_implementation="sdpa")
-    sp = args.strategy.endswith("tp-sp")
+    sp = strategy.endswith("tp-sp")
     layer_plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -119,11 +132,9 @@ def reference(args):
                                                  attn_implementation="sdpa")
         whole.load_state_dict(full, strict=False)
         with torch.no_grad():
-            out = whole(load_file(args.tokens)["tokens"].long()).logits
-        save_file({"logits": out.contiguous(), "losses": torch.tensor(losses, dtype=torch.float64)},
-                  args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+            logits = whole(load_file(args.tokens)["tokens"].long()).logits
+        save_file({"logits": logits.contiguous(),
+                   "losses": torch.tensor(losses, dtype=torch.float64)}, out)
 
 
 def main():
@@ -134,7 +145,7 @@ def main():
     ap.add_argument("--reference", action="store_true")
     ap.add_argument("--dir")
     ap.add_argument("--tokens")
-    ap.add_argument("--out")
+    ap.add_argument("--out-dir")
     ap.add_argument("--strategy")
     args = ap.parse_args()
     if args.reference:
@@ -158,33 +169,35 @@ def main():
         LlamaForCausalLM(cfg).save_pretrained(model_dir)
         tokens = os.path.join(tmp, "tokens.safetensors")
         save_file({"tokens": torch.randint(0, 64, (4, 16))}, tokens)
-        for strategy, ranks in (("tp", 2), ("tp-sp", 2), ("fsdp-tp", 4), ("fsdp-tp-sp", 4)):
-            ours = os.path.join(tmp, "dtrain-" + strategy)
-            theirs = os.path.join(tmp, "pytorch-" + strategy + ".safetensors")
-            for cmd in (
-                [args.tool, "finetune", model_dir, tokens, ours, strategy, str(args.steps)],
-                [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--reference",
-                 "--dir", model_dir, "--tokens", tokens, "--out", theirs, "--strategy", strategy,
-                 "--steps", str(args.steps)],
-            ):
+        # dtrain's run of each strategy, then PyTorch's of every strategy at that world size
+        # in one job (each PyTorch start imports torch, transformers and DTensor: seconds).
+        for ranks, strategies in ((2, ("tp", "tp-sp")), (4, ("fsdp-tp", "fsdp-tp-sp"))):
+            cmds = [[args.tool, "finetune", model_dir, tokens, os.path.join(tmp, "dtrain-" + s),
+                     s, str(args.steps)] for s in strategies]
+            cmds.append([sys.executable, "-W", "ignore", os.path.abspath(__file__), "--reference",
+                         "--dir", model_dir, "--tokens", tokens, "--out-dir", tmp,
+                         "--strategy", ",".join(strategies), "--steps", str(args.steps)])
+            for cmd in cmds:
                 r = subprocess.run([args.launcher, "--nproc-per-node", str(ranks), "--master-port", "0",
                                     "--backend", "gloo", "--"] + cmd, capture_output=True,
                                    text=True, env=env, timeout=600)
                 if r.returncode != 0:
                     print(r.stdout[-4000:], r.stderr[-4000:])
-                    raise SystemExit(f"{strategy}: {' '.join(cmd[:2])} exited {r.returncode}")
-            a = load_file(os.path.join(ours, "dtrain_logits.safetensors"))
-            b = load_file(theirs)
-            loss_diff = float(((a["losses"] - b["losses"]).abs() / b["losses"].abs()).max())
-            logit_diff = float((a["logits"] - b["logits"]).abs().max() / b["logits"].abs().max())
-            print(f"{strategy}: {args.steps} steps, losses dtrain "
-                  f"{[round(x, 6) for x in a['losses'].tolist()]} PyTorch "
-                  f"{[round(x, 6) for x in b['losses'].tolist()]}: max relative difference "
-                  f"{loss_diff:.2e}; trained logits {logit_diff:.2e}", flush=True)
-            if not loss_diff < 1e-5:
-                failures.append(f"{strategy}: losses differ by {loss_diff:.3e}")
-            if not logit_diff < 1e-4:
-                failures.append(f"{strategy}: trained logits differ by {logit_diff:.3e}")
+                    raise SystemExit(f"{cmd[-2] if cmd[0] == args.tool else 'PyTorch'}: "
+                                     f"{' '.join(cmd[:2])} exited {r.returncode}")
+            for strategy in strategies:
+                a = load_file(os.path.join(tmp, "dtrain-" + strategy, "dtrain_logits.safetensors"))
+                b = load_file(os.path.join(tmp, "pytorch-" + strategy + ".safetensors"))
+                loss_diff = float(((a["losses"] - b["losses"]).abs() / b["losses"].abs()).max())
+                logit_diff = float((a["logits"] - b["logits"]).abs().max() / b["logits"].abs().max())
+                print(f"{strategy}: {args.steps} steps, losses dtrain "
+                      f"{[round(x, 6) for x in a['losses'].tolist()]} PyTorch "
+                      f"{[round(x, 6) for x in b['losses'].tolist()]}: max relative difference "
+                      f"{loss_diff:.2e}; trained logits {logit_diff:.2e}", flush=True)
+                if not loss_diff < 1e-5:
+                    failures.append(f"{strategy}: losses differ by {loss_diff:.3e}")
+                if not logit_diff < 1e-4:
+                    failures.append(f"{strategy}: trained logits differ by {logit_diff:.3e}")
     for f in failures:
         print("FAIL " + f)
     if failures:
