@@ -8,14 +8,16 @@ made in this test. In fp32 a pipeline computes what one process computes, op for
 micro-batches' gradients accumulate in the same order, the clip norm is taken per parameter):
 the same bits.
 
-  pp2-1f1b        2 ranks, 2 stages under 1f1b, against one process: bitwise.
+  pp2-1f1b        2 ranks, 2 stages under 1f1b, against one process: bitwise (the run saves the
+                  checkpoint at step 10 that ckpt resumes).
   pp4-gpipe       4 ranks, 4 stages of one layer under gpipe: bitwise.
   pp2-interleaved 2 ranks, 4 stages (2 per rank) under interleaved_1f1b: bitwise.
   pp2-split       2 ranks, an uneven split (pp_split [1, 3]): bitwise.
   pp2-recompute   2 ranks, every layer recomputed in backward (model.recompute: full), against
                   one process without recompute: bitwise.
   2x2-ddp         4 ranks: 2 data-parallel pipelines of 2 stages, against DDP over 2 ranks
-                  without a pipeline: bitwise (the stage's gradients averaged as DDP's).
+                  without a pipeline: bitwise (the stage's gradients averaged as DDP's; the run
+                  saves the checkpoint that ckpt-2x2 resumes).
   pp2-mpi         2 ranks under mpirun (MPI's point-to-point): bitwise.
   pp2-tp2         4 ranks: 2 stages, each over a tensor-parallel group of 2 with sequence
                   parallelism, against tp 2 without a pipeline: bitwise.
@@ -34,7 +36,7 @@ the same bits.
                   bf16 rounding (the stage boundary rounds the residual stream once).
   pp2-fp16-skip   fp16 with a loss scale that overflows: every stage skips the same steps
                   (the found-inf flag agreed), as one process does.
-  ckpt            a pp 2 run saves at step 10 (checkpoint.async) and goes on to 20; its
+  ckpt            pp2-1f1b's run saves at step 10 (checkpoint.async) and goes on to 20; its
                   checkpoint resumes at pp 2, in one process and at pp 4: the same losses and
                   the same trained model as the run that saved it, bit for bit.
   ckpt-2x2        the same for 2 data-parallel pipelines of 2 stages, resumed at 2 x 2 and
@@ -133,8 +135,18 @@ def main():
             refs[key] = r.run("ref-" + key, kind, np, sets)
         return refs[key]
 
+    # The pp 2 and the 2 x 2 runs save a checkpoint at step 10 (pp 2's asynchronously): each is
+    # checked against its run without a pipeline (saving changes no bit of the training) and
+    # its checkpoint resumed in other layouts (ckpt, ckpt-2x2), one run serving both cases.
+    ckpt_pp2, ckpt_2x2 = os.path.join(work, "ckpt"), os.path.join(work, "ckpt-2x2")
+    pp2 = lambda: ref("pp2-1f1b", "launch", 2, [
+        f"checkpoint.dir={ckpt_pp2}", "checkpoint.every_steps=10", "checkpoint.async=true",
+        "checkpoint.keep=5"])
+    two_by_two = lambda: ref("2x2-ddp", "launch", 4, [f"checkpoint.dir={ckpt_2x2}",
+                                                      "checkpoint.every_steps=10"])
+
     if want("pp2-1f1b"):
-        got = r.run("pp2-1f1b", "launch", 2, [])
+        got = pp2()
         out = got[1]
         for line in ["mesh: pipelines (pp groups, stage 0 first) [0, 1]",
                      "pipeline: 2 stages over 2 ranks, schedule 1f1b, 4 micro-batches",
@@ -160,7 +172,7 @@ def main():
         assert "every layer recomputed in backward" in got[1], got[1][-3000:]
         compare("pp2-recompute", got, ref("one", "one", 1, one))
     if want("2x2-ddp"):
-        got = r.run("2x2-ddp", "launch", 4, [])
+        got = two_by_two()
         assert "mesh: data-parallel groups (replicate x shard) [0, 1], [2, 3]" in got[1], got[1][-3000:]
         assert "mesh: pipelines (pp groups, stage 0 first) [0, 2], [1, 3]" in got[1], got[1][-3000:]
         compare("2x2-ddp", got, ref("ddp2", "launch", 2, ["parallel.pp=1"]))
@@ -231,11 +243,9 @@ def main():
         assert skipped(got[1]) and skipped(got[1]) == skipped(base[1]), "skipped steps differ"
         compare("pp2-fp16-skip", got, base, tol=5e-3)
     if want("ckpt"):
-        ckpt = os.path.join(work, "ckpt")
-        full = r.run("ckpt-pp2", "launch", 2, [f"checkpoint.dir={ckpt}", "checkpoint.every_steps=10",
-                                               "checkpoint.async=true", "checkpoint.keep=5"])
-        saved = os.path.join(ckpt, "step_00000010")
-        assert os.path.isdir(saved), f"no checkpoint at step 10 in {ckpt}"
+        full = pp2()
+        saved = os.path.join(ckpt_pp2, "step_00000010")
+        assert os.path.isdir(saved), f"no checkpoint at step 10 in {ckpt_pp2}"
         import torch
         model = torch.load(os.path.join(saved, "model.pt"), weights_only=True)
         optim = torch.load(os.path.join(saved, "optim.pt"), weights_only=True)
@@ -250,10 +260,8 @@ def main():
                     resumed=True)
     if want("ckpt-2x2"):
         # Two data-parallel pipelines: the first pipeline's first rank writes the checkpoint.
-        ckpt = os.path.join(work, "ckpt-2x2")
-        full = r.run("ckpt-2x2", "launch", 4, [f"checkpoint.dir={ckpt}",
-                                               "checkpoint.every_steps=10"])
-        saved = os.path.join(ckpt, "step_00000010")
+        full = two_by_two()
+        saved = os.path.join(ckpt_2x2, "step_00000010")
         compare("ckpt-2x2-resume-2x2",
                 r.run("resume-2x2", "launch", 4, [f"checkpoint.resume={saved}"]), full,
                 resumed=True)
