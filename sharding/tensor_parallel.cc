@@ -158,6 +158,10 @@ struct GatheredLinears : torch::autograd::Function<GatheredLinears> {
   }
 };
 
+// As at::cross_entropy_loss's default: a row whose target is -100 adds nothing to the loss or
+// to the gradient, and the mean is over the other rows.
+constexpr int64_t kIgnoreIndex = -100;
+
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& targets, int64_t vocab_start, const CommPtr& g) {
@@ -168,23 +172,33 @@ struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossE
     at::Tensor shifted = x - max.unsqueeze(-1);
     at::Tensor exp = shifted.exp();
     at::Tensor sum_exp = all_reduced(exp.sum(-1), g.get());
+    at::Tensor valid = (targets != kIgnoreIndex).to(at::kFloat);
     at::Tensor in_range = (targets >= vocab_start) & (targets < vocab_start + local);
     at::Tensor index = (targets - vocab_start).clamp(0, local - 1);
     at::Tensor target_logit =
         shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * in_range.to(at::kFloat);
-    target_logit = all_reduced(target_logit, g.get());
-    at::Tensor loss = (sum_exp.log() - target_logit).mean();
-    ctx->save_for_backward({exp.div_(sum_exp.unsqueeze(-1)), in_range, index});
+    // The target's logit (one rank holds it, the others add zeros) and how many ranks hold each
+    // target, in one all-reduce: a target no rank holds is outside the vocabulary.
+    at::Tensor both = all_reduced(at::stack({target_logit, in_range.to(at::kFloat)}), g.get());
+    DTRAIN_CHECK_AS(UsageError, both[1].equal(valid),
+                    "vocab_parallel_cross_entropy: a target is outside [0, the vocabulary size) "
+                    "and is not -100 (the ignored index): ",
+                    targets.masked_select(both[1] != valid).slice(0, 0, 4));
+    at::Tensor count = valid.sum();
+    at::Tensor loss = ((sum_exp.log() - both[0]) * valid).sum() / count;  // 0 / 0: NaN, as torch
+    ctx->save_for_backward({exp.div_(sum_exp.unsqueeze(-1)), in_range, index, valid, count});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     return loss;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    at::Tensor softmax = saved[0], in_range = saved[1], index = saved[2];
-    const int64_t rows = softmax.size(0);
+    at::Tensor softmax = saved[0], in_range = saved[1], index = saved[2], valid = saved[3],
+               count = saved[4];
     at::Tensor grad = softmax.clone();
     grad.scatter_add_(-1, index.unsqueeze(-1), -in_range.to(at::kFloat).unsqueeze(-1));
-    grad.mul_(grads[0] / static_cast<double>(rows));
+    grad.mul_(valid.unsqueeze(-1));
+    // No row counted: no gradient (torch's too), rather than 0 x (1 / 0).
+    grad.mul_(at::where(count > 0, grads[0] / count, at::zeros_like(count)));
     return {grad.to(static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt())), at::Tensor(),
             at::Tensor(), at::Tensor()};
   }

@@ -56,8 +56,10 @@ std::vector<at::Tensor> gathered_linears(const at::Tensor& x,
                                          const CommPtr& group);
 
 // Loss of `logits` [N, V/T] (this rank's vocabulary slice, which starts at vocab_start) against
-// `targets` [N] (global ids), averaged over the N rows: equal to cross_entropy of the gathered
-// logits, computed in fp32, without gathering them.
+// `targets` [N] (global ids), averaged over the rows: equal to cross_entropy of the gathered
+// logits, computed in fp32, without gathering them. As cross_entropy's default, a target of
+// -100 is ignored (its row adds nothing, and the mean is over the others; no row left: NaN); any
+// other target outside [0, V) is refused (UsageError, on every rank of the group).
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
                                         int64_t vocab_start, const CommPtr& group);
 

@@ -62,6 +62,7 @@ std::vector<std::string> TensorParallelism::apply(torch::nn::Module& root, const
   std::vector<std::string> done;
   const int64_t t = size(), r = rank();
   std::map<std::string, bool> sliced_names;
+  std::map<const c10::TensorImpl*, const Slice*> cut;  // by this call (a tied weight: once)
   for (const auto& item : root.named_modules("", /*include_self=*/false)) {
     const std::string& module_name = item.key();
     const Style* style = nullptr;
@@ -80,6 +81,19 @@ std::vector<std::string> TensorParallelism::apply(torch::nn::Module& root, const
       s.full_shape = param.sizes().vec();
       s.bias = p.key() == "bias" && *style == Style::kRowwise;
       s.dim = *style == Style::kRowwise && !s.bias ? 1 : 0;
+      // A tensor that two modules register (a tied weight) is cut once, on one dimension.
+      if (auto seen = cut.find(param.unsafeGetTensorImpl()); seen != cut.end()) {
+        const Slice& first = *seen->second;
+        DTRAIN_CHECK_AS(ConfigError, !s.bias && first.dim == s.dim, "tensor parallelism: ", name,
+                        " is a tensor the plan already cut on dim ", first.dim, " (",
+                        style_name(first.style), "), and ", style_name(*style), " would ",
+                        s.bias ? "keep it whole" : "cut it on dim " + std::to_string(s.dim),
+                        ": give a shared (tied) weight styles that cut it alike");
+        sliced_names[name] = true;
+        by_name_[name] = first;
+        done.push_back(name + ": " + style_name(*style) + ", the tensor cut above (shared)");
+        continue;
+      }
       sliced_names[name] = !s.bias;
       if (s.bias) {  // whole on every rank: added once, after the reduction
         continue;
@@ -103,6 +117,7 @@ std::vector<std::string> TensorParallelism::apply(torch::nn::Module& root, const
       }
       by_param_[param.unsafeGetTensorImpl()] = s;
       by_name_[name] = s;
+      cut[param.unsafeGetTensorImpl()] = &by_param_[param.unsafeGetTensorImpl()];
       done.push_back(name + ": " + style_name(*style) + ", " + shape_text(s.full_shape) + " -> " +
                      shape_text(local));
     }
@@ -170,8 +185,12 @@ std::vector<int64_t> TensorParallelism::full_shape(const std::string& name,
 at::Tensor TensorParallelism::embedding(const at::Tensor& tokens, const at::Tensor& weight) const {
   const Slice* s = slice_of(weight);
   if (s == nullptr || size() == 1) {
-    at::Tensor x = at::embedding(weight, tokens);
-    return sequence_parallel() ? tp::split_seq(x, group_) : x;
+    // A whole table under sequence parallelism looks up this rank's part of the sequence only:
+    // its gradient then covers those tokens, and sync_replicated_grads sums the parts, as for
+    // the norms. (Looking up the whole sequence and splitting it would give every rank the whole
+    // sequence's gradient in backward, which the sum would count once per rank.)
+    return sequence_parallel() ? at::embedding(weight, tp::split_seq(tokens, group_))
+                               : at::embedding(weight, tokens);
   }
   at::Tensor local = tp::vocab_slice_embedding(tokens, weight, rank() * (s->full_size / size()));
   return sequence_parallel() ? tp::reduce_scatter_seq(local, group_)

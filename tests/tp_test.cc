@@ -14,6 +14,7 @@
 #include <map>
 #include <string>
 
+#include "core/error.h"
 #include "framework/models/llama.h"
 #include "optim/fused.h"
 #include "sharding/clip_grad.h"
@@ -129,6 +130,129 @@ TEST_F(Test, VocabParallelEmbeddingAndLossGiveOneProcessLossAndGradients) {
   EXPECT_LT(rel(emb->weight.grad(), whole.grad().narrow(0, group->rank() * 12, 12)), 1e-5);
   // Gathered back, the logits are the whole head's.
   EXPECT_LT(rel(tpv->gather_vocab(local_logits, emb->weight), at::linear(ref_h, whole)), 1e-6);
+}
+
+// A table no style names, under sequence parallelism: each rank looks up its part of the
+// sequence, and the table's gradient, summed over the group by sync_replicated_grads as the
+// norms' are, is the whole sequence's once (looking up the whole sequence and splitting it had
+// given every rank the whole gradient, which the sum counted once per rank).
+TEST_F(Test, WholeEmbeddingUnderSequenceParallelismGivesOneProcessGradient) {
+  const int t = world().size();
+  auto group = tp_group(t);
+  at::manual_seed(11);
+  torch::nn::Sequential holder(torch::nn::Embedding(10, 6));
+  auto* emb = holder[0]->as<torch::nn::Embedding>();
+  at::Tensor whole = emb->weight.detach().clone().requires_grad_();
+  auto tpz = std::make_shared<TensorParallelism>(group, /*sequence_parallel=*/true);
+  tpz->apply(*holder, {});
+  EXPECT_EQ(tpz->replicated(), std::vector<std::string>{"0.weight"});
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  at::Tensor tokens = at::randint(0, 10, {2, 3 * t}, gen);
+  at::Tensor g = at::randn({2, 3 * t, 6}, gen);
+  at::Tensor ref = at::embedding(whole, tokens);
+  (ref * g).sum().backward();
+  at::Tensor mine = tpz->embedding(tokens, emb->weight);  // this rank's 3 positions
+  const int64_t r = group->rank();
+  EXPECT_TRUE(mine.equal(ref.detach().narrow(1, r * 3, 3)));
+  (mine * g.narrow(1, r * 3, 3)).sum().backward();
+  tpz->sync_replicated_grads({emb->weight.grad()});
+  EXPECT_LT(rel(emb->weight.grad(), whole.grad()), 1e-6);
+}
+
+// A table and a head that share one tensor (two modules register it), named by two styles that
+// cut it on dim 0 (vocab and colwise): it is cut once, to V/T rows, and the lookup, the loss and
+// its gradient are one process's; styles that cut it two ways are refused, naming it.
+struct SharedWeightImpl : torch::nn::Module {
+  explicit SharedWeightImpl(const at::Tensor& w) { weight = register_parameter("weight", w); }
+  at::Tensor weight;
+};
+struct TiedPair : torch::nn::Module {
+  explicit TiedPair(const at::Tensor& w)
+      : emb(register_module("emb", std::make_shared<SharedWeightImpl>(w))),
+        head(register_module("head", std::make_shared<SharedWeightImpl>(w))) {}
+  std::shared_ptr<SharedWeightImpl> emb, head;
+};
+
+TEST_F(Test, ATiedWeightTwoStylesNameIsCutOnce) {
+  const int t = world().size();
+  auto group = tp_group(t);
+  at::manual_seed(12);
+  const at::Tensor table = at::randn({4 * t * t, 8});
+  at::Tensor whole = table.clone().requires_grad_();
+  TiedPair m(table.clone());
+  auto tpz = std::make_shared<TensorParallelism>(group, false);
+  tpz->apply(m, {{"emb", Style::kVocab}, {"head", Style::kColwise}});
+  const at::Tensor w = m.emb->weight;
+  ASSERT_TRUE(w.is_same(m.head->weight));
+  ASSERT_EQ(w.size(0), 4 * t);  // V / T, not V / T^2
+  EXPECT_TRUE(tpz->full("head.weight", w).equal(table));
+  EXPECT_TRUE(tpz->full("emb.weight", w).equal(table));
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+  at::Tensor tokens = at::randint(0, 4 * t * t, {2, 5}, gen);
+  at::Tensor targets = at::randint(0, 4 * t * t, {10}, gen);
+  at::Tensor ref = at::cross_entropy_loss(
+      at::linear(at::embedding(whole, tokens), whole).reshape({10, -1}), targets);
+  at::Tensor loss =
+      tpz->loss(tpz->linear(tpz->embedding(tokens, w), w).reshape({10, -1}), targets, w);
+  EXPECT_LT(std::abs(loss.item<double>() - ref.item<double>()), 1e-5 * ref.item<double>());
+  ref.backward();
+  loss.backward();
+  EXPECT_LT(rel(w.grad(), whole.grad().narrow(0, group->rank() * 4 * t, 4 * t)), 1e-5);
+
+  TiedPair twoways(table.clone());
+  auto tpr = std::make_shared<TensorParallelism>(group, false);
+  try {
+    tpr->apply(twoways, {{"emb", Style::kVocab}, {"head", Style::kRowwise}});
+    ADD_FAILURE() << "a tensor cut on dim 0 and on dim 1 was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("head.weight is a tensor the plan already cut on dim 0"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// The vocabulary-parallel loss ignores targets of -100 as cross_entropy does (the mean over the
+// other rows, no gradient for theirs; none left: NaN and no gradient), and refuses a target
+// outside the vocabulary on every rank.
+TEST_F(Test, VocabParallelLossIgnoresMinus100AndRefusesOtherTargetsAsTorch) {
+  const int t = world().size();
+  auto group = tp_group(t);
+  const int64_t r = group->rank(), v = 6 * t;
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+  const at::Tensor logits = at::randn({7, v}, gen);
+  auto check = [&](const at::Tensor& targets) {
+    at::Tensor whole = logits.clone().requires_grad_();
+    at::Tensor mine = logits.narrow(1, r * 6, 6).clone().requires_grad_();
+    at::Tensor ref = at::cross_entropy_loss(whole, targets);
+    at::Tensor loss = tp::vocab_parallel_cross_entropy(mine, targets, r * 6, group);
+    if (std::isnan(ref.item<double>())) {
+      EXPECT_TRUE(std::isnan(loss.item<double>()));
+    } else {
+      EXPECT_LT(std::abs(loss.item<double>() - ref.item<double>()), 1e-6 * ref.item<double>());
+    }
+    ref.backward();
+    loss.backward();
+    EXPECT_LT(rel(mine.grad(), whole.grad().narrow(1, r * 6, 6)), 1e-6);
+  };
+  {
+    SCOPED_TRACE("some -100");
+    check(at::tensor({3, -100, 0, static_cast<int>(v - 1), -100, 7, 1}, at::kLong));
+  }
+  {
+    SCOPED_TRACE("all -100");
+    check(at::full({7}, -100, at::kLong));
+  }
+  for (int64_t bad : {v, int64_t{-1}}) {
+    at::Tensor targets = at::tensor({1, 2, 3, 4, 5, 0, 1}, at::kLong);
+    targets[3] = bad;
+    try {
+      tp::vocab_parallel_cross_entropy(logits.narrow(1, r * 6, 6), targets, r * 6, group);
+      ADD_FAILURE() << "target " << bad << " was accepted";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("outside [0, the vocabulary size)"), std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 LlamaOptions tiny_llama(int t, bool tie) {
