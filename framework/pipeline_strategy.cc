@@ -245,13 +245,38 @@ at::Tensor PipelineStrategy::train(const std::vector<Batch>& batches, const Loss
   } else if (dp && dp->size() > 1) {
     std::vector<at::Tensor> grads;
     const auto params = parameters();
+    std::vector<size_t> own;
     for (size_t i = 0; i < params.size(); ++i) {
-      if (owner_of(i) == pp_rank()) grads.push_back(params[i].grad());
+      if (owner_of(i) == pp_rank()) own.push_back(i);
+    }
+    // A parameter only some data-parallel ranks' micro-batches used: the others add zeros,
+    // as DDP's find_unused_parameters does (one that no rank used keeps no gradient).
+    const std::vector<bool> any = any_rank_has_grad(*dp, params, own);
+    for (size_t k = 0; k < own.size(); ++k) {
+      at::Tensor& p = params[own[k]].mutable_grad();
+      if (any[k] && !p.defined()) p = at::zeros_like(params[own[k]]);
+      grads.push_back(p);
     }
     comm::all_reduce_coalesced(*dp, grads, comm::ReduceOp::kAvg,
                                c_.precision.mixed.effective_reduce_dtype());
   }
   return pipe_.loss_sum(losses);
+}
+
+std::vector<bool> PipelineStrategy::any_rank_has_grad(comm::Communicator& group,
+                                                      const std::vector<at::Tensor>& params,
+                                                      const std::vector<size_t>& which) {
+  at::Tensor has = at::zeros({static_cast<int64_t>(which.size())}, at::kInt);
+  for (size_t k = 0; k < which.size(); ++k) {
+    if (params[which[k]].grad().defined()) has[static_cast<int64_t>(k)] = 1;
+  }
+  has = has.to(group.device());
+  group.all_reduce(has, comm::ReduceOp::kMax).wait();
+  has = has.cpu();
+  std::vector<bool> any(which.size());
+  const auto a = has.accessor<int32_t, 1>();
+  for (size_t k = 0; k < which.size(); ++k) any[k] = a[static_cast<int64_t>(k)] != 0;
+  return any;
 }
 
 void PipelineStrategy::reduce_scatter_grads() {
@@ -264,11 +289,12 @@ void PipelineStrategy::reduce_scatter_grads() {
                                         : sharding::divide_factors(n, reduce);
   const std::vector<at::Tensor> params = parameters();
   at::Tensor input = at::zeros({n * S}, at::TensorOptions(reduce).device(device()));
-  std::vector<bool> has(own_.size());
+  // Every rank takes its shard of a gradient that any rank had (the others added zeros): a
+  // parameter only some ranks' micro-batches used is stepped on every shard.
+  const std::vector<bool> has = any_rank_has_grad(*shards_, params, own_);
   for (size_t k = 0; k < own_.size(); ++k) {
     const at::Tensor& g = params[own_[k]].grad();
-    has[k] = g.defined();
-    if (!has[k]) continue;
+    if (!g.defined()) continue;
     const at::Tensor flat = g.reshape(-1);
     for (int64_t r = 0; r < n; ++r) {
       const sharding::Held h = sharding::held_by(layout_, places_[k], S, r);

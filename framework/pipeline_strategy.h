@@ -139,6 +139,11 @@ class PipelineStrategy final : public Strategy {
   // The own parameters' gradients, averaged over the data-parallel ranks and scattered: each
   // rank's shard of them (one reduce-scatter in reduce_dtype), the parameters resharded.
   void reduce_scatter_grads();
+  // For each of params[which[k]]: whether any rank of `group` has its gradient (collective:
+  // one all-reduce of a flag per parameter).
+  static std::vector<bool> any_rank_has_grad(comm::Communicator& group,
+                                             const std::vector<at::Tensor>& params,
+                                             const std::vector<size_t>& which);
 
   at::Tensor run_stage(int stage, const at::Tensor& input) const;
   // One forward-only run of `inputs` through the stages (the own ones gathered when sharded);

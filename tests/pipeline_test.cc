@@ -15,6 +15,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -571,6 +572,126 @@ TEST_F(Test, PipelineStrategySharesEachStagesBuffers) {
   strategy.share(nullptr);
   expect_buffers("share()");
   EXPECT_EQ(model->named_buffers().size(), static_cast<size_t>(4 * (layers + 1)));
+}
+
+// A stack whose layers each scale by (1 + gate) only when `use_gate`: a parameter that one data-
+// parallel rank's micro-batches use and another's do not (as routing or a data-dependent branch).
+struct GatedLayerImpl : torch::nn::Module {
+  explicit GatedLayerImpl(int64_t h) {
+    lin = register_module("lin", torch::nn::Linear(h, h));
+    gate = register_parameter("gate", at::randn({h}) * 0.1);
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_gate) {
+    at::Tensor y = at::tanh(lin->forward(x));
+    return use_gate ? y * (1 + gate) : y;
+  }
+  torch::nn::Linear lin{nullptr};
+  at::Tensor gate;
+};
+TORCH_MODULE(GatedLayer);
+
+struct GatedStackImpl : torch::nn::Module {
+  GatedStackImpl(int64_t layers, int64_t h) {
+    embed = register_parameter("embed", at::randn({h}));
+    auto list = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < layers; ++i) {
+      blocks.emplace_back(h);
+      list->push_back(blocks.back());
+    }
+    head = register_module("head", torch::nn::Linear(h, h));
+  }
+  at::Tensor forward(at::Tensor x, int64_t begin, int64_t end) {
+    if (begin == 0) x = x.unsqueeze(-1) * embed;
+    for (int64_t i = begin; i < end; ++i) x = blocks[static_cast<size_t>(i)]->forward(x, use_gate);
+    if (end == static_cast<int64_t>(blocks.size())) x = head->forward(x);
+    return x;
+  }
+  at::Tensor embed;
+  std::vector<GatedLayer> blocks;
+  torch::nn::Linear head{nullptr};
+  bool use_gate = true;
+};
+TORCH_MODULE(GatedStack);
+
+// Two data-parallel pipelines (pp 2 x dp 2 at 4 ranks), DDP's and sharded: the gates only data-
+// parallel rank 0's micro-batches use get the average of its gradient and the other ranks'
+// zeros on every rank (every shard of them), as DDP's find_unused_parameters gives; after an
+// SGD step of 1 the whole model is one process's that ran both ranks' micro-batches. (Before,
+// the sharded stages left the gates' shards on the rank that had no gradient unstepped, and
+// DDP's stages sent messages of other sizes.)
+TEST_F(Test, DataParallelPipelinesStepAParameterOnlyOneRanksMicroBatchesUsed) {
+  const int w = world().size();
+  if (w < 4 || w % 2 != 0) GTEST_SKIP() << "needs pp 2 x a data-parallel group of 2 or more";
+  constexpr int64_t kH = 6, kM = 2, kLayers = 4;
+  const int dp = w / 2;
+  auto make = [&] {
+    at::manual_seed(13);
+    return GatedStack(kLayers, kH);
+  };
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
+  std::vector<std::vector<framework::Batch>> batches(static_cast<size_t>(dp));
+  for (auto& rank : batches) {
+    for (int64_t m = 0; m < kM; ++m) {
+      rank.push_back({at::randn({kMicro, kSeq}, gen), at::randn({kMicro, kSeq, kH}, gen)});
+    }
+  }
+  auto loss_of = [&](const at::Tensor& y, const framework::Batch& b) {
+    return (y - b.targets).pow(2).mean() / kM;
+  };
+  // One process: each data-parallel rank's micro-batches (the gates used by rank 0's only),
+  // the gradients averaged over the ranks, a step of 1.
+  GatedStack ref = make();
+  for (int d = 0; d < dp; ++d) {
+    ref->use_gate = d == 0;
+    for (const auto& b : batches[static_cast<size_t>(d)]) {
+      loss_of(ref->forward(b.inputs, 0, kLayers), b).backward();
+    }
+  }
+  {
+    c10::NoGradGuard no_grad;
+    for (auto& p : ref->parameters()) p.sub_(p.grad() / dp);
+  }
+  for (auto kind : {framework::ParallelStrategy::kDdp, framework::ParallelStrategy::kFsdp}) {
+    const bool sharded = kind == framework::ParallelStrategy::kFsdp;
+    SCOPED_TRACE(sharded ? "sharded stages" : "DDP's stages");
+    framework::RunConfig c;
+    c.parallel.pp = 2;
+    c.parallel.strategy = kind;
+    c.parallel.pp_schedule = ScheduleKind::k1F1B;
+    c.train.micro_batches = kM;
+    sharding::MeshShape shape;
+    shape.pp = 2;
+    (sharded ? shape.shard : shape.replicate) = dp;
+    auto mesh = std::make_shared<sharding::DeviceMesh>(world_ptr(), shape);
+    GatedStack model = make();
+    model->use_gate = mesh->dp_rank() == 0;
+    framework::PipelineModel pm;
+    pm.module = model.ptr();
+    pm.layers = kLayers;
+    pm.hidden = kH;
+    pm.forward = [model](const at::Tensor& x, int64_t begin, int64_t end) mutable {
+      return model->forward(x, begin, end);
+    };
+    pm.layer_of = [](const std::string& name) -> int64_t {
+      if (name.rfind("layers.", 0) == 0) return std::stoll(name.substr(7, name.find('.', 7) - 7));
+      return name == "embed" ? -1 : kLayers;
+    };
+    framework::PipelineStrategy strategy(std::move(pm), mesh, c);
+    const auto& mine = batches[static_cast<size_t>(mesh->dp_rank())];
+    strategy.train(
+        mine, [&](int micro, const at::Tensor& y) { return loss_of(y, mine[micro]); },
+        [](const at::Tensor& l) { return l; });
+    torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(1.0));
+    sgd.step();
+    strategy.share(nullptr);  // every stage's whole parameters on every rank
+    const auto want = ref->named_parameters();
+    int gates = 0;
+    for (const auto& kv : model->named_parameters()) {
+      EXPECT_TRUE(at::allclose(kv.value(), want[kv.key()], 1e-5, 1e-6)) << kv.key();
+      gates += kv.key().find("gate") != std::string::npos ? 1 : 0;
+    }
+    EXPECT_EQ(gates, kLayers);
+  }
 }
 
 // A GradScaler's found-inf flag: one stage's inf makes every stage skip.
