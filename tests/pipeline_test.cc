@@ -495,6 +495,36 @@ struct BufferedStackImpl : torch::nn::Module {
 };
 TORCH_MODULE(BufferedStack);
 
+// `groups` lists of `micro` batches: inputs [kMicro, kSeq] and targets [kMicro, kSeq, h].
+std::vector<std::vector<framework::Batch>> stack_batches(size_t groups, int64_t micro, int64_t h,
+                                                         uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<std::vector<framework::Batch>> out(groups);
+  for (auto& group : out) {
+    for (int64_t m = 0; m < micro; ++m) {
+      group.push_back({at::randn({kMicro, kSeq}, gen), at::randn({kMicro, kSeq, h}, gen)});
+    }
+  }
+  return out;
+}
+
+// A stack of `layers` (parameters "embed", "layers.<i>.*", then the head's) as a PipelineModel.
+template <typename Stack>
+framework::PipelineModel stack_model(Stack model, int64_t layers, int64_t h) {
+  framework::PipelineModel pm;
+  pm.module = model.ptr();
+  pm.layers = layers;
+  pm.hidden = h;
+  pm.forward = [model](const at::Tensor& x, int64_t begin, int64_t end) mutable {
+    return model->forward(x, begin, end);
+  };
+  pm.layer_of = [layers](const std::string& name) -> int64_t {
+    if (name.rfind("layers.", 0) == 0) return std::stoll(name.substr(7, name.find('.', 7) - 7));
+    return name == "embed" ? -1 : layers;
+  };
+  return pm;
+}
+
 TEST_F(Test, PipelineStrategySharesEachStagesBuffers) {
   const int p = world().size();
   constexpr int64_t kH = 8, kM = 2;
@@ -507,14 +537,7 @@ TEST_F(Test, PipelineStrategySharesEachStagesBuffers) {
     at::manual_seed(9);
     return BufferedStack(layers, kH);
   };
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(21);
-  constexpr int kSteps = 2;
-  std::vector<std::vector<framework::Batch>> batches(kSteps);
-  for (auto& step : batches) {
-    for (int64_t m = 0; m < kM; ++m) {
-      step.push_back({at::randn({kMicro, kSeq}, gen), at::randn({kMicro, kSeq, kH}, gen)});
-    }
-  }
+  const auto batches = stack_batches(/*steps=*/2, kM, kH, 21);
   auto loss_of = [&](const at::Tensor& y, const framework::Batch& b) {
     return (y - b.targets).pow(2).mean() / kM;
   };
@@ -524,21 +547,11 @@ TEST_F(Test, PipelineStrategySharesEachStagesBuffers) {
     for (const auto& b : step) loss_of(ref->forward(b.inputs, 0, layers), b).backward();
   }
   BufferedStack model = make();
-  framework::PipelineModel pm;
-  pm.module = model.ptr();
-  pm.layers = layers;
-  pm.hidden = kH;
-  pm.forward = [model](const at::Tensor& x, int64_t begin, int64_t end) mutable {
-    return model->forward(x, begin, end);
-  };
-  pm.layer_of = [layers](const std::string& name) -> int64_t {
-    if (name.rfind("layers.", 0) == 0) return std::stoll(name.substr(7, name.find('.', 7) - 7));
-    return name == "embed" ? -1 : layers;
-  };
   sharding::MeshShape shape;
   shape.pp = p;
-  framework::PipelineStrategy strategy(
-      std::move(pm), std::make_shared<sharding::DeviceMesh>(world_ptr(), shape), c);
+  framework::PipelineStrategy strategy(stack_model(model, layers, kH),
+                                       std::make_shared<sharding::DeviceMesh>(world_ptr(), shape),
+                                       c);
   for (const auto& step : batches) {
     strategy.train(
         step, [&](int micro, const at::Tensor& y) { return loss_of(y, step[micro]); },
@@ -628,13 +641,7 @@ TEST_F(Test, DataParallelPipelinesStepAParameterOnlyOneRanksMicroBatchesUsed) {
     at::manual_seed(13);
     return GatedStack(kLayers, kH);
   };
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(31);
-  std::vector<std::vector<framework::Batch>> batches(static_cast<size_t>(dp));
-  for (auto& rank : batches) {
-    for (int64_t m = 0; m < kM; ++m) {
-      rank.push_back({at::randn({kMicro, kSeq}, gen), at::randn({kMicro, kSeq, kH}, gen)});
-    }
-  }
+  const auto batches = stack_batches(static_cast<size_t>(dp), kM, kH, 31);
   auto loss_of = [&](const at::Tensor& y, const framework::Batch& b) {
     return (y - b.targets).pow(2).mean() / kM;
   };
@@ -665,18 +672,7 @@ TEST_F(Test, DataParallelPipelinesStepAParameterOnlyOneRanksMicroBatchesUsed) {
     auto mesh = std::make_shared<sharding::DeviceMesh>(world_ptr(), shape);
     GatedStack model = make();
     model->use_gate = mesh->dp_rank() == 0;
-    framework::PipelineModel pm;
-    pm.module = model.ptr();
-    pm.layers = kLayers;
-    pm.hidden = kH;
-    pm.forward = [model](const at::Tensor& x, int64_t begin, int64_t end) mutable {
-      return model->forward(x, begin, end);
-    };
-    pm.layer_of = [](const std::string& name) -> int64_t {
-      if (name.rfind("layers.", 0) == 0) return std::stoll(name.substr(7, name.find('.', 7) - 7));
-      return name == "embed" ? -1 : kLayers;
-    };
-    framework::PipelineStrategy strategy(std::move(pm), mesh, c);
+    framework::PipelineStrategy strategy(stack_model(model, kLayers, kH), mesh, c);
     const auto& mine = batches[static_cast<size_t>(mesh->dp_rank())];
     strategy.train(
         mine, [&](int micro, const at::Tensor& y) { return loss_of(y, mine[micro]); },
