@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   std::string schedule = "1f1b";
   int micro_batches = 8, per_rank = 1, steps = 5;
   int64_t layers = 8, hidden = 256, seq = 128, micro = 2;
-  app.add_option("--schedule", schedule, "gpipe, 1f1b or interleaved_1f1b");
+  app.add_option("--schedule", schedule, "gpipe, 1f1b, interleaved_1f1b or zero_bubble");
   app.add_option("--micro-batches", micro_batches, "micro-batches per step");
   app.add_option("--stages-per-rank", per_rank, "stages per rank (interleaved_1f1b: 2 or more)");
   app.add_option("--steps", steps, "timed steps");
@@ -101,9 +101,11 @@ int main(int argc, char** argv) {
       if (span.action.op == pp::Op::kForward) {
         forward += d;
         ++n_forward;
-      } else if (span.action.op == pp::Op::kBackward) {
-        backward += d;
+      } else if (span.action.gives_input_grad()) {
+        backward += d;  // a whole backward, or its input half (zero_bubble)
         ++n_backward;
+      } else if (span.action.op == pp::Op::kBackwardWeight) {
+        backward += d;  // the weight half: one backward is I + W
       }
     }
   }

@@ -6,7 +6,8 @@
 # the medians. dtrain's side also prints the measured bubble (1 - time in forwards and
 # backwards / (ranks x step)) beside the theory and the schedule simulated with the costs
 # measured in the run, the micro-batches each rank held against the schedule's promise, and
-# each rank's peak of tensor memory during the step.
+# each rank's peak of tensor memory during the step. zero_bubble's simulation takes each half
+# of a backward (I, W) as half its measured cost.
 #   bench/run_pipeline_bench.sh [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ launch() { bazel-bin/launcher/dtrain-launch --nproc-per-node 2 --master-port 0 -
 echo "| schedule | dtrain step (ms) | PyTorch step (ms) | dtrain / PyTorch |"
 echo "|---|---|---|---|"
 details=()
-for s in "gpipe 1" "1f1b 1" "interleaved_1f1b 2"; do
+for s in "gpipe 1" "1f1b 1" "interleaved_1f1b 2" "zero_bubble 1"; do
   set -- $s
   mine=() theirs=()
   for ((r = 0; r < rounds; r++)); do

@@ -223,7 +223,7 @@ struct ParallelConfig {
   // ranks of each stage. 1: off.
   int64_t pp = 1;
   sharding::pp::ScheduleKind pp_schedule = sharding::pp::ScheduleKind::k1F1B;
-  int64_t pp_stages_per_rank = 1;  // interleaved_1f1b: 2 or more
+  int64_t pp_stages_per_rank = 1;  // interleaved_1f1b: 2 or more (zero_bubble: 1)
   std::vector<int64_t> pp_split;
   double timeout_s = 300.0;
 };

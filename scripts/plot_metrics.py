@@ -112,13 +112,16 @@ def plot_trace(path, out):
         for tid in sorted({e["tid"] for e in mine if e["cat"] == "comm"}):
             name = tracks.get((r, tid), f"track {tid}")
             rows.append((r, name, [e for e in mine if e["cat"] == "comm" and e["tid"] == tid]))
-    colors = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
-              "unit": "#8172b3", "comm": "#c44e52"}
+    # "input" and "weight": a zero-bubble pipeline's two halves of a backward.
+    colors = {"forward": "#4c72b0", "backward": "#dd8452", "input": "#e5ae38",
+              "weight": "#937860", "optimizer": "#55a868", "unit": "#8172b3", "comm": "#c44e52"}
+    used = set()
     span_us = max(e["ts"] + e["dur"] for e in spans) - t0
     fig, ax = plt.subplots(figsize=(13, 0.55 * len(rows) + 1.6))
     for y, (r, label, evs) in enumerate(rows):
         for e in evs:
             kind = e["cat"] if e["cat"] in ("unit", "comm") else e["name"].split()[0]
+            used.add(kind)
             ax.broken_barh([((e["ts"] - t0) / 1000, max(e["dur"], 1) / 1000)], (y - 0.4, 0.8),
                            color=colors.get(kind, "#999999"), alpha=0.85 if kind != "unit" else 0.6)
             # A pipeline's actions ("forward 2.5": stage 2, micro-batch 5) carry their numbers.
@@ -138,8 +141,9 @@ def plot_trace(path, out):
     ax.set_xlabel("ms")
     ax.grid(axis="x", alpha=0.3)
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], fontsize=8,
-              loc="upper right", ncol=5)
+    shown = [k for k in colors if k in used or k in ("forward", "backward", "optimizer")]
+    ax.legend(handles=[Patch(color=colors[k], label=k) for k in shown], fontsize=8,
+              loc="upper right", ncol=len(shown))
     other = doc.get("otherData", {})
     ax.set_title(f"step timeline: {other.get('strategy', '?')} {other.get('precision', '')}, "
                  f"{len(ranks)} rank(s), steps {other.get('first_step', '?')}.."

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/trace.h"
+#include "sharding/split_backward.h"
 
 namespace dtrain::sharding::pp {
 
@@ -64,6 +65,7 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
   std::map<Key, at::Tensor> outputs;   // held for backward: the output (the loss, last)
   std::map<Key, at::Tensor> grad_in;   // the gradient of a stage's output
   std::map<Key, at::Tensor> grad_out;  // the gradient of a stage's input, to send
+  std::map<Key, WeightGrad> weight;    // zero_bubble: the W half of a run I half
   std::vector<at::Tensor> losses(has_last ? static_cast<size_t>(M) : 0);
   spans_.clear();
   peak_in_flight_ = 0;
@@ -77,6 +79,18 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
     return t;
   };
   const auto options = at::TensorOptions().dtype(step.activation_dtype).device(step.device);
+  auto run_weight = [&](const Action& a) {
+    const double start = seconds();
+    trace::Scope traced("weight " + std::to_string(a.stage) + "." + std::to_string(a.micro),
+                        "compute");
+    auto it = weight.find({a.stage, a.micro});
+    DTRAIN_CHECK_AS(UsageError, it != weight.end(), "pipeline: no input half before ",
+                    to_string(a));
+    it->second.run();
+    weight.erase(it);
+    --in_flight;
+    spans_.push_back({a, start, seconds()});
+  };
   for (size_t i = 0; i < actions.size();) {
     const Action& a = actions[i];
     const Key k{a.stage, a.micro};
@@ -108,28 +122,42 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
       ++i;
       continue;
     }
-    if (a.op == Op::kBackward) {
-      trace::Scope traced("backward " + std::to_string(a.stage) + "." + std::to_string(a.micro),
-                          "compute");
+    if (a.op == Op::kBackwardWeight) {
+      run_weight(a);
+      ++i;
+      continue;
+    }
+    if (a.gives_input_grad()) {
+      const bool half = a.op == Op::kBackwardInput;
+      trace::Scope traced(
+          (half ? "input " : "backward ") + std::to_string(a.stage) + "." + std::to_string(a.micro),
+          "compute");
       at::Tensor out = take(outputs, k, "output");
+      at::Tensor g_out;
+      if (a.stage < S - 1) {
+        g_out = take(grad_in, k, "output gradient").to(out.device(), out.scalar_type());
+      }
+      at::Tensor in = a.stage > 0 ? take(inputs, k, "input") : at::Tensor();
       // An output that needs no gradient (a frozen stage, or a run under NoGradGuard) has no
       // backward to run; its input's gradient is then zeros.
-      if (a.stage == S - 1) {
-        if (out.requires_grad()) out.backward();
-      } else {
-        at::Tensor g = take(grad_in, k, "output gradient");
-        if (out.requires_grad()) out.backward(g.to(out.device(), out.scalar_type()));
+      at::Tensor g_in;
+      if (half) {
+        WeightGrad w;
+        if (out.requires_grad()) w = backward_input(out, g_out, in, &g_in);
+        weight.emplace(k, std::move(w));
+      } else if (out.requires_grad()) {
+        out.backward(g_out);
       }
       if (a.stage > 0) {
-        at::Tensor in = take(inputs, k, "input");
-        at::Tensor g = in.grad().defined() ? in.grad() : at::zeros_like(in);
+        if (!g_in.defined()) g_in = in.grad();
+        at::Tensor g = g_in.defined() ? g_in : at::zeros_like(in);
         if (s.rank_of(a.stage - 1) == rank_) {
           grad_in[{a.stage - 1, a.micro}] = g;
         } else {
           grad_out[k] = g;
         }
       }
-      --in_flight;
+      if (!half) --in_flight;
       spans_.push_back({a, start, seconds()});
       ++i;
       continue;
@@ -137,10 +165,16 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
     // A batch: the communication actions up to the next compute action.
     std::vector<comm::Communicator::P2POp> ops;
     std::vector<std::pair<Key, bool>> receives;  // where each receive lands (activation?)
+    std::vector<Action> weights;                 // run while the batch is in flight
     size_t j = i;
-    for (; j < actions.size() && !actions[j].is_compute(); ++j) {
+    for (; j < actions.size() && (!actions[j].is_compute() || actions[j].op == Op::kBackwardWeight);
+         ++j) {
       const Action& c = actions[j];
       const Key ck{c.stage, c.micro};
+      if (c.op == Op::kBackwardWeight) {
+        weights.push_back(c);
+        continue;
+      }
       using P = comm::Communicator::P2POp;
       switch (c.op) {
         case Op::kSendActivation:
@@ -177,18 +211,28 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
     std::string name;
     if (trace::enabled()) {
       name = "pp";
-      for (size_t x = i; x < j; ++x) name += " " + to_string(actions[x]);
+      for (size_t x = i; x < j; ++x) {
+        if (!actions[x].is_compute()) name += " " + to_string(actions[x]);
+      }
     }
-    trace::Scope traced(name, "wait");
+    std::optional<trace::Scope> traced(std::in_place, name, "wait");
     {
-      trace::Label label(name);  // the communicator's track names the batch by its actions
+      std::optional<trace::Label> label(std::in_place, name);  // the communicator's track
       comm::Work work = group_->batch_p2p(std::move(ops));
+      if (!weights.empty()) {
+        // The W halves while the messages are in flight (their own spans).
+        label.reset();
+        traced.reset();
+        spans_.push_back({a, start, seconds()});
+        for (const Action& w : weights) run_weight(w);
+        traced.emplace(name, "wait");
+      }
       work.wait();
     }
     for (size_t r = 0; r < receives.size(); ++r) {
       (receives[r].second ? arrived : grad_in)[receives[r].first] = landing[r];
     }
-    spans_.push_back({a, start, seconds()});
+    if (weights.empty()) spans_.push_back({a, start, seconds()});
     i = j;
   }
   return losses;

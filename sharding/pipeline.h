@@ -18,6 +18,11 @@
 //   auto losses = pipe.run(step);          // the last stage's rank: one loss per micro-batch
 // clang-format on
 //
+// Under zero_bubble a backward runs as two actions: I (sharding/split_backward.h
+// backward_input: the input's gradient, which is sent) and W (the parameters' gradients,
+// accumulated into .grad as a whole backward would); a W right after a batch of messages runs
+// between posting the batch and waiting for it.
+//
 // A stage whose output needs no gradient (all its parameters frozen, or a run under
 // NoGradGuard) runs no backward; the gradient it sends back is zeros. A forward-only schedule
 // (ScheduleKind::kForwardOnly: evaluation) runs without a graph and holds nothing.

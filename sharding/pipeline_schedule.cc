@@ -11,7 +11,7 @@
 namespace dtrain::sharding::pp {
 
 std::string to_string(const Action& a) {
-  static const char* const kNames[] = {"F", "B", "SA", "RA", "SG", "RG"};
+  static const char* const kNames[] = {"F", "B", "SA", "RA", "SG", "RG", "I", "W"};
   std::ostringstream os;
   os << kNames[static_cast<int>(a.op)] << " " << a.stage << "." << a.micro;
   return os.str();
@@ -27,16 +27,19 @@ const char* schedule_name(ScheduleKind k) {
       return "interleaved_1f1b";
     case ScheduleKind::kForwardOnly:
       return "forward_only";
+    case ScheduleKind::kZeroBubble:
+      return "zero_bubble";
   }
   return "?";
 }
 
 ScheduleKind parse_schedule(const std::string& name) {
-  for (auto k : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B}) {
+  for (auto k : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved1F1B,
+                 ScheduleKind::kZeroBubble}) {
     if (name == schedule_name(k)) return k;
   }
   DTRAIN_FAIL(ConfigError, "unknown pipeline schedule '", name,
-              "' (choose gpipe, 1f1b or interleaved_1f1b)");
+              "' (choose gpipe, 1f1b, interleaved_1f1b or zero_bubble)");
 }
 
 std::vector<int> Schedule::stages_of(int rank) const {
@@ -56,7 +59,7 @@ std::vector<std::vector<Action>> with_communication(const std::vector<std::vecto
         if (a.op == Op::kForward && a.stage > 0 && rank_of(a.stage - 1) != me) {
           out[r].push_back({Op::kRecvActivation, a.stage, a.micro});
         }
-        if (a.op == Op::kBackward && a.stage + 1 < stages && rank_of(a.stage + 1) != me) {
+        if (a.gives_input_grad() && a.stage + 1 < stages && rank_of(a.stage + 1) != me) {
           out[r].push_back({Op::kRecvGrad, a.stage, a.micro});
         }
       }
@@ -65,7 +68,7 @@ std::vector<std::vector<Action>> with_communication(const std::vector<std::vecto
         if (a.op == Op::kForward && a.stage + 1 < stages && rank_of(a.stage + 1) != me) {
           out[r].push_back({Op::kSendActivation, a.stage, a.micro});
         }
-        if (a.op == Op::kBackward && a.stage > 0 && rank_of(a.stage - 1) != me) {
+        if (a.gives_input_grad() && a.stage > 0 && rank_of(a.stage - 1) != me) {
           out[r].push_back({Op::kSendGrad, a.stage, a.micro});
         }
       }
@@ -83,6 +86,49 @@ std::vector<std::vector<Action>> with_communication(const std::vector<std::vecto
   return with_communication(steps, ranks, stages);
 }
 
+namespace {
+
+// Rank r's compute order under PyTorch's ScheduleInterleavedZeroBubble (ZB1P, the order its
+// _get_1f1b_rank_ops gives with zero bubble on): micro-batches in rounds of m / max(1, m / p),
+// 1f1b's warm-up, then per step a forward and an input half, and from step r on the weight half
+// of the oldest backward; the remaining weight halves at the end. Each action a step of its
+// own, as PyTorch's runtime posts them.
+std::vector<Steps> zero_bubble_order(int p, int m, int v, int r) {
+  const int rounds = std::max(1, m / p);
+  DTRAIN_CHECK_AS(ConfigError, m % rounds == 0, "pipeline schedule zero_bubble runs ",
+                  "micro-batches in ", rounds, " rounds: train.micro_batches (", m,
+                  ") must be a multiple of ", rounds);
+  const int per_round = m / rounds;
+  const int total = m * v;
+  const int warmup = std::min((v - 1) * per_round + (p - 1 - r), total);
+  auto forward_stage = [&](int k) { return ((k / per_round) % v) * p + r; };
+  auto backward_stage = [&](int k) { return (v - 1 - ((k - warmup) / per_round) % v) * p + r; };
+  std::map<int, int> next_f, next_b, next_w;  // per stage: its next micro-batch
+  std::vector<int> backward_ops;              // the op index of each backward, in order
+  size_t weights = 0;
+  std::vector<Steps> out;
+  auto weight = [&] {
+    const int st = backward_stage(backward_ops[weights++]);
+    out.push_back({{Op::kBackwardWeight, st, next_w[st]++}});
+  };
+  for (int k = 0; k < total + warmup; ++k) {
+    if (k < total) {
+      const int st = forward_stage(k);
+      out.push_back({{Op::kForward, st, next_f[st]++}});
+    }
+    if (k >= warmup) {
+      const int st = backward_stage(k);
+      out.push_back({{Op::kBackwardInput, st, next_b[st]++}});
+      backward_ops.push_back(k);
+      if (k - warmup >= r) weight();
+    }
+  }
+  while (weights < backward_ops.size()) weight();
+  return out;
+}
+
+}  // namespace
+
 Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stages_per_rank) {
   DTRAIN_CHECK_AS(ConfigError, ranks >= 1, "pipeline: ", ranks, " ranks");
   DTRAIN_CHECK_AS(ConfigError, micro_batches >= 1, "pipeline: ", micro_batches,
@@ -98,6 +144,9 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stag
   } else if (kind == ScheduleKind::kForwardOnly) {
     DTRAIN_CHECK_AS(ConfigError, v >= 1, "pipeline: ", v, " stages per rank");
   } else {
+    // zero_bubble too: PyTorch's interleaved order at 2 or more stages per rank posts each
+    // action's messages alone, which deadlocks where sends wait for their receives (the
+    // strictest transport, simulate()'s); one stage per rank is ZB-H1.
     DTRAIN_CHECK_AS(ConfigError, v == 1, "pipeline schedule ", schedule_name(kind),
                     " holds one stage per rank, got ", v, "; for more choose interleaved_1f1b");
   }
@@ -121,6 +170,15 @@ Schedule make_schedule(ScheduleKind kind, int ranks, int micro_batches, int stag
         }
       }
       promise = 0;  // nothing is held for a backward
+    } else if (kind == ScheduleKind::kZeroBubble) {
+      list = zero_bubble_order(p, m, v, r);
+      int held = 0;
+      for (const Steps& step : list) {
+        for (const Action& a : step) {
+          if (a.op == Op::kForward) promise = std::max(promise, ++held);
+          if (a.op == Op::kBackwardWeight) --held;
+        }
+      }
     } else if (kind == ScheduleKind::kGPipe) {
       for (int i = 0; i < m; ++i) list.push_back({{Op::kForward, r, i}});
       for (int i = 0; i < m; ++i) list.push_back({{Op::kBackward, r, i}});
@@ -250,6 +308,7 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
   std::vector<double> clock(static_cast<size_t>(p), 0.0);
   std::vector<int> in_flight(static_cast<size_t>(p), 0);
   std::set<Key> forwarded, backwarded, activation_in, grad_in;
+  std::set<Key> halves, weighted;  // backwards split (I run), and their W halves run
   std::set<std::tuple<int, int, int>> communicated;  // op, stage, micro
   const bool forward_only = s.kind == ScheduleKind::kForwardOnly;
   // Per rank, the batch at its head: its actions, which are complete, and when each rank
@@ -258,6 +317,7 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
     std::vector<Action> ops;
     std::vector<bool> done;
     std::vector<double> when;
+    size_t length = 0;  // of the run in the list: its actions and the W actions among them
   };
   std::vector<Posted> posted(static_cast<size_t>(p));
   auto fail = [&](int r, const Action& a, const std::string& why) {
@@ -265,6 +325,54 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
                 to_string(a), ": ", why);
   };
   auto finished = [&](int r) { return pc[static_cast<size_t>(r)] >= s.actions[r].size(); };
+  // A compute action of rank r: its checks, the bookkeeping, its span.
+  auto compute = [&](int r, const Action& a) {
+    const auto ri = static_cast<size_t>(r);
+    const Key k{a.stage, a.micro};
+    if (a.op == Op::kForward) {
+      if (forwarded.count(k)) fail(r, a, "a second forward");
+      const bool local = a.stage == 0 || s.rank_of(a.stage - 1) == r;
+      if (local ? a.stage > 0 && !forwarded.count({a.stage - 1, a.micro})
+                : !activation_in.count(k)) {
+        fail(r, a,
+             "its input has not arrived (no receive before it, or the stage before "
+             "has not run)");
+      }
+      forwarded.insert(k);
+      if (forward_only) {
+        // nothing held
+      } else if (++in_flight[ri] > s.promised_in_flight[ri]) {
+        fail(r, a,
+             std::to_string(in_flight[ri]) +
+                 " micro-batches in flight, more than the schedule's promise of " +
+                 std::to_string(s.promised_in_flight[ri]));
+      }
+      out.peak_in_flight[ri] = std::max(out.peak_in_flight[ri], in_flight[ri]);
+    } else if (a.op == Op::kBackwardWeight) {
+      if (weighted.count(k)) fail(r, a, "a second weight half");
+      if (!halves.count(k)) fail(r, a, "a weight half before its input half");
+      weighted.insert(k);
+      --in_flight[ri];
+    } else {
+      if (forward_only) fail(r, a, "a backward in a forward-only schedule");
+      if (backwarded.count(k)) fail(r, a, "a second backward");
+      if (!forwarded.count(k)) fail(r, a, "a backward before its forward");
+      const bool local = a.stage == S - 1 || s.rank_of(a.stage + 1) == r;
+      if (local ? a.stage < S - 1 && !backwarded.count({a.stage + 1, a.micro})
+                : !grad_in.count(k)) {
+        fail(r, a, "its output's gradient has not arrived");
+      }
+      backwarded.insert(k);
+      if (a.op == Op::kBackwardInput) {
+        halves.insert(k);  // held until its W
+      } else {
+        --in_flight[ri];
+      }
+    }
+    const double start = clock[ri];
+    clock[ri] += a.op == Op::kForward ? fcost : a.op == Op::kBackward ? bcost : bcost / 2;
+    out.spans[ri].push_back({a, start, clock[ri]});
+  };
   for (;;) {
     bool progressed = false, all_done = true;
     for (int r = 0; r < p; ++r) {
@@ -281,51 +389,25 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
              "stage " + std::to_string(a.stage) + " lives on rank " +
                  std::to_string(s.rank_of(a.stage)));
       }
-      const Key k{a.stage, a.micro};
       if (a.is_compute()) {
-        if (a.op == Op::kForward) {
-          if (forwarded.count(k)) fail(r, a, "a second forward");
-          const bool local = a.stage == 0 || s.rank_of(a.stage - 1) == r;
-          if (local ? a.stage > 0 && !forwarded.count({a.stage - 1, a.micro})
-                    : !activation_in.count(k)) {
-            fail(r, a,
-                 "its input has not arrived (no receive before it, or the stage before "
-                 "has not run)");
-          }
-          forwarded.insert(k);
-          if (forward_only) {
-            // nothing held
-          } else if (++in_flight[ri] > s.promised_in_flight[ri]) {
-            fail(r, a,
-                 std::to_string(in_flight[ri]) +
-                     " micro-batches in flight, more than the schedule's promise of " +
-                     std::to_string(s.promised_in_flight[ri]));
-          }
-          out.peak_in_flight[ri] = std::max(out.peak_in_flight[ri], in_flight[ri]);
-        } else {
-          if (forward_only) fail(r, a, "a backward in a forward-only schedule");
-          if (backwarded.count(k)) fail(r, a, "a second backward");
-          if (!forwarded.count(k)) fail(r, a, "a backward before its forward");
-          const bool local = a.stage == S - 1 || s.rank_of(a.stage + 1) == r;
-          if (local ? a.stage < S - 1 && !backwarded.count({a.stage + 1, a.micro})
-                    : !grad_in.count(k)) {
-            fail(r, a, "its output's gradient has not arrived");
-          }
-          backwarded.insert(k);
-          --in_flight[ri];
-        }
-        const double start = clock[ri];
-        clock[ri] += a.op == Op::kForward ? fcost : bcost;
-        out.spans[ri].push_back({a, start, clock[ri]});
+        compute(r, a);
         ++pc[ri];
         progressed = true;
         continue;
       }
-      // A batch of communication: post it if not yet.
+      // A batch of communication: post it if not yet, then run the W actions among and right
+      // after its actions while it is in flight (they need nothing from it).
       Posted& b = posted[ri];
       if (b.ops.empty()) {
-        for (size_t i = pc[ri]; i < list.size() && !list[i].is_compute(); ++i) {
+        std::vector<Action> weights;
+        size_t i = pc[ri];
+        for (; i < list.size() && (!list[i].is_compute() || list[i].op == Op::kBackwardWeight);
+             ++i) {
           const Action& c = list[i];
+          if (c.op == Op::kBackwardWeight) {
+            weights.push_back(c);
+            continue;
+          }
           if (c.op == Op::kSendActivation && !forwarded.count({c.stage, c.micro})) {
             fail(r, c, "sends an activation its forward has not computed");
           }
@@ -346,6 +428,8 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
           b.done.push_back(false);
           b.when.push_back(clock[ri]);
         }
+        b.length = i - pc[ri];
+        for (const Action& w : weights) compute(r, w);
         progressed = true;
       }
       // Pair with the peers' posted batches.
@@ -370,7 +454,7 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
           if (c.op == Op::kRecvGrad) grad_in.insert({c.stage, c.micro});
           clock[ri] = std::max(clock[ri], b.when[i]);
         }
-        pc[ri] += b.ops.size();
+        pc[ri] += b.length;
         b = Posted{};
         progressed = true;
       }
@@ -400,6 +484,12 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
       }
     }
   }
+  for (const Key& k : halves) {
+    if (!weighted.count(k)) {
+      DTRAIN_FAIL(UsageError, "pipeline schedule ", schedule_name(s.kind), ": rank ",
+                  s.rank_of(std::get<0>(k)), " never runs W ", std::get<0>(k), ".", std::get<1>(k));
+    }
+  }
   out.makespan = *std::max_element(clock.begin(), clock.end());
   double busy = 0;
   for (const auto& spans : out.spans) {
@@ -411,6 +501,7 @@ Simulation simulate(const Schedule& s, double forward_cost, double backward_cost
 
 double theoretical_bubble(const Schedule& s) {
   const double p = s.ranks, m = s.micro_batches, v = s.stages_per_rank();
+  if (s.kind == ScheduleKind::kZeroBubble) return (p - 1) / (3 * v * m + p - 1);
   return (p - 1) / (v * m + p - 1);
 }
 

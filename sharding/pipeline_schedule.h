@@ -7,6 +7,7 @@
 // from S-1 down to 0. Actions:
 //
 //   F s.m   forward of stage s on micro-batch m     B s.m   its backward
+//   I s.m   its backward's input half               W s.m   its weight half (zero_bubble)
 //   SA s.m  send stage s's output to rank(s + 1)    RA s.m  receive stage s's input
 //   SG s.m  send the gradient of stage s's input    RG s.m  receive the gradient of its output
 //
@@ -22,8 +23,19 @@
 //   interleaved_1f1b  v >= 2 stages per rank, Megatron's order (micro-batches in groups of p,
 //                     each group through every stage of the rank before the next group): a
 //                     bubble v times smaller; m must be a multiple of p.
-// Backwards run in micro-batch order on every stage, so gradients accumulate in the order of
-// one process running the micro-batches one after another.
+//   zero_bubble       ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"), one stage per
+//                     rank, in the order of PyTorch's ScheduleInterleavedZeroBubble with one
+//                     stage: each backward split into I, the input's gradient that the
+//                     previous stage waits for, and W, the weights', which rank r runs r steps
+//                     late and in the cool-down, where 1f1b idles. With F = I = W the bubble is
+//                     (p - 1) / (3 m + p - 1), a third of 1f1b's at m >> p; min(p, m) held
+//                     (a micro-batch is held until its W). m must be a multiple of
+//                     max(1, m / p).
+//
+// A W action right after communication actions runs while their batch is in flight (posted,
+// not yet waited for): the batch continues past it.
+// Backwards (and W halves) run in micro-batch order on every stage, so gradients accumulate in
+// the order of one process running the micro-batches one after another.
 #pragma once
 
 #include <cstdint>
@@ -33,13 +45,27 @@
 
 namespace dtrain::sharding::pp {
 
-enum class Op { kForward, kBackward, kSendActivation, kRecvActivation, kSendGrad, kRecvGrad };
+enum class Op {
+  kForward,
+  kBackward,
+  kSendActivation,
+  kRecvActivation,
+  kSendGrad,
+  kRecvGrad,
+  kBackwardInput,
+  kBackwardWeight
+};
 
 struct Action {
   Op op = Op::kForward;
   int stage = 0;
   int micro = 0;
-  bool is_compute() const { return op == Op::kForward || op == Op::kBackward; }
+  bool is_compute() const {
+    return op == Op::kForward || op == Op::kBackward || op == Op::kBackwardInput ||
+           op == Op::kBackwardWeight;
+  }
+  // B or I: what gives the input's gradient (and needs the output's).
+  bool gives_input_grad() const { return op == Op::kBackward || op == Op::kBackwardInput; }
   bool operator==(const Action& o) const {
     return op == o.op && stage == o.stage && micro == o.micro;
   }
@@ -52,9 +78,10 @@ std::string to_string(const Action& a);
 // _ScheduleForwardOnly), any number of stages per rank: micro-batches in groups of the
 // pipeline's size, each group through all of a rank's stages before the next.
 // parse_schedule does not take it: it trains nothing.
-enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kForwardOnly };
+enum class ScheduleKind { kGPipe, k1F1B, kInterleaved1F1B, kForwardOnly, kZeroBubble };
 const char* schedule_name(ScheduleKind k);
-// "gpipe", "1f1b", "interleaved_1f1b" (ConfigError naming the choices otherwise).
+// "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" (ConfigError naming the choices
+// otherwise).
 ScheduleKind parse_schedule(const std::string& name);
 
 struct Schedule {
@@ -123,7 +150,8 @@ Simulation simulate(const Schedule& s, double forward_cost = 1.0, double backwar
 inline void check(const Schedule& s) { simulate(s); }
 
 // The bubble fraction the literature gives: (p - 1) / (m + p - 1) for gpipe and 1f1b,
-// (p - 1) / (v m + p - 1) for interleaved_1f1b.
+// (p - 1) / (v m + p - 1) for interleaved_1f1b, (p - 1) / (3 m + p - 1) for zero_bubble
+// (with I and W each half of a backward's cost, as simulate() takes them).
 double theoretical_bubble(const Schedule& s);
 
 }  // namespace dtrain::sharding::pp

@@ -116,6 +116,65 @@ TEST(PipelineSchedule, InterleavedHasTheSmallerBubble) {
   }
 }
 
+// Zero bubble (ZB-H1): every size runs without deadlock, each W after its I, holding what it
+// promises (min(p, m): 1f1b's first rank's); its bubble is the literature's from m = p on, and
+// below 1f1b's at every size.
+TEST(PipelineSchedule, ZeroBubbleRunsEverywhereWithTheSmallestBubble) {
+  int accepted = 0;
+  for (int p = 1; p <= 8; ++p) {
+    for (int m = 1; m <= 24; ++m) {
+      Schedule s;
+      try {
+        s = make_schedule(ScheduleKind::kZeroBubble, p, m);
+      } catch (const ConfigError&) {
+        continue;
+      }
+      ++accepted;
+      SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m));
+      Simulation sim = simulate(s);
+      EXPECT_EQ(sim.peak_in_flight, s.promised_in_flight);
+      for (int r = 0; r < p; ++r) {
+        EXPECT_EQ(sim.spans[r].size(), 3u * m);
+        EXPECT_EQ(s.promised_in_flight[r], std::min(p, m));
+      }
+      if (m >= p) {
+        EXPECT_NEAR(sim.bubble, theoretical_bubble(s), 1e-12);
+      }
+      if (p > 1) {
+        Simulation base = simulate(make_schedule(ScheduleKind::k1F1B, p, m));
+        EXPECT_LT(sim.bubble, base.bubble);
+        if (m == 2 * p || m == 4 * p) {
+          std::printf("zero_bubble p=%d m=%d: bubble %.4f (theory %.4f, 1f1b %.4f)\n", p, m,
+                      sim.bubble, theoretical_bubble(s), base.bubble);
+        }
+      }
+    }
+  }
+  EXPECT_GT(accepted, 130);
+  EXPECT_THROW(make_schedule(ScheduleKind::kZeroBubble, 2, 4, 2), ConfigError);
+}
+
+// The order is PyTorch's (ScheduleInterleavedZeroBubble with one stage per rank, as its
+// _calculate_single_rank_operations gives it at pp 4 with 8 micro-batches, bubbles left out).
+TEST(PipelineSchedule, ZeroBubbleRunsPyTorchsOrder) {
+  const char* const pytorch[] = {
+      "F0 F1 F2 F3 I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 I6 W6 I7 W7",
+      "F0 F1 F2 I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 F6 I4 W3 F7 I5 W4 I6 W5 I7 W6 W7",
+      "F0 F1 I0 F2 I1 F3 I2 W0 F4 I3 W1 F5 I4 W2 F6 I5 W3 F7 I6 W4 I7 W5 W6 W7",
+      "F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 F6 I6 W3 F7 I7 W4 W5 W6 W7"};
+  Schedule s = make_schedule(ScheduleKind::kZeroBubble, 4, 8);
+  for (int r = 0; r < 4; ++r) {
+    std::string mine;
+    for (const Action& a : s.actions[r]) {
+      if (!a.is_compute()) continue;
+      const std::string name = to_string(a);  // "I 2.5"
+      mine += (mine.empty() ? "" : " ") + name.substr(0, name.find(' ')) +
+              name.substr(name.find('.') + 1);
+    }
+    EXPECT_EQ(mine, pytorch[r]) << "rank " << r;
+  }
+}
+
 TEST(PipelineSchedule, PrintsOneRanksActions) {
   Schedule s = make_schedule(ScheduleKind::k1F1B, 2, 3);
   EXPECT_EQ(format(s, 0),
@@ -213,6 +272,25 @@ TEST(PipelineSchedule, MisorderedSchedulesAreRefused) {
   }
 }
 
+// A zero-bubble list with a W moved before its I, or a W dropped, is refused by name.
+TEST(PipelineSchedule, MisorderedWeightHalvesAreRefused) {
+  Schedule s = make_schedule(ScheduleKind::kZeroBubble, 2, 4);
+  Schedule early = s;
+  auto& e = early.actions[1];
+  auto w = std::find(e.begin(), e.end(), Action{Op::kBackwardWeight, 1, 1});
+  const Action moved = *w;
+  e.erase(w);
+  e.insert(std::find(e.begin(), e.end(), Action{Op::kBackwardInput, 1, 1}), moved);
+  EXPECT_NE(error_of(early).find("rank 1, W 1.1: a weight half before its input half"),
+            std::string::npos)
+      << error_of(early);
+  Schedule dropped = s;
+  auto& d = dropped.actions[0];
+  d.erase(std::find(d.begin(), d.end(), Action{Op::kBackwardWeight, 0, 3}));
+  EXPECT_NE(error_of(dropped).find("rank 0 never runs W 0.3"), std::string::npos)
+      << error_of(dropped);
+}
+
 TEST(PipelineSchedule, LayersSplitEvenlyOrAsGivenAndBadSplitsAreRefused) {
   using Ranges = std::vector<std::pair<int64_t, int64_t>>;
   EXPECT_EQ(split_layers(8, 4), (Ranges{{0, 2}, {2, 4}, {4, 6}, {6, 8}}));
@@ -244,6 +322,7 @@ TEST(PipelineSchedule, ImpossibleConfigurationsAreRefused) {
   EXPECT_THROW(parse_schedule("zb-v"), ConfigError);
   EXPECT_THROW(parse_schedule("forward_only"), ConfigError);  // trains nothing
   EXPECT_EQ(parse_schedule("interleaved_1f1b"), ScheduleKind::kInterleaved1F1B);
+  EXPECT_EQ(parse_schedule("zero_bubble"), ScheduleKind::kZeroBubble);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Pipeline parallelism against one process, on every rank of a real multi-process job: a Llama
-// split into stages by layer and run under each schedule (gpipe, 1f1b, interleaved_1f1b) with
+// split into stages by layer and run under each schedule (gpipe, 1f1b, interleaved_1f1b,
+// zero_bubble: each backward split in two, its weights' half run later) with
 // 1, 2 and 8 micro-batches gives the loss of one process running the micro-batches in turn,
 // and every parameter of every stage the same gradient (within fp32 rounding). Stages built
 // of the module patterns the FSDP tests try (a module called twice, frozen and unused
@@ -212,6 +213,8 @@ TEST_F(Test, EveryScheduleGivesOneProcessLossAndGradients) {
   }
   const int p = world().size();
   for (int m : {p, 2 * p}) run_case({ScheduleKind::kInterleaved1F1B, m, 2});
+  // Each backward in two halves, the weights' run late.
+  for (int m : {1, 2, p, 8}) run_case({ScheduleKind::kZeroBubble, m, 1});
 }
 
 // Recompute inside the stages, and the gradients clipped over all stages as one process clips
@@ -220,6 +223,7 @@ TEST_F(Test, RecomputeAndClippingAcrossStagesGiveOneProcessGradients) {
   run_case({ScheduleKind::k1F1B, 4, 1, at::kFloat, /*recompute=*/true});
   run_case({ScheduleKind::kGPipe, 2, 1, at::kFloat, false, /*clip=*/0.05});
   run_case({ScheduleKind::kInterleaved1F1B, 2 * world().size(), 2, at::kFloat, true, 0.05});
+  run_case({ScheduleKind::kZeroBubble, 4, 1, at::kFloat, true, 0.05});
 }
 
 // Stages of unequal depth (parallel.pp_split): one layer moved from the last stage, which
@@ -261,6 +265,7 @@ TEST_F(Test, TiedEmbeddingsAreNotSplitIntoStages) {
 TEST_F(Test, AFrozenStageRunsNoBackward) {
   // The embedding and first layers frozen: stage 0's output needs no gradient.
   run_case({ScheduleKind::k1F1B, 2, 1, at::kFloat, false, 0, {}, false, /*freeze_first=*/true});
+  run_case({ScheduleKind::kZeroBubble, 2, 1, at::kFloat, false, 0, {}, false, true});
 }
 
 // Evaluation: a forward-only schedule gives one process's losses, holding nothing and
@@ -442,6 +447,7 @@ TEST_F(Test, ModulePatternsGiveOneProcessGradientsAndBuffers) {
     for (int m : {2, 4}) run_pattern_case(kind, m, 1);
   }
   run_pattern_case(ScheduleKind::kInterleaved1F1B, 2 * world().size(), 2);
+  for (int m : {2, 4}) run_pattern_case(ScheduleKind::kZeroBubble, m, 1);
 }
 
 // The trainer's PipelineStrategy on a user's model whose layers hold buffers of four dtypes,
@@ -704,6 +710,7 @@ TEST_F(Test, AnyStagesFoundInfIsEveryStages) {
 TEST_F(Test, Bf16ActivationsGiveOneProcessGradients) {
   run_case({ScheduleKind::k1F1B, 4, 1, at::kBFloat16});
   run_case({ScheduleKind::kInterleaved1F1B, 2 * world().size(), 2, at::kBFloat16});
+  run_case({ScheduleKind::kZeroBubble, 4, 1, at::kBFloat16});
 }
 
 }  // namespace

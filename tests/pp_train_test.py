@@ -29,9 +29,10 @@ the same bits.
                   (checkpoint.async), which resumes at 2 x 2 and as FSDP over 2 ranks: bitwise;
                   and its model.save_pretrained writes FSDP's model.safetensors, byte for byte.
   rollback-fsdp   the spike-guard rollback of 2 x 2 sharded stages, against FSDP's: bitwise.
-  3d              8 ranks: 2 stages x 2 sharded data-parallel ranks x tp 2 with sequence
-                  parallelism and recompute, against FSDP over 2 x tp 2 (sequence parallel, no
-                  recompute) at 4 ranks: bitwise.
+  3d              8 ranks: 2 stages under zero_bubble (each backward in two halves) x 2
+                  sharded data-parallel ranks x tp 2 with sequence parallelism and recompute,
+                  against FSDP over 2 x tp 2 (sequence parallel, no recompute) at 4 ranks:
+                  bitwise.
   pp2-bf16        bf16 autocast, activations sent in bf16, against one process in bf16: within
                   bf16 rounding (the stage boundary rounds the residual stream once).
   pp2-fp16-skip   fp16 with a loss scale that overflows: every stage skips the same steps
@@ -227,8 +228,10 @@ def main():
         print("rollback-fsdp: rolled back past the spike; the trained model is FSDP's, bitwise")
     if want("3d"):
         tp = ["parallel.tp=2", "parallel.sequence_parallel=true"] + fsdp
-        compare("3d", r.run("3d", "launch", 8, tp + ["model.recompute=full"]),
-                ref("fsdp2-tp2-sp", "launch", 4, ["parallel.pp=1"] + tp))
+        got = r.run("3d", "launch", 8,
+                    tp + ["model.recompute=full", "parallel.pp_schedule=zero_bubble"])
+        assert "schedule zero_bubble" in got[1], got[1][-3000:]
+        compare("3d", got, ref("fsdp2-tp2-sp", "launch", 4, ["parallel.pp=1"] + tp))
     if want("pp2-bf16"):
         compare("pp2-bf16", r.run("pp2-bf16", "launch", 2, ["precision.policy=bf16"]),
                 ref("one-bf16", "one", 1, one + ["precision.policy=bf16"]), tol=5e-3)

@@ -13,7 +13,8 @@ Each case is schedule:micro_batches:stages_per_rank. The model's layers are spli
 world x stages_per_rank stages, stage s on rank s % world (PyTorch's looping placement), the
 first holding the embedding and the last the norm and head, as dtrain splits them. The batch
 (the same formula as tests/parity/pipeline_parity.cc) goes through ScheduleGPipe,
-Schedule1F1B or ScheduleInterleaved1F1B with cross-entropy per micro-batch; the last stage's
+Schedule1F1B, ScheduleInterleaved1F1B or ScheduleInterleavedZeroBubble (zero_bubble, one stage
+per rank) with cross-entropy per micro-batch; the last stage's
 rank writes each case's per-micro-batch losses (JSON) to F.
 """
 import argparse
@@ -77,7 +78,8 @@ def init(folder):
 def make_schedule(kind, model, rank, world, per_rank, micro_batches, loss_fn):
     """PyTorch's schedule over an even split of `model` into world x per_rank stages."""
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+                                              ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble)
     n = world * per_rank
     per = model.config.num_hidden_layers // n
     stages = [PipelineStage(Stage(model, s * per, (s + 1) * per), s, n, torch.device("cpu"))
@@ -86,6 +88,8 @@ def make_schedule(kind, model, rank, world, per_rank, micro_batches, loss_fn):
         return ScheduleGPipe(stages[0], micro_batches, loss_fn=loss_fn)
     if kind == "1f1b":
         return Schedule1F1B(stages[0], micro_batches, loss_fn=loss_fn)
+    if kind == "zero_bubble":  # ZB-H1: its order with one stage per rank
+        return ScheduleInterleavedZeroBubble(stages, micro_batches, loss_fn=loss_fn)
     return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn)
 
 

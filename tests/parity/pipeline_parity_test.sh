@@ -1,8 +1,9 @@
 #!/bin/bash
 # dtrain's pipeline against PyTorch 2.13's torch.distributed.pipelining (ScheduleGPipe,
-# Schedule1F1B, ScheduleInterleaved1F1B), both over Gloo on this machine, on one Hugging Face
-# Llama checkpoint (8 layers) written here by transformers, with the same split, micro-batches
-# and data: every micro-batch's loss within 1e-5 (relative), at 2 and 4 ranks.
+# Schedule1F1B, ScheduleInterleaved1F1B, and ScheduleInterleavedZeroBubble with one stage per
+# rank for zero_bubble), both over Gloo on this machine, on one Hugging Face Llama checkpoint
+# (8 layers) written here by transformers, with the same split, micro-batches and data: every
+# micro-batch's loss within 1e-5 (relative), at 2 and 4 ranks.
 # Usage: pipeline_parity_test.sh LAUNCHER PIPELINE_PARITY PYTHON REFERENCE
 set -euo pipefail
 launcher=$1 parity=$2 python=$3 reference=$4
@@ -14,6 +15,7 @@ status=0
 for np in 2 4; do
   # PyTorch's 1F1B needs as many micro-batches as stages (dtrain's does not).
   cases="gpipe:1:1,gpipe:4:1,1f1b:$np:1,1f1b:8:1,interleaved_1f1b:$np:2,interleaved_1f1b:$((2 * np)):2"
+  cases+=",zero_bubble:$np:1,zero_bubble:8:1"
   "$launcher" --nproc-per-node "$np" --master-port 0 --backend gloo -- \
     "$parity" --hf "$dir/hf" --cases "$cases" --out "$dir/dtrain_np$np.json" \
     >"$dir/dtrain_np$np.log" 2>&1 || { cat "$dir/dtrain_np$np.log"; exit 1; }
