@@ -115,9 +115,11 @@ std::vector<std::string> TensorParallelism::apply(torch::nn::Module& root, const
       } else {
         param.set_data(param.detach().narrow(s.dim, r * chunk, chunk).clone());
       }
-      by_param_[param.unsafeGetTensorImpl()] = s;
+      by_param_.insert_or_assign(
+          param.unsafeGetTensorImpl(),
+          ParamSlice{c10::weak_intrusive_ptr<c10::TensorImpl>(param.getIntrusivePtr()), s});
       by_name_[name] = s;
-      cut[param.unsafeGetTensorImpl()] = &by_param_[param.unsafeGetTensorImpl()];
+      cut[param.unsafeGetTensorImpl()] = &by_param_.at(param.unsafeGetTensorImpl()).slice;
       done.push_back(name + ": " + style_name(*style) + ", " + shape_text(s.full_shape) + " -> " +
                      shape_text(local));
     }
@@ -131,7 +133,7 @@ std::vector<std::string> TensorParallelism::apply(torch::nn::Module& root, const
 
 const TensorParallelism::Slice* TensorParallelism::slice_of(const at::Tensor& param) const {
   auto it = by_param_.find(param.unsafeGetTensorImpl());
-  return it == by_param_.end() ? nullptr : &it->second;
+  return it == by_param_.end() || it->second.tensor.expired() ? nullptr : &it->second.slice;
 }
 
 const TensorParallelism::Slice* TensorParallelism::slice_named(const std::string& name) const {

@@ -127,7 +127,14 @@ class TensorParallelism {
   std::shared_ptr<comm::Communicator> group_;
   bool sequence_parallel_;
   bool regather_;
-  std::map<const c10::TensorImpl*, Slice> by_param_;
+  // By tensor: each entry holds a weak reference to its tensor, which keeps the address from
+  // being reused by another tensor while the entry lives (a model applied and destroyed, and
+  // the next one's parameters allocated where its were), and tells whether it still lives.
+  struct ParamSlice {
+    c10::weak_intrusive_ptr<c10::TensorImpl> tensor;
+    Slice slice;
+  };
+  std::map<const c10::TensorImpl*, ParamSlice> by_param_;
   std::map<std::string, Slice> by_name_;
   std::vector<std::string> replicated_;
 };

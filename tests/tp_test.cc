@@ -211,6 +211,25 @@ TEST_F(Test, ATiedWeightTwoStylesNameIsCutOnce) {
   }
 }
 
+// One TensorParallelism applied to model after model (the zoo does this): a model built after
+// an applied one was destroyed is not taken for sliced, although its parameters may land where
+// the old ones lived.
+TEST_F(Test, AFreshModelIsNotTakenForADestroyedOnesSlices) {
+  const int t = world().size();
+  auto tpz = std::make_shared<TensorParallelism>(tp_group(t), false);
+  int stale = 0;
+  for (int round = 0; round < 20; ++round) {
+    {
+      torch::nn::Sequential applied(torch::nn::Linear(16, 32), torch::nn::Linear(32, 16));
+      tpz->apply(*applied, {{"0", Style::kColwise}, {"1", Style::kRowwise}});
+      ASSERT_TRUE(tpz->sliced(applied[0]->as<torch::nn::Linear>()->weight));
+    }
+    torch::nn::Sequential fresh(torch::nn::Linear(16, 32), torch::nn::Linear(32, 16));
+    for (const auto& p : fresh->parameters()) stale += tpz->sliced(p) ? 1 : 0;
+  }
+  EXPECT_EQ(stale, 0) << "parameters of fresh models taken for a destroyed model's slices";
+}
+
 // The vocabulary-parallel loss ignores targets of -100 as cross_entropy does (the mean over the
 // other rows, no gradient for theirs; none left: NaN and no gradient), and refuses a target
 // outside the vocabulary on every rank.
