@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <array>
+#include <map>
 
-#include "comm/coalesced.h"
 #include "comm/types.h"
 #include "core/error.h"
 #include "framework/checkpoint/optim_state.h"
@@ -13,6 +13,48 @@
 #include "sharding/clip_grad.h"
 
 namespace dtrain::framework {
+
+namespace {
+
+// The gradients averaged over `dp` in one message, as DDP's reducer averages a bucket
+// (sharding/reducer.h): divided before the sum (by the world size in fp32; 16-bit reduce dtypes
+// split it as FSDP does, or at world sizes that are not powers of two divide after the cast, as
+// PyTorch's compress hooks), so the sum does not overflow where DDP's would not. (A sum then a
+// division, ReduceOp::kAvg, overflowed an fp16 sum of two gradients of 40000 to inf.) Over 2
+// ranks the bits are DDP's; over 3 or more the ring's order of summation follows the message's
+// layout (one per stage here, DDP's buckets there), so they agree within rounding.
+void average_as_ddp(comm::Communicator& dp, std::vector<at::Tensor>& grads, at::ScalarType reduce) {
+  c10::NoGradGuard no_grad;
+  const int64_t world = dp.size();
+  std::map<at::ScalarType, std::vector<at::Tensor*>> by_dtype;
+  for (auto& g : grads) {
+    if (g.defined() && g.numel() > 0) by_dtype[g.scalar_type()].push_back(&g);
+  }
+  const bool low = reduce == at::kHalf || reduce == at::kBFloat16;
+  const bool hooks_order = low && (world & (world - 1)) != 0;
+  const sharding::DivideFactors f =
+      hooks_order ? sharding::DivideFactors{1.0, 1.0} : sharding::divide_factors(world, reduce);
+  for (auto& [dtype, list] : by_dtype) {
+    std::vector<at::Tensor> flat;
+    for (const at::Tensor* g : list) flat.push_back(g->reshape({-1}));
+    at::Tensor contents = at::cat(flat);
+    if (f.pre != 1) {
+      contents.mul_(at::scalar_tensor(1.0 / f.pre, contents.options().device(c10::kCPU)));
+    }
+    at::Tensor message = contents.to(reduce);
+    if (hooks_order) message.div_(static_cast<double>(world));
+    dp.all_reduce(message, comm::ReduceOp::kSum).wait();
+    if (!message.is_same(contents)) contents.copy_(message);
+    if (f.post != 1) contents.div_(f.post);
+    int64_t offset = 0;
+    for (at::Tensor* g : list) {
+      g->copy_(contents.narrow(0, offset, g->numel()).view(g->sizes()));
+      offset += g->numel();
+    }
+  }
+}
+
+}  // namespace
 namespace {
 
 // The optimizer state keys a parameter may have (framework/checkpoint/optim_state.h): "step"
@@ -257,8 +299,7 @@ at::Tensor PipelineStrategy::train(const std::vector<Batch>& batches, const Loss
       if (any[k] && !p.defined()) p = at::zeros_like(params[own[k]]);
       grads.push_back(p);
     }
-    comm::all_reduce_coalesced(*dp, grads, comm::ReduceOp::kAvg,
-                               c_.precision.mixed.effective_reduce_dtype());
+    average_as_ddp(*dp, grads, c_.precision.mixed.effective_reduce_dtype());
   }
   return pipe_.loss_sum(losses);
 }

@@ -696,6 +696,57 @@ TEST_F(Test, DataParallelPipelinesStepAParameterOnlyOneRanksMicroBatchesUsed) {
   }
 }
 
+// Two data-parallel pipelines of DDP's stages reducing in fp16 average as DDP does: divided
+// before the sum. Both ranks see the same micro-batches, scaled so that the largest gradient is
+// 40000 on each: the average is that gradient within fp16 rounding, where a sum and then a
+// division (ReduceOp::kAvg, as before) overflowed the fp16 sum of 80000 to inf.
+TEST_F(Test, DataParallelPipelinesAverageFp16GradientsAsDdpDoes) {
+  const int w = world().size();
+  if (w < 4 || w % 2 != 0) GTEST_SKIP() << "needs pp 2 x a data-parallel group of 2 or more";
+  constexpr int64_t kH = 6, kM = 2, kLayers = 4;
+  auto make = [&] {
+    at::manual_seed(17);
+    return GatedStack(kLayers, kH);
+  };
+  const auto batches = stack_batches(1, kM, kH, 41)[0];  // every data-parallel rank's
+  auto loss_of = [&](const at::Tensor& y, const framework::Batch& b) {
+    return (y - b.targets).pow(2).mean() / kM;
+  };
+  GatedStack ref = make();
+  for (const auto& b : batches) loss_of(ref->forward(b.inputs, 0, kLayers), b).backward();
+  double largest = 0;
+  for (const auto& p : ref->parameters()) {
+    largest = std::max(largest, p.grad().abs().max().item<double>());
+  }
+  const double scale = 40000.0 / largest;
+  framework::RunConfig c;
+  c.parallel.pp = 2;
+  c.parallel.strategy = framework::ParallelStrategy::kDdp;
+  c.parallel.pp_schedule = ScheduleKind::k1F1B;
+  c.precision.mixed.reduce_dtype = at::kHalf;
+  c.train.micro_batches = kM;
+  sharding::MeshShape shape;
+  shape.pp = 2;
+  shape.replicate = w / 2;
+  auto mesh = std::make_shared<sharding::DeviceMesh>(world_ptr(), shape);
+  GatedStack model = make();
+  framework::PipelineStrategy strategy(stack_model(model, kLayers, kH), mesh, c);
+  strategy.train(
+      batches, [&](int micro, const at::Tensor& y) { return loss_of(y, batches[micro]); },
+      [scale](const at::Tensor& l) { return l * scale; });
+  const auto want = ref->named_parameters();
+  int compared = 0;
+  for (const auto& kv : model->named_parameters()) {
+    const at::Tensor& g = kv.value().grad();
+    if (!g.defined()) continue;  // another stage's
+    ASSERT_TRUE(at::isfinite(g).all().item<bool>()) << kv.key() << " overflowed";
+    const at::Tensor expected = want[kv.key()].grad() * scale;
+    EXPECT_LE((g - expected).abs().max().item<double>(), 1e-3 * 40000) << kv.key();
+    ++compared;
+  }
+  EXPECT_GT(compared, 0);
+}
+
 // A GradScaler's found-inf flag: one stage's inf makes every stage skip.
 TEST_F(Test, AnyStagesFoundInfIsEveryStages) {
   Pipeline pipe(make_schedule(ScheduleKind::k1F1B, world().size(), 2), world_ptr());
