@@ -40,8 +40,10 @@ void Strategy::set_tensor_parallel(std::shared_ptr<sharding::TensorParallelism> 
 
 const std::vector<bool>& Strategy::tp_sliced() {
   if (tp_sliced_.empty() && tp_) {
+    // One flag per parameters() entry: FSDP's are its trainable masters (a frozen weight has
+    // no master in them); the others' are the module's parameters, frozen ones too.
     if (fsdp() != nullptr) {
-      for (const auto& [name, master] : fsdp()->all_parameters()) {
+      for (const auto& [name, master] : fsdp()->named_parameters()) {
         tp_sliced_.push_back(tp_->sliced(name));
       }
     } else {

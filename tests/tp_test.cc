@@ -16,6 +16,7 @@
 
 #include "core/error.h"
 #include "framework/models/llama.h"
+#include "framework/strategy.h"
 #include "optim/fused.h"
 #include "sharding/clip_grad.h"
 #include "sharding/fsdp.h"
@@ -418,6 +419,43 @@ TEST_F(Test, FsdpTimesTpTrainsAsOneProcess) {
     const at::Tensor off = (tpz->full(name, local) - want.at(name)).abs().max();
     EXPECT_LT(off.item<double>(), 2e-3 * moved.item<double>()) << name;
   }
+}
+
+// The trainer's FSDP strategy over a 2 x 2 mesh with tensor parallelism, on a Llama with a frozen
+// weight: the gradient norm (and the clip) over both dimensions is one process's over its
+// trainable parameters. (Before, the strategy listed the frozen weight among the sliced flags
+// and the norm refused the mismatch: 19 flags for 18 parameters.)
+TEST_F(Test, FsdpStrategyTimesTpClipsAModelWithAFrozenWeightAsOneProcess) {
+  if (world().size() != 4) GTEST_SKIP() << "a 2 x 2 mesh needs 4 ranks";
+  auto mesh = std::make_shared<DeviceMesh>(world_ptr(), MeshShape{1, 2, 2, 1});
+  const std::string frozen = "model.layers.0.mlp.up_proj.weight";
+  at::manual_seed(33);
+  LlamaForCausalLM whole(tiny_llama(2, false));
+  at::manual_seed(33);
+  LlamaForCausalLM sliced(tiny_llama(2, false));
+  whole->named_parameters()[frozen].requires_grad_(false);
+  sliced->named_parameters()[frozen].requires_grad_(false);
+  auto tpz = std::make_shared<TensorParallelism>(mesh->tp(), /*sequence_parallel=*/true);
+  sliced->parallelize(tpz);
+  framework::FsdpStrategy<LlamaForCausalLM> strategy(
+      sliced, mesh->dp(),
+      FSDPOptions().sync_module_states(false).auto_wrap(
+          AutoWrapPolicy().module_types({"LlamaDecoderLayer"})));
+  strategy.set_tensor_parallel(tpz, [sliced] { return sliced->head_weight(); });
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  at::Tensor tokens = at::randint(0, 32, {4, 8}, gen);
+  at::Tensor targets = at::randint(0, 32, {4, 8}, gen);
+  at::cross_entropy_loss(whole->forward(tokens).reshape({32, -1}), targets.reshape({-1}))
+      .backward();
+  const double want = clip_grad_norm_(whole->parameters(), 0.5);
+  const int64_t d = mesh->dp_rank();
+  tpz->loss(strategy.forward(tokens.narrow(0, 2 * d, 2)).reshape({16, -1}),
+            targets.narrow(0, 2 * d, 2).reshape({-1}), sliced->head_weight())
+      .backward();
+  strategy.finish_backward();
+  const double got = strategy.clip_grad_norm(0.5).item<double>();
+  EXPECT_LT(std::abs(got - want), 2e-5 * want);
+  EXPECT_GT(want, 0.5) << "the clip must bite";
 }
 
 }  // namespace
