@@ -235,6 +235,12 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
     if (weights.empty()) spans_.push_back({a, start, seconds()});
     i = j;
   }
+  // Every input half's weight half ran: a schedule that dropped one would leave its
+  // parameters' gradients short without a word.
+  DTRAIN_CHECK_AS(UsageError, weight.empty(), "pipeline: ", weight.size(),
+                  " backward(s) ran without their weight half, the first of stage ",
+                  weight.empty() ? 0 : weight.begin()->first.first, " micro-batch ",
+                  weight.empty() ? 0 : weight.begin()->first.second);
   return losses;
 }
 

@@ -28,24 +28,18 @@ struct Deferred {
   std::vector<ag::Edge> weight_edges;
 };
 
-// A parameter whose gradient the input half took whole (an edge not split).
-struct Taken {
-  at::Tensor variable;
-  at::Tensor grad;
-};
-
 ag::Engine& engine() { return ag::Engine::get_default_engine(); }
 
-// Adds `g` to p.grad as AccumulateGrad would for a fresh gradient (no hooks run: the edges
-// taken this way lead only to plain parameters).
-void accumulate(const at::Tensor& variable, const at::Tensor& g) {
-  if (!g.defined()) return;
-  at::Tensor p = variable;
-  if (!p.grad().defined()) {
-    p.mutable_grad() = g.detach().clone(at::MemoryFormat::Contiguous);
-  } else {
-    p.mutable_grad().add_(g);
-  }
+// Hooks of any kind on a node: a node run twice would run them twice.
+bool has_hooks(ag::Node& n) {
+  return !n.pre_hooks().empty() || !n.post_hooks().empty() || !n.tensor_pre_hooks().empty() ||
+         !n.retains_grad_hooks().empty();
+}
+
+// Hooks that run on a node's incoming gradient where the engine captures it without running
+// the node: captured in one call and fed to the node in the next, they would run twice.
+bool has_capture_hooks(ag::Node& n) {
+  return !n.tensor_pre_hooks().empty() || !n.retains_grad_hooks().empty();
 }
 
 // Built-in autograd nodes (generated kernels' backwards) are named like "AddmmBackward0";
@@ -58,9 +52,11 @@ struct WeightGrad::State {
   // The whole backward in the weight half (no input gradient to give first).
   ag::Edge root;
   at::Tensor root_grad;
-  // Or the split: what to run again, what was taken whole.
+  // Or the split: what to run again, and the parameters' gradients the input half took whole
+  // (at their AccumulateGrad, which the weight half then runs on them).
   std::vector<Deferred> deferred;
-  std::vector<Taken> taken;
+  ag::edge_list taken;
+  std::vector<at::Tensor> taken_grads;
   // Held so that the graph lives until the weight half ran.
   at::Tensor output;
   bool done = false;
@@ -99,13 +95,19 @@ void WeightGrad::run() {
     }
   }
   s.deferred.clear();
-  // The weight-only part from those edges, accumulating as a plain backward does.
+  // The weight-only part from those edges, and the taken gradients through their parameters'
+  // AccumulateGrad, accumulating as a plain backward does (its layout rules and hooks).
+  for (size_t i = 0; i < s.taken.size(); ++i) {
+    if (!s.taken_grads[i].defined()) continue;
+    roots.push_back(s.taken[i]);
+    grads.push_back(s.taken_grads[i]);
+  }
   if (!roots.empty()) {
     engine().execute(roots, grads, /*keep_graph=*/false, /*create_graph=*/false,
                      /*accumulate_grad=*/true);
   }
-  for (Taken& t : s.taken) accumulate(t.variable, t.grad);
   s.taken.clear();
+  s.taken_grads.clear();
   s.output = at::Tensor();
   s.root = ag::Edge();
   s.root_grad = at::Tensor();
@@ -115,6 +117,12 @@ WeightGrad backward_input(const at::Tensor& output, const at::Tensor& grad_outpu
                           const at::Tensor& input, at::Tensor* grad_input) {
   DTRAIN_CHECK_AS(UsageError, output.requires_grad(),
                   "backward_input: the output needs no gradient");
+  DTRAIN_CHECK_AS(UsageError, grad_output.defined() || output.numel() == 1,
+                  "backward_input: an output of ", output.numel(),
+                  " elements needs its gradient (as backward() does)");
+  DTRAIN_CHECK_AS(UsageError, !input.defined() || !input.requires_grad() || input.is_leaf(),
+                  "backward_input: the input must be a leaf (a received activation, detached); "
+                  "the gradients of what made it would be lost");
   auto state = std::make_unique<WeightGrad::State>();
   state->output = output;
   const at::Tensor root_grad =
@@ -228,6 +236,20 @@ WeightGrad backward_input(const at::Tensor& output, const at::Tensor& grad_outpu
       }
     }
   }
+  // Hooks that the split would run twice (a deferred node's, a deferred edge's target's or a
+  // taken parameter's on its incoming gradient): then no split, the plain backward now.
+  bool hooked = false;
+  for (const auto& [n, edges] : deferred_edges) {
+    hooked = hooked || has_hooks(*n);
+    for (const auto& e : edges) hooked = hooked || has_capture_hooks(*e.function);
+  }
+  for (const auto& e : taken_edges) hooked = hooked || has_capture_hooks(*e.function);
+  if (hooked) {
+    engine().execute({root}, {root_grad}, /*keep_graph=*/false, /*create_graph=*/false,
+                     /*accumulate_grad=*/true);
+    if (grad_input) *grad_input = input.grad().defined() ? input.grad() : at::zeros_like(input);
+    return WeightGrad(std::move(state));
+  }
 
   // The input half: the input's gradient, what flows into each deferred node, and the taken
   // parameters' gradients, in one backward that keeps the graph.
@@ -267,10 +289,8 @@ WeightGrad backward_input(const at::Tensor& output, const at::Tensor& grad_outpu
     d.weight_edges = deferred_edges[n];
     state->deferred.push_back(std::move(d));
   }
-  for (size_t i = 0; i < taken_edges.size(); ++i) {
-    auto* acc = static_cast<ag::AccumulateGrad*>(taken_edges[i].function.get());
-    state->taken.push_back({acc->variable, got[taken_first + i]});
-  }
+  state->taken = taken_edges;
+  state->taken_grads.assign(got.begin() + static_cast<std::ptrdiff_t>(taken_first), got.end());
   return WeightGrad(std::move(state));
 }
 

@@ -14,12 +14,18 @@
 // a plain backward does (AccumulateGrad, its hooks included). Every kernel runs once, on the
 // values a plain backward gives it: the gradients are those of output.backward(grad).
 //
-// Not split (their parameters' gradients are taken in the input half, at no extra cost):
-// edges out of custom autograd Functions (recompute's, tensor parallelism's collectives: run
-// again they would recompute or communicate twice), and weight-only subgraphs two edges share
-// (a weight used twice, cast once under autocast), where one node's second run would reach the
-// other's part through the activation path. A stage with no input gradient (the first) runs
-// its whole backward in the weight half.
+// Not split (their parameters' gradients are taken in the input half, at no extra cost, and
+// handed to the parameters' own AccumulateGrad in the weight half, so that .grad's layout,
+// sparse gradients and post-accumulate hooks are a plain backward's): edges out of custom
+// autograd Functions (recompute's, tensor parallelism's collectives: run again they would
+// recompute or communicate twice), and weight-only subgraphs two edges share (a weight used
+// twice, cast once under autocast), where one node's second run would reach the other's part
+// through the activation path.
+//
+// Not split at all, the whole backward run in the input half: a graph whose split would run a
+// hook twice (hooks of any kind on a node run again, or tensor hooks and retain_grad on a
+// gradient captured in one half and fed in the other). A stage with no input gradient (the
+// first) runs its whole backward in the weight half.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -47,9 +53,10 @@ class WeightGrad {
   std::unique_ptr<State> state_;
 };
 
-// The input half of output.backward(grad_output) (grad_output undefined: a 0-d output, the
-// loss, whose gradient is one). `input`: a leaf that requires grad (the stage's received
-// activation), or undefined for a stage with none. Sets *grad_input to the input's gradient
+// The input half of output.backward(grad_output) (grad_output undefined: a one-element output,
+// the loss, whose gradient is one; UsageError otherwise). `input`: a leaf that requires grad
+// (the stage's received activation; a non-leaf is a UsageError, as the gradients of what made
+// it would be lost), or undefined for a stage with none. Sets *grad_input to the input's gradient
 // (zeros when none reaches it; undefined when `input` is) and returns the weight half.
 WeightGrad backward_input(const at::Tensor& output, const at::Tensor& grad_output,
                           const at::Tensor& input, at::Tensor* grad_input);

@@ -3,10 +3,15 @@
 // accumulated; the weight half really deferred (the parameters have no gradient between the
 // halves) where it can be; and the graphs it must not split (a module called twice, a weight
 // cast once for two uses under autocast, a recomputed region, a frozen parameter, an input the
-// stage does not use) still give the plain gradients, the recompute run once.
+// stage does not use) still give the plain gradients, the recompute run once. Hooks of every
+// kind run as often as in the plain backward, .grad keeps the plain layout (strided or sparse),
+// and misuse is refused.
 #include "sharding/split_backward.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
@@ -16,6 +21,7 @@
 #include <vector>
 
 #include "amp/autocast.h"
+#include "core/error.h"
 #include "sharding/recompute.h"
 
 namespace dtrain::sharding {
@@ -161,6 +167,201 @@ TEST(SplitBackward, ALossWithoutInputGradientRunsWholeInTheWeightHalf) {
       EXPECT_TRUE(at::equal(want[i].grad(), got[i].grad())) << i;
     }
   }
+}
+
+// A graph on free parameters, built by `build`, its backward plain or split: the gradients of
+// the input, the parameters and the probes (non-leaf tensors with retain_grad), and a count the
+// graph's hooks keep.
+struct Graph {
+  std::vector<at::Tensor> params, probes;
+  int calls = 0;
+};
+using Build = std::function<at::Tensor(Graph&, const at::Tensor&)>;
+using Params = std::function<std::vector<at::Tensor>()>;
+
+struct Grads {
+  at::Tensor input;
+  std::vector<at::Tensor> params, probes;
+  int calls = 0;
+};
+
+Grads backward_of(const Params& params, const Build& build, bool split) {
+  at::manual_seed(5);
+  Graph graph;
+  graph.params = params();
+  at::Tensor x = at::randn({4, 6}).requires_grad_(true);
+  at::Tensor out = build(graph, x);
+  at::Tensor g = out.dim() == 0 ? at::Tensor() : at::randn(out.sizes());
+  Grads r;
+  if (split) {
+    backward_input(out, g, x, &r.input).run();
+  } else {
+    out.backward(g);
+    r.input = x.grad();
+  }
+  for (const auto& p : graph.params) r.params.push_back(p.grad());
+  for (const auto& p : graph.probes) r.probes.push_back(p.grad());
+  r.calls = graph.calls;
+  return r;
+}
+
+// Values, layout (strides, or sparse) and definedness equal.
+void expect_same_tensor(const at::Tensor& want, const at::Tensor& got, const std::string& what) {
+  ASSERT_EQ(want.defined(), got.defined()) << what;
+  if (!want.defined()) return;
+  ASSERT_EQ(want.is_sparse(), got.is_sparse()) << what;
+  if (want.is_sparse()) {
+    EXPECT_TRUE(at::equal(want.coalesce().to_dense(), got.coalesce().to_dense())) << what;
+    return;
+  }
+  EXPECT_TRUE(at::equal(want, got)) << what;
+  EXPECT_EQ(want.strides(), got.strides()) << what;
+}
+
+void expect_same_backward(const Params& params, const Build& build, const std::string& what) {
+  Grads plain = backward_of(params, build, false), split = backward_of(params, build, true);
+  expect_same_tensor(plain.input, split.input, what + ": input");
+  ASSERT_EQ(plain.params.size(), split.params.size());
+  for (size_t i = 0; i < plain.params.size(); ++i) {
+    expect_same_tensor(plain.params[i], split.params[i], what + ": param " + std::to_string(i));
+  }
+  for (size_t i = 0; i < plain.probes.size(); ++i) {
+    expect_same_tensor(plain.probes[i], split.probes[i], what + ": probe " + std::to_string(i));
+  }
+  EXPECT_GT(plain.calls + static_cast<int>(plain.probes.size()), 0) << what << ": nothing hooked";
+  EXPECT_EQ(plain.calls, split.calls) << what << ": hooks ran another number of times";
+}
+
+std::vector<at::Tensor> three_params() {
+  return {(at::randn({8, 6}) * 0.3).requires_grad_(true), at::randn({8}).requires_grad_(true),
+          (at::randn({5, 8}) * 0.3).requires_grad_(true)};
+}
+
+TEST(SplitBackward, HooksOnParametersAndActivationsRunAsInThePlainBackward) {
+  // A parameter's hook that changes its gradient (the bias: an edge the split defers).
+  expect_same_backward(
+      three_params,
+      [](Graph& g, const at::Tensor& x) {
+        g.params[1].register_hook([&g](at::Tensor grad) {
+          ++g.calls;
+          return grad * 2;
+        });
+        g.params[0].register_hook([&g](at::Tensor grad) {
+          ++g.calls;
+          return grad * 3;
+        });
+        return at::linear(at::tanh(at::linear(x, g.params[0], g.params[1])), g.params[2]);
+      },
+      "parameter hooks");
+  // retain_grad on an activation whose node has a deferred weight edge.
+  expect_same_backward(
+      three_params,
+      [](Graph& g, const at::Tensor& x) {
+        at::Tensor h = at::linear(x, g.params[0], g.params[1]);
+        h.retain_grad();
+        g.probes.push_back(h);
+        return at::linear(at::tanh(h), g.params[2]);
+      },
+      "retain_grad on an activation");
+  // retain_grad on a weight-only tensor (a scaled weight).
+  expect_same_backward(
+      three_params,
+      [](Graph& g, const at::Tensor& x) {
+        at::Tensor w = g.params[0].t() * 1.5;
+        w.retain_grad();
+        g.probes.push_back(w);
+        return at::linear(at::tanh(at::addmm(g.params[1], x, w)), g.params[2]);
+      },
+      "retain_grad on a weight-only tensor");
+  // A hook on an activation, and a post hook on the node that made one.
+  expect_same_backward(
+      three_params,
+      [](Graph& g, const at::Tensor& x) {
+        at::Tensor h = at::linear(x, g.params[0], g.params[1]);
+        h.register_hook([&g](at::Tensor grad) {
+          ++g.calls;
+          return grad;
+        });
+        h.grad_fn()->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [&g](const torch::autograd::variable_list& out, const torch::autograd::variable_list&) {
+              g.calls += 10;
+              return out;
+            }));
+        return at::linear(at::tanh(h), g.params[2]);
+      },
+      "activation hooks");
+}
+
+TEST(SplitBackward, AccumulateGradHooksAndGradientLayoutsAreThePlainBackwards) {
+  // Post hooks on the AccumulateGrad of a parameter the input half takes whole (used three
+  // times) and of one it defers, as DDP's and FSDP's gradient-ready hooks are.
+  expect_same_backward(
+      three_params,
+      [](Graph& g, const at::Tensor& x) {
+        at::Tensor h =
+            at::linear(at::tanh(at::linear(x, g.params[0], g.params[1])), g.params[0].t());
+        at::Tensor out = at::linear(at::linear(h, g.params[0]), g.params[2]);
+        for (int i : {0, 2}) {
+          torch::autograd::impl::grad_accumulator(g.params[static_cast<size_t>(i)])
+              ->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+                  [&g, i](const torch::autograd::variable_list& o,
+                          const torch::autograd::variable_list&) {
+                    g.calls += i == 0 ? 1 : 100;
+                    return o;
+                  }));
+        }
+        return out;
+      },
+      "AccumulateGrad post hooks");
+  // Transposed parameters: .grad takes their strides, taken or deferred.
+  expect_same_backward(
+      [] {
+        return std::vector<at::Tensor>{(at::randn({6, 8}) * 0.3).t().detach().requires_grad_(true),
+                                       (at::randn({8, 5}) * 0.3).t().detach().requires_grad_(true)};
+      },
+      [](Graph& g, const at::Tensor& x) {
+        at::Tensor h = at::linear(x, g.params[0]);
+        h = at::linear(at::tanh(h), g.params[0].mm(g.params[0].t()) * 0.1);  // taken
+        g.probes.push_back(g.params[1]);    // a leaf: its .grad, compared with strides
+        return at::linear(h, g.params[1]);  // deferred
+      },
+      "transposed parameters");
+}
+
+TEST(SplitBackward, ASparseEmbeddingUsedTwiceGivesThePlainSparseGradient) {
+  expect_same_backward(
+      [] {
+        return std::vector<at::Tensor>{at::randn({10, 6}).requires_grad_(true)};
+      },
+      [](Graph& g, const at::Tensor& x) {
+        const at::Tensor idx = at::tensor({1, 2, 3, 1}, at::kLong);
+        at::Tensor e1 = at::embedding(g.params[0], idx, -1, false, /*sparse=*/true);
+        at::Tensor e2 = at::embedding(g.params[0], idx.flip(0), -1, false, /*sparse=*/true);
+        g.probes.push_back(g.params[0]);
+        return (x * e1 + e2).sum();
+      },
+      "sparse embedding");
+}
+
+TEST(SplitBackward, AnInputNotALeafAndAnOutputWithoutItsGradientAreRefused) {
+  at::Tensor w = at::randn({5, 6}).requires_grad_(true);
+  at::Tensor leaf = at::randn({4, 6}).requires_grad_(true);
+  at::Tensor made = leaf * 2;  // the gradient of `leaf` would be lost
+  at::Tensor gx;
+  try {
+    backward_input(at::linear(made, w), at::ones({4, 5}), made, &gx);
+    ADD_FAILURE() << "a non-leaf input was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("must be a leaf"), std::string::npos) << e.what();
+  }
+  try {
+    backward_input(at::linear(leaf, w), {}, leaf, &gx);
+    ADD_FAILURE() << "an output of 20 elements without its gradient was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("20 elements needs its gradient"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(w.grad().defined());
 }
 
 }  // namespace

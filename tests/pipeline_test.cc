@@ -747,6 +747,39 @@ TEST_F(Test, DataParallelPipelinesAverageFp16GradientsAsDdpDoes) {
   EXPECT_GT(compared, 0);
 }
 
+// A zero-bubble list that lost a weight half is refused when the run ends, on the rank whose
+// stage's gradients it would have left short.
+TEST_F(Test, ARunThatDropsAWeightHalfIsRefused) {
+  const int p = world().size(), me = world().rank();
+  Schedule s = make_schedule(ScheduleKind::kZeroBubble, p, 2);
+  auto& mine = s.actions[static_cast<size_t>(me)];
+  mine.erase(std::find(mine.begin(), mine.end(), Action{Op::kBackwardWeight, me, 1}));
+  LlamaForCausalLM model = make_model(at::kFloat);
+  Pipeline pipe(s, world_ptr());
+  const auto ranges = split_layers(kLayers, p);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(8);
+  Pipeline::Step step;
+  step.forward = [&](int stage, int, const at::Tensor& x) {
+    return model->forward_stage(x, ranges[stage].first, ranges[stage].second);
+  };
+  step.loss = [&](int, const at::Tensor& logits) {
+    return loss_of(logits, at::randint(kVocab, {kMicro, kSeq}, gen), 2);
+  };
+  step.inputs = {at::randint(kVocab, {kMicro, kSeq}, gen),
+                 at::randint(kVocab, {kMicro, kSeq}, gen)};
+  step.activation_shape = {kMicro, kSeq, 32};
+  try {
+    pipe.run(step);
+    ADD_FAILURE() << "a run without W " << me << ".1 was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("1 backward(s) ran without their weight half, the first "
+                                         "of stage " +
+                                         std::to_string(me) + " micro-batch 1"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // A GradScaler's found-inf flag: one stage's inf makes every stage skip.
 TEST_F(Test, AnyStagesFoundInfIsEveryStages) {
   Pipeline pipe(make_schedule(ScheduleKind::k1F1B, world().size(), 2), world_ptr());
