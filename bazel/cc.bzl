@@ -116,11 +116,22 @@ def _with_pch(kwargs):
     })
     return kwargs
 
+# Tests' own code (cc_test, and testonly libraries and binaries) is compiled at -O1: a test's
+# translation unit, mostly GoogleTest's templates, compiles in 12.5 s there against 18 s at -O2
+# (the library code they test stays at -O2, and the precompiled header, made at -O2, is taken
+# at -O1). The rule's copts come after --copt, so the last -O wins.
+def _test_code(kwargs, is_test = False):
+    if not kwargs.get("srcs") or not (is_test or kwargs.get("testonly")):
+        return kwargs
+    kwargs = dict(kwargs)
+    kwargs["copts"] = kwargs.get("copts", []) + ["-O1"]
+    return kwargs
+
 def dtrain_cc_library(**kwargs):
-    native.cc_library(**_with_pch(kwargs))
+    native.cc_library(**_with_pch(_test_code(kwargs)))
 
 def dtrain_cc_test(**kwargs):
-    native.cc_test(**_with_pch(kwargs))
+    native.cc_test(**_with_pch(_test_code(kwargs, is_test = True)))
 
 def dtrain_cc_binary(**kwargs):
-    native.cc_binary(**_with_pch(kwargs))
+    native.cc_binary(**_with_pch(_test_code(kwargs)))
