@@ -397,6 +397,66 @@ TEST_F(Test, PointToPointPairsByPeerTagAndOrder) {
   world().barrier().wait();  // point-to-point work left the collectives in step
 }
 
+// After a channel's first message (its header alone, then its bytes), each later one travels
+// as one transfer with its header: every dtype and shape, the same again, then another shape
+// on both sides (the header first, then the bytes), then the first shape again.
+TEST_F(Test, PointToPointLaterMessagesTravelWithTheirHeader) {
+  const int rank = world().rank(), size = world().size();
+  if (rank % 2 == 0 && rank + 1 == size) {
+    world().barrier().wait();
+    return;
+  }
+  const int peer = rank % 2 == 0 ? rank + 1 : rank - 1;
+  const bool sender = rank % 2 == 0;
+  // The shapes a channel carries in turn: the first, the same twice, another, the first.
+  for (size_t d = 0; d < kP2PDtypes.size(); ++d) {
+    const at::ScalarType t = kP2PDtypes[d];
+    for (const auto& shapes : std::vector<std::vector<std::vector<int64_t>>>{
+             {{3, 5}, {3, 5}, {3, 5}, {7}, {3, 5}},  // a payload, then a larger one
+             {{300007}, {300007}, {}, {0}, {300007}},
+             {{0}, {0}, {2, 2}, {0}}}) {  // an empty first: later joint transfers are headers
+      const int tag = static_cast<int>(100 + 10 * d + shapes.size() + shapes[0].size());
+      for (size_t m = 0; m < shapes.size(); ++m) {
+        SCOPED_TRACE(::testing::Message() << c10::toString(t) << " tag " << tag << " message " << m
+                                          << " " << at::IntArrayRef(shapes[m]));
+        if (sender) {
+          world().send(p2p_values(rank + static_cast<int>(m), t, shapes[m]), peer, tag).wait();
+        } else {
+          at::Tensor in = at::zeros(shapes[m], at::TensorOptions(t));
+          world().recv(in, peer, tag).wait();
+          EXPECT_TRUE(at::equal(in, p2p_values(peer + static_cast<int>(m), t, shapes[m])));
+        }
+      }
+    }
+  }
+  // A channel's first message and later ones in one batch on either side: the receiver
+  // waits for the first before it posts the others (their size is the first's).
+  for (int round = 0; round < 2; ++round) {
+    for (bool batched_sends : {true, false}) {
+      const int tag = batched_sends ? 60 : 61;  // round 1: every message joint
+      std::vector<at::Tensor> want, got;
+      std::vector<Communicator::P2POp> ops;
+      for (int m = 0; m < 3; ++m) {
+        const std::vector<int64_t> shape =
+            m == 1 ? std::vector<int64_t>{5} : std::vector<int64_t>{4, 2};
+        want.push_back(p2p_values(peer + m, at::kFloat, shape));
+        got.push_back(sender ? p2p_values(rank + m, at::kFloat, shape) : at::zeros(shape));
+        ops.push_back({sender ? Communicator::P2POp::kSend : Communicator::P2POp::kRecv, got.back(),
+                       peer, tag});
+      }
+      if (sender == batched_sends) {
+        world().batch_p2p(ops).wait();
+      } else {
+        for (auto& op : ops) world().batch_p2p({op}).wait();
+      }
+      if (!sender) {
+        for (int m = 0; m < 3; ++m) EXPECT_TRUE(at::equal(got[m], want[m])) << "message " << m;
+      }
+    }
+  }
+  world().barrier().wait();
+}
+
 TEST_F(Test, PointToPointMisuseIsRefusedNamingBothRanks) {
   const int rank = world().rank(), size = world().size();
   at::Tensor x = at::zeros({4});
@@ -427,6 +487,43 @@ TEST_F(Test, PointToPointMisuseIsRefusedNamingBothRanks) {
       } catch (const TimeoutError&) {
       }
     } else if (rank == 1) {
+      expect_error([&] { pair->recv(at::zeros(shape, dtype), 0, 2).wait(); }, want);
+      EXPECT_TRUE(pair->is_broken());
+    }
+    world().barrier().wait();
+  }
+  // The same after a first message that agreed, when the later message travels with its
+  // header: the receiver's tensor changed (the sender sends the first shape), or the
+  // sender's (a notice of its shape, its bytes never taken).
+  for (const auto& [sent, dtype, shape, want] : std::vector<
+           std::tuple<std::vector<int64_t>, at::ScalarType, std::vector<int64_t>, std::string>>{
+           {{4, 8},
+            at::kBFloat16,
+            {4, 8},
+            "rank 0 sent fp32 [4, 8] (tag 2), but rank 1 receives into bf16 [4, 8]"},
+           {{4, 8},
+            at::kFloat,
+            {2, 8},
+            "rank 0 sent fp32 [4, 8] (tag 2), but rank 1 receives into fp32 [2, 8]"},
+           {{4, 9},
+            at::kFloat,
+            {4, 8},
+            "rank 0 sent fp32 [4, 9] (tag 2), but rank 1 receives into fp32 [4, 8]"},
+           {{},
+            at::kFloat,
+            {4, 8},
+            "rank 0 sent fp32 [] (tag 2), but rank 1 receives into fp32 [4, 8]"}}) {
+    auto pair = world().split(rank < 2 ? 0 : -1, rank);
+    if (rank == 0) {
+      pair->send(at::ones({4, 8}), 1, 2).wait();
+      try {
+        pair->send(at::ones(sent), 1, 2).wait(std::chrono::seconds(1));
+      } catch (const TimeoutError&) {
+      }
+    } else if (rank == 1) {
+      at::Tensor first = at::zeros({4, 8});
+      pair->recv(first, 0, 2).wait();
+      EXPECT_TRUE(at::equal(first, at::ones({4, 8})));
       expect_error([&] { pair->recv(at::zeros(shape, dtype), 0, 2).wait(); }, want);
       EXPECT_TRUE(pair->is_broken());
     }

@@ -9,10 +9,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "comm/flight_recorder.h"
 #include "comm/staging.h"
@@ -44,6 +47,7 @@ Communicator::Communicator(int rank, int size, std::vector<int> world_ranks,
     : rank_(rank), size_(size), world_ranks_(std::move(world_ranks)), timeout_(timeout) {
   static std::atomic<int64_t> next_id{0};
   id_ = next_id++;
+  p2p_channels_ = std::make_shared<P2PChannels>();
   DTRAIN_CHECK_AS(CommError, size_ > 0 && rank_ >= 0 && rank_ < size_, "invalid rank ", rank_,
                   " for a communicator of size ", size_);
   if (world_ranks_.empty()) {
@@ -223,7 +227,7 @@ Work Communicator::submit(OpKind kind, const char* name, const at::Tensor& input
   state->on_break = on_break_;
   state->flight_ticket = flight::issued(state->info(), state->enqueued_ns());
   health_->track(state);
-  Collective c{kind, input, output, op, root, state, {}};
+  Collective c{kind, input, output, op, root, state, {}, nullptr};
   enqueue(std::move(c));
   return Work(state);
 }
@@ -261,7 +265,28 @@ std::string header_text(const Header& h) {
 
 int transport_tag(int tag, bool payload) { return 2 * tag + (payload ? 1 : 0); }
 
+constexpr int64_t kHeaderBytes = kHeaderSlots * static_cast<int64_t>(sizeof(int64_t));
+
+// The bytes of the tensor a header describes.
+int64_t payload_bytes(const Header& h) {
+  return h[3] * static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(h[1])));
+}
+
+Header read_header(const at::Tensor& buffer) {
+  Header h;
+  std::memcpy(h.data(), buffer.data_ptr(), kHeaderBytes);
+  return h;
+}
+
 }  // namespace
+
+struct Communicator::P2PChannels {
+  struct Channel {
+    int64_t messages = 0;  // posted on this rank
+    Header first{};        // this rank's header of the first: both ranks' once it is checked
+  };
+  std::map<std::tuple<int, int, bool>, Channel> by_key;  // (peer, tag, send)
+};
 
 Work Communicator::send(const at::Tensor& tensor, int dst, int tag) {
   return batch_p2p({P2POp{P2POp::kSend, tensor, dst, tag}});
@@ -322,7 +347,8 @@ Work Communicator::batch_p2p(std::vector<P2POp> ops) {
   state->on_break = on_break_;
   state->flight_ticket = flight::issued(state->info(), state->enqueued_ns());
   health_->track(state);
-  Collective c{OpKind::kP2P, at::Tensor(), at::Tensor(), ReduceOp::kSum, 0, state, std::move(ops)};
+  Collective c{OpKind::kP2P, at::Tensor(),   at::Tensor(), ReduceOp::kSum, 0,
+               state,        std::move(ops), p2p_channels_};
   enqueue(std::move(c));
   return Work(state);
 }
@@ -332,37 +358,54 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
   auto bytes_of = [](const at::Tensor& flat) {
     return flat.view(at::kByte);  // 1-D host tensor: its bytes, in place
   };
-  std::vector<at::Tensor> headers(n);  // int64 x kHeaderSlots each
+  // Each message's first transfer: its header alone (a channel's first message), or a header
+  // and the channel's first number of bytes (`joint`).
+  std::vector<at::Tensor> headers(n);
   std::vector<P2PWait> header_done(n);
+  std::vector<char> joint(n, 0);
+  std::vector<Header> first(n);     // joint: the channel's first header
   std::vector<at::Tensor> host(n);  // the bytes that travel: on the host (CUDA is staged)
   std::vector<P2PWait> data_done;
   std::vector<P2PWait> bytes_done(n);  // receives waited on threads of their own
+  P2PChannels& channels = *c.channels;
   try {
-    for (size_t i = 0; i < n; ++i) {
-      const P2POp& op = c.p2p[i];
-      const bool sends = op.kind == P2POp::kSend;
-      headers[i] = at::empty({kHeaderSlots}, at::kLong);
-      if (sends) {
-        const Header h = header_of(op.tensor);
-        std::copy(h.begin(), h.end(), headers[i].data_ptr<int64_t>());
-      }
-      header_done[i] = post(sends, bytes_of(headers[i]), op.peer, transport_tag(op.tag, false));
-    }
+    // Sends first, all of them: a receive below may wait for its channel's first message, and
+    // the peer's sends never wait for this rank's.
     for (size_t i = 0; i < n; ++i) {
       const P2POp& op = c.p2p[i];
       if (op.kind != P2POp::kSend) continue;
+      const Header h = header_of(op.tensor);
+      auto& channel = channels.by_key[{op.peer, op.tag, true}];
       host[i] = to_host_flat(op.tensor);
-      if (host[i].numel() > 0) {
+      if (channel.messages++ == 0) {
+        channel.first = h;
+        headers[i] = at::empty({kHeaderBytes}, at::kByte);
+        std::memcpy(headers[i].data_ptr(), h.data(), kHeaderBytes);
+        header_done[i] = post(true, headers[i], op.peer, transport_tag(op.tag, false));
+        if (host[i].numel() > 0) {
+          data_done.push_back(post(true, bytes_of(host[i]), op.peer, transport_tag(op.tag, true)));
+        }
+        continue;
+      }
+      // A later message: one transfer of the first one's size. Another shape sends its header
+      // there (the receiver accepts it only if its own tensor changed alike), then its bytes.
+      const bool same = h == channel.first;
+      const int64_t size = payload_bytes(channel.first);
+      headers[i] = at::empty({kHeaderBytes + size}, at::kByte);
+      if (!same) headers[i].zero_();
+      std::memcpy(headers[i].data_ptr(), h.data(), kHeaderBytes);
+      if (same && size > 0) headers[i].narrow(0, kHeaderBytes, size).copy_(bytes_of(host[i]));
+      header_done[i] = post(true, headers[i], op.peer, transport_tag(op.tag, false));
+      if (!same && host[i].numel() > 0) {
         data_done.push_back(post(true, bytes_of(host[i]), op.peer, transport_tag(op.tag, true)));
       }
     }
-    // Each receive's bytes are posted once its header is in and checked, in the order the
-    // headers arrive: a sender's message under another tag may wait for its turn.
+    // A receive's header checked against its tensor; then its bytes are posted (a first
+    // message, or a joint one whose shape changed on both sides), or copied out of the joint
+    // transfer.
     auto checked = [&](size_t i) {
       const P2POp& op = c.p2p[i];
-      Header theirs;
-      std::copy(headers[i].data_ptr<int64_t>(), headers[i].data_ptr<int64_t>() + kHeaderSlots,
-                theirs.begin());
+      const Header theirs = read_header(headers[i]);
       const Header mine = header_of(op.tensor);
       if (theirs != mine) {
         DTRAIN_FAIL(CommError, describe(c.state->info()), ": rank ", op.world_peer, " sent ",
@@ -372,13 +415,48 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
                     "both stages' idea of the activation, micro-batch size included)");
       }
       host[i] = host_flat_like(op.tensor);
+      if (joint[i] && mine == first[i]) {
+        if (host[i].numel() > 0) {
+          bytes_of(host[i]).copy_(headers[i].narrow(0, kHeaderBytes, payload_bytes(mine)));
+        }
+        return P2PWait{};
+      }
       return host[i].numel() > 0
                  ? post(false, bytes_of(host[i]), op.peer, transport_tag(op.tag, true))
                  : P2PWait{};
     };
+    // Receives in issue order. A joint one's size is its channel's first header, known once
+    // that message is checked: where the first is in this batch, it is waited for here.
+    std::map<std::pair<int, int>, size_t> first_here;  // (peer, tag): a first message's index
+    std::vector<char> early(n, 0);                     // checked here
+    for (size_t i = 0; i < n; ++i) {
+      const P2POp& op = c.p2p[i];
+      if (op.kind != P2POp::kRecv) continue;
+      auto& channel = channels.by_key[{op.peer, op.tag, false}];
+      if (channel.messages++ == 0) {
+        channel.first = header_of(op.tensor);
+        first_here[{op.peer, op.tag}] = i;
+        headers[i] = at::empty({kHeaderBytes}, at::kByte);
+        header_done[i] = post(false, headers[i], op.peer, transport_tag(op.tag, false));
+        continue;
+      }
+      auto f = first_here.find({op.peer, op.tag});
+      if (f != first_here.end() && !early[f->second]) {
+        const size_t j = f->second;
+        header_done[j].wait();
+        header_done[j] = {};
+        P2PWait bytes = checked(j);
+        if (bytes) data_done.push_back(std::move(bytes));
+        early[j] = 1;
+      }
+      joint[i] = 1;
+      first[i] = channel.first;
+      headers[i] = at::empty({kHeaderBytes + payload_bytes(channel.first)}, at::kByte);
+      header_done[i] = post(false, headers[i], op.peer, transport_tag(op.tag, false));
+    }
     std::vector<size_t> waiting;
     for (size_t i = 0; i < n; ++i) {
-      if (c.p2p[i].kind == P2POp::kRecv) waiting.push_back(i);
+      if (c.p2p[i].kind == P2POp::kRecv && !early[i]) waiting.push_back(i);
     }
     // Receives from one peer under one tag match its messages in the order they are posted,
     // headers and payloads alike: a payload is posted only after those of the earlier
@@ -387,14 +465,19 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
     auto same_pair = [&](size_t a, size_t b) {
       return c.p2p[a].peer == c.p2p[b].peer && c.p2p[a].tag == c.p2p[b].tag;
     };
-    if (waiting.size() == 1 && !header_done[waiting[0]].done) {
-      // One receive on a transport that cannot be polled (Gloo's works complete in wait()):
-      // waited here (a pipeline's usual batch; a thread costs more than its transfer).
-      const size_t i = waiting[0];
-      header_done[i].wait();
-      header_done[i] = {};
-      P2PWait bytes = checked(i);
-      if (bytes) data_done.push_back(std::move(bytes));
+    const bool all_joint =
+        std::all_of(waiting.begin(), waiting.end(), [&](size_t i) { return joint[i] != 0; });
+    if (!waiting.empty() && !header_done[waiting[0]].done && (waiting.size() == 1 || all_joint)) {
+      // On a transport that cannot be polled (Gloo's works complete in wait()), one receive,
+      // or receives whose transfers are all posted already (joint: nothing is posted after
+      // their headers but the bytes of a changed shape, in issue order as they must be):
+      // waited here in order (a pipeline's usual batch; a thread costs more than its transfer).
+      for (size_t i : waiting) {
+        header_done[i].wait();
+        header_done[i] = {};
+        P2PWait bytes = checked(i);
+        if (bytes) data_done.push_back(std::move(bytes));
+      }
     } else if (!waiting.empty() && !header_done[waiting[0]].done) {
       // Several: a thread per receive waits for its header, and all are joined (those
       // started, should starting one fail).

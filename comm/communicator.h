@@ -83,8 +83,10 @@ class Communicator {
   // Point-to-point (pipeline parallelism; PyTorch's send/recv and batch_isend_irecv). `tensor`
   // goes to rank `peer` of this communicator (kSend), or is filled from it (kRecv). A send
   // and a receive pair up in the order each rank issues them for that peer and tag. Each
-  // message carries its dtype and shape first (MPI and Gloo), and a receive whose tensor
-  // differs fails naming both ranks and what each had. Any dtype; 0-d and empty tensors too.
+  // message carries its dtype and shape (MPI and Gloo), and a receive whose tensor
+  // differs fails naming both ranks and what each had (the first message of a peer and tag
+  // carries them alone, later ones with their bytes: run_p2p). Any dtype; 0-d and empty
+  // tensors too.
   // They run in issue order with this communicator's collectives, and outside their
   // numbering (the collective check and the flight analyser's matching skip them): two ranks
   // that both send first to each other pair up only in a batch, which posts all its sends and
@@ -128,6 +130,10 @@ class Communicator {
 
   enum class OpKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kBarrier, kP2P };
 
+  // A communicator's point-to-point channels (peer, tag, direction): the header of the
+  // first message each carried, which sizes the later ones (run_p2p).
+  struct P2PChannels;
+
   // One validated collective. For kAllReduce / kBroadcast `input` is the in-place tensor.
   struct Collective {
     OpKind kind;
@@ -137,6 +143,8 @@ class Communicator {
     int root = 0;
     std::shared_ptr<detail::WorkState> state;
     std::vector<P2POp> p2p;  // kP2P: the batch, in issue order
+    // kP2P: what each of the communicator's channels carried first (run_p2p).
+    std::shared_ptr<P2PChannels> channels;
 
     // A synchronous backend drops its references before completing `state`: a caller whose
     // wait() has returned then holds the only ones, so the memory of a buffer it lets go is
@@ -164,12 +172,18 @@ class Communicator {
 
   void mark_broken(const std::string& reason);
 
-  // A point-to-point batch on a backend that moves bytes (MPI, Gloo): each message's header
-  // (dtype and shape) first, checked against the receiving tensor, then its bytes. Runs on
-  // the backend's worker; `post` posts a transfer of `bytes` (a 1-D uint8 host
-  // tensor, which the returned wait keeps alive) with a transport tag in [0, 2 x kMaxTag + 1].
-  // Throws CommError on a header that differs; transfers still pending then keep their
-  // buffers for the rest of the process (the communicator is broken).
+  // A point-to-point batch on a backend that moves bytes (MPI, Gloo). Each message's header
+  // (dtype and shape) is checked against the receiving tensor. The first message of a channel
+  // (peer, tag, direction) sends its header alone, then its bytes once the header is checked.
+  // Every later one is a single transfer of a header and the first message's number of bytes:
+  // its own bytes when its header is the first one's, else a notice followed by its bytes
+  // (both sides changed shape: accepted; one side: refused). So a receive never gets more
+  // bytes than it posted (Gloo would abort the process), and a pipeline's repeated messages
+  // cost one transfer each, as PyTorch's after its shape inference. Runs on the backend's
+  // worker; `post` posts a transfer of `bytes` (a 1-D uint8 host tensor, which the returned
+  // wait keeps alive) with a transport tag in [0, 2 x kMaxTag + 1]. Throws CommError on a
+  // header that differs; transfers still pending then keep their buffers for the rest of the
+  // process (the communicator is broken).
   struct P2PWait {
     // Complete (or failed: wait() then throws), without blocking; empty where the transport
     // cannot tell (Gloo): run_p2p then waits for a lone receive itself, several on threads.
@@ -197,6 +211,7 @@ class Communicator {
   int64_t id_ = 0;  // this process's communicators, numbered in creation order
   int64_t next_seq_ = 1;
   int64_t next_p2p_ = 1;  // point-to-point ops, numbered apart from the collectives
+  std::shared_ptr<P2PChannels> p2p_channels_;  // used by the worker only, batch after batch
   int64_t next_split_ = 1;
   std::atomic<const char*> backend_name_{nullptr};  // interned backend(), set at first use
   int check_mode_ = -1;    // DTRAIN_COMM_CHECK: 1 always, 0 never, -1 (unset) the default

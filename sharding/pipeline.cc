@@ -239,8 +239,7 @@ std::vector<at::Tensor> Pipeline::run(const Step& step) {
   // parameters' gradients short without a word.
   DTRAIN_CHECK_AS(UsageError, weight.empty(), "pipeline: ", weight.size(),
                   " backward(s) ran without their weight half, the first of stage ",
-                  weight.empty() ? 0 : weight.begin()->first.first, " micro-batch ",
-                  weight.empty() ? 0 : weight.begin()->first.second);
+                  weight.begin()->first.first, " micro-batch ", weight.begin()->first.second);
   return losses;
 }
 
