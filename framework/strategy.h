@@ -84,8 +84,9 @@ class Strategy {
   void finish_backward();
   // The whole output of forward() (the vocabulary gathered over the TP group), for sampling.
   at::Tensor full_output(const at::Tensor& out);
-  // The sum of the cross-entropy of `out` [.., V or V/tp] against `targets` over every target:
-  // vocabulary-parallel under tensor parallelism (the logits never gathered).
+  // The sum of the cross-entropy of `out` [.., V or V/tp] against `targets` over every target
+  // but those of -100 (cross_entropy's ignore_index): vocabulary-parallel under tensor
+  // parallelism (the logits never gathered).
   at::Tensor cross_entropy_sum(const at::Tensor& out, const at::Tensor& targets);
   // Sequences fed to forward() must have a multiple of this many tokens (tp under sequence
   // parallelism, else 1).

@@ -10,6 +10,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <string>
@@ -456,6 +457,49 @@ TEST_F(Test, FsdpStrategyTimesTpClipsAModelWithAFrozenWeightAsOneProcess) {
   const double got = strategy.clip_grad_norm(0.5).item<double>();
   EXPECT_LT(std::abs(got - want), 2e-5 * want);
   EXPECT_GT(want, 0.5) << "the clip must bite";
+}
+
+// The trainer's summed loss under tensor parallelism against cross_entropy's sum over one
+// process's logits: targets of -100 add nothing, and none left sums to 0 with no gradient.
+// (It was the mean times every target: off by the ignored share, and NaN when all were.)
+TEST_F(Test, StrategyLossSumUnderTpIgnoresMinus100AsCrossEntropy) {
+  if (world().size() % 2 != 0) GTEST_SKIP() << "tp 2 needs an even number of ranks";
+  auto mesh = std::make_shared<DeviceMesh>(world_ptr(), MeshShape{world().size() / 2, 1, 2, 1});
+  at::manual_seed(34);
+  LlamaForCausalLM whole(tiny_llama(2, false));
+  at::manual_seed(34);
+  LlamaForCausalLM sliced(tiny_llama(2, false));
+  auto tpz = std::make_shared<TensorParallelism>(mesh->tp(), /*sequence_parallel=*/false);
+  sliced->parallelize(tpz);
+  framework::PlainStrategy<LlamaForCausalLM> strategy(sliced);
+  strategy.set_tensor_parallel(tpz, [sliced] { return sliced->head_weight(); });
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(6);
+  const at::Tensor tokens = at::randint(0, 32, {2, 8}, gen);
+  const std::string norm = "model.norm.weight";  // replicated: its gradient is whole on each rank
+  for (const std::string kind : {"no -100", "some -100", "all -100"}) {
+    SCOPED_TRACE(kind);
+    at::Tensor targets = at::randint(0, 32, {2, 8}, gen);
+    if (kind == "some -100") targets.view({-1}).slice(0, 0, 16, 3).fill_(-100);
+    if (kind == "all -100") targets.fill_(-100);
+    whole->zero_grad();
+    sliced->zero_grad();
+    at::Tensor want = at::cross_entropy_loss(whole->forward(tokens).reshape({16, -1}),
+                                             targets.reshape({-1}), {}, at::Reduction::Sum);
+    at::Tensor got = strategy.cross_entropy_sum(strategy.forward(tokens), targets);
+    const double w = want.item<double>();
+    EXPECT_LE(std::abs(got.item<double>() - w), 1e-5 * std::max(1.0, std::abs(w)))
+        << got.item<double>() << " against " << w;
+    want.backward();
+    got.backward();
+    at::Tensor gw = whole->named_parameters()[norm].grad(),
+               gs = sliced->named_parameters()[norm].grad();
+    ASSERT_TRUE(gw.defined() && gs.defined());
+    EXPECT_LE((gs - gw).abs().max().item<double>(),
+              1e-5 * std::max(1.0, gw.abs().max().item<double>()));
+    if (kind == "all -100") {
+      EXPECT_EQ(gs.abs().max().item<double>(), 0.0);
+    }
+  }
 }
 
 }  // namespace
