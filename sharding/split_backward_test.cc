@@ -3,7 +3,8 @@
 // accumulated; the weight half really deferred (the parameters have no gradient between the
 // halves) where it can be; and the graphs it must not split (a module called twice, a weight
 // cast once for two uses under autocast, a recomputed region, a frozen parameter, an input the
-// stage does not use) still give the plain gradients, the recompute run once. Hooks of every
+// stage does not use) still give the plain gradients, the recompute run once; a no-grad
+// forward and buffers of several dtypes leave gradients and buffers the plain ones. Hooks of every
 // kind run as often as in the plain backward, .grad keeps the plain layout (strided or sparse),
 // and misuse is refused.
 #include "sharding/split_backward.h"
@@ -13,10 +14,12 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -41,7 +44,7 @@ struct Net : torch::nn::Module {
 using Forward = std::function<at::Tensor(Net&, const at::Tensor&)>;
 
 struct Outcome {
-  std::vector<at::Tensor> input_grads, param_grads;
+  std::vector<at::Tensor> input_grads, param_grads, buffers;
   int deferred = 0;
   bool deferred_empty = true;  // every parameter without .grad between the halves
 };
@@ -73,6 +76,7 @@ Outcome run(const Forward& forward, bool split, const std::function<void(Net&)>&
     for (auto& h : halves) h.run();
   }
   for (const auto& p : net.parameters()) o.param_grads.push_back(p.grad());
+  for (const auto& b : net.buffers()) o.buffers.push_back(b.clone());
   return o;
 }
 
@@ -87,6 +91,10 @@ void expect_same(const Outcome& plain, const Outcome& split, const std::string& 
     if (plain.param_grads[i].defined()) {
       EXPECT_TRUE(at::equal(plain.param_grads[i], split.param_grads[i])) << what << " param " << i;
     }
+  }
+  ASSERT_EQ(plain.buffers.size(), split.buffers.size()) << what;
+  for (size_t i = 0; i < plain.buffers.size(); ++i) {
+    EXPECT_TRUE(at::equal(plain.buffers[i], split.buffers[i])) << what << " buffer " << i;
   }
 }
 
@@ -147,6 +155,40 @@ TEST(SplitBackward, FrozenParametersAndAnUnusedInputGiveThePlainGradients) {
   EXPECT_EQ(split.deferred, 0);
   plain.input_grads = split.input_grads;  // undefined in the plain run
   expect_same(plain, split, "unused input");
+}
+
+// A stage as the trainer's: a no-grad forward (validation) before each micro-batch's, a
+// BatchNorm whose running statistics (fp32, and an int64 count) both forwards update, and
+// buffers of other dtypes the forward reads (a bf16 scale, a bool mask) or counts in place.
+TEST(SplitBackward, ANoGradForwardAndBuffersOfEveryDtypeGiveThePlainGradientsAndBuffers) {
+  auto add_buffers = [](Net& n) {
+    n.register_module("bn", torch::nn::BatchNorm1d(8));
+    n.register_buffer("scale", at::linspace(0.5, 2.0, 8).to(at::kBFloat16));
+    n.register_buffer("mask", at::arange(8).remainder(3).ne(0));
+    n.register_buffer("calls", at::zeros({}, at::kLong));
+  };
+  Forward f = [](Net& n, const at::Tensor& x) {
+    auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm1dImpl>(n.named_children()["bn"]);
+    auto buffers = n.named_buffers(/*recurse=*/false);
+    auto stage = [&](const at::Tensor& in) {
+      buffers["calls"].add_(1);
+      at::Tensor h = bn->forward(n.b(at::relu(n.a(in))));
+      h = h * buffers["scale"].to(at::kFloat) * buffers["mask"];
+      return n.c(at::gelu(n.norm(h)));
+    };
+    {
+      at::NoGradGuard no_grad;
+      stage(x.detach() * 2);
+    }
+    return stage(x);
+  };
+  Outcome plain = run(f, false, add_buffers), split = run(f, true, add_buffers);
+  expect_same(plain, split, "no-grad forward, buffers");
+  EXPECT_TRUE(split.deferred_empty) << "the input half must leave the weights' gradients";
+  EXPECT_GE(split.deferred, 2 * 5) << "each micro-batch's a, b, c, norm and bn deferred";
+  ASSERT_EQ(split.buffers.size(), 6u);  // bn's three, then the net's own
+  EXPECT_EQ(split.buffers[2].item<int64_t>(), 4) << "bn counted each forward";
+  EXPECT_EQ(split.buffers[5].item<int64_t>(), 4);
 }
 
 TEST(SplitBackward, ALossWithoutInputGradientRunsWholeInTheWeightHalf) {
