@@ -95,9 +95,13 @@ class Check:
         self.rows = []  # (figure, value, bound, verdict)
         self.failed = []
 
+    def floor(self, bound, extra_margin=0.0):
+        """The value below which a figure with this bound fails."""
+        return bound * (1 - self.margin - extra_margin)
+
     def judge(self, figure, value, bound, detail="", extra_margin=0.0):
         margin = self.margin + extra_margin
-        floor = bound * (1 - margin)
+        floor = self.floor(bound, extra_margin)
         ok = value >= floor
         verdict = "ok" if ok else "FAIL"
         self.rows.append((figure, f"{value:.2f}x", f"{bound:.2f}x (fail below {floor:.2f}x)",
@@ -242,7 +246,7 @@ def versus_pytorch(c, a, figure, bound, dtrain_args, pytorch_args):
     # and the median of 3 rounds' ratios failed the 0.90 floor on one slow dtrain run.
     ours, theirs = fastest(0)
     value, detail = theirs / ours, ""
-    floor = bound * (1 - c.margin)
+    floor = c.floor(bound)
     if value < floor:
         # One side's lucky or disturbed runs can still move the fastest ones (CI read FSDP at
         # 1.03x from rounds whose PyTorch steps went 0.76, 1.09 and 0.96 s; it reads 1.2-1.3x
