@@ -377,26 +377,26 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
       const Header h = header_of(op.tensor);
       auto& channel = channels.by_key[{op.peer, op.tag, true}];
       host[i] = to_host_flat(op.tensor);
-      if (channel.messages++ == 0) {
-        channel.first = h;
-        headers[i] = at::empty({kHeaderBytes}, at::kByte);
-        std::memcpy(headers[i].data_ptr(), h.data(), kHeaderBytes);
-        header_done[i] = post(true, headers[i], op.peer, transport_tag(op.tag, false));
-        if (host[i].numel() > 0) {
-          data_done.push_back(post(true, bytes_of(host[i]), op.peer, transport_tag(op.tag, true)));
-        }
-        continue;
-      }
-      // A later message: one transfer of the first one's size. Another shape sends its header
-      // there (the receiver accepts it only if its own tensor changed alike), then its bytes.
-      const bool same = h == channel.first;
-      const int64_t size = payload_bytes(channel.first);
-      headers[i] = at::empty({kHeaderBytes + size}, at::kByte);
-      if (!same) headers[i].zero_();
+      // A channel's first message: its header alone. A later one: one transfer of the header
+      // and the first one's number of bytes, its own bytes there when its header is the
+      // first's; another shape's header comes with zeros (the receiver accepts it only if its
+      // own tensor changed alike), and its bytes follow as a first message's do.
+      const bool first_message = channel.messages++ == 0;
+      if (first_message) channel.first = h;
+      const bool bytes_joint = !first_message && h == channel.first;
+      const int64_t room = first_message ? 0 : payload_bytes(channel.first);
+      headers[i] = at::empty({kHeaderBytes + room}, at::kByte);
       std::memcpy(headers[i].data_ptr(), h.data(), kHeaderBytes);
-      if (same && size > 0) headers[i].narrow(0, kHeaderBytes, size).copy_(bytes_of(host[i]));
+      if (room > 0) {
+        at::Tensor rest = headers[i].narrow(0, kHeaderBytes, room);
+        if (bytes_joint) {
+          rest.copy_(bytes_of(host[i]));
+        } else {
+          rest.zero_();
+        }
+      }
       header_done[i] = post(true, headers[i], op.peer, transport_tag(op.tag, false));
-      if (!same && host[i].numel() > 0) {
+      if (!bytes_joint && host[i].numel() > 0) {
         data_done.push_back(post(true, bytes_of(host[i]), op.peer, transport_tag(op.tag, true)));
       }
     }
@@ -436,22 +436,21 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
       if (channel.messages++ == 0) {
         channel.first = header_of(op.tensor);
         first_here[{op.peer, op.tag}] = i;
-        headers[i] = at::empty({kHeaderBytes}, at::kByte);
-        header_done[i] = post(false, headers[i], op.peer, transport_tag(op.tag, false));
-        continue;
+      } else {
+        auto f = first_here.find({op.peer, op.tag});
+        if (f != first_here.end() && !early[f->second]) {
+          const size_t j = f->second;
+          header_done[j].wait();
+          header_done[j] = {};
+          P2PWait bytes = checked(j);
+          if (bytes) data_done.push_back(std::move(bytes));
+          early[j] = 1;
+        }
+        joint[i] = 1;
+        first[i] = channel.first;
       }
-      auto f = first_here.find({op.peer, op.tag});
-      if (f != first_here.end() && !early[f->second]) {
-        const size_t j = f->second;
-        header_done[j].wait();
-        header_done[j] = {};
-        P2PWait bytes = checked(j);
-        if (bytes) data_done.push_back(std::move(bytes));
-        early[j] = 1;
-      }
-      joint[i] = 1;
-      first[i] = channel.first;
-      headers[i] = at::empty({kHeaderBytes + payload_bytes(channel.first)}, at::kByte);
+      const int64_t room = joint[i] ? payload_bytes(channel.first) : 0;
+      headers[i] = at::empty({kHeaderBytes + room}, at::kByte);
       header_done[i] = post(false, headers[i], op.peer, transport_tag(op.tag, false));
     }
     std::vector<size_t> waiting;

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "framework/task.h"
 #include "sharding/clip_grad.h"
+#include "sharding/tensor_parallel.h"
 
 namespace dtrain::framework {
 
@@ -76,9 +77,9 @@ at::Tensor Strategy::cross_entropy_sum(const at::Tensor& out, const at::Tensor& 
   at::Tensor flat = out.reshape({-1, out.size(-1)});
   const at::Tensor t = targets.reshape(-1);
   if (tp_ && head_ && tp_->size() > 1) {
-    // The mean over the targets that count (-100 ignored, as cross_entropy's default) times
+    // The mean over the targets that count (kIgnoreIndex's left out, as cross_entropy's) times
     // their number, on the device; none counted: 0, as cross_entropy's sum (the mean is NaN).
-    const at::Tensor counted = t.ne(-100).sum().to(at::kFloat);
+    const at::Tensor counted = t.ne(sharding::tp::kIgnoreIndex).sum().to(at::kFloat);
     const at::Tensor mean = tp_->loss(flat, t, head_());
     return at::where(counted > 0, mean * counted, at::zeros_like(mean));
   }

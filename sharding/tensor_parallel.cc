@@ -158,10 +158,6 @@ struct GatheredLinears : torch::autograd::Function<GatheredLinears> {
   }
 };
 
-// As at::cross_entropy_loss's default: a row whose target is -100 adds nothing to the loss or
-// to the gradient, and the mean is over the other rows.
-constexpr int64_t kIgnoreIndex = -100;
-
 struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& targets, int64_t vocab_start, const CommPtr& g) {

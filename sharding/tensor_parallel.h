@@ -55,6 +55,10 @@ std::vector<at::Tensor> gathered_linears(const at::Tensor& x,
                                          const std::vector<at::Tensor>& biases,
                                          const CommPtr& group);
 
+// As at::cross_entropy_loss's default: a row whose target is -100 adds nothing to the loss or
+// to the gradient, and the mean is over the other rows.
+constexpr int64_t kIgnoreIndex = -100;
+
 // Loss of `logits` [N, V/T] (this rank's vocabulary slice, which starts at vocab_start) against
 // `targets` [N] (global ids), averaged over the rows: equal to cross_entropy of the gathered
 // logits, computed in fp32, without gathering them. As cross_entropy's default, a target of
