@@ -429,6 +429,22 @@ TEST_F(Test, PointToPointLaterMessagesTravelWithTheirHeader) {
       }
     }
   }
+  // A channel whose first message is over 4 MiB: its later messages go as the first did,
+  // header and then bytes, including one of another shape on both sides.
+  for (const auto& shape :
+       std::vector<std::vector<int64_t>>{{1100000}, {1100000}, {3, 5}, {1100000}}) {
+    SCOPED_TRACE(::testing::Message() << "large channel " << at::IntArrayRef(shape));
+    if (sender) {
+      world()
+          .send(p2p_values(rank + static_cast<int>(shape.size()), at::kFloat, shape), peer, 90)
+          .wait();
+    } else {
+      at::Tensor in = at::zeros(shape);
+      world().recv(in, peer, 90).wait();
+      EXPECT_TRUE(
+          at::equal(in, p2p_values(peer + static_cast<int>(shape.size()), at::kFloat, shape)));
+    }
+  }
   // A channel's first message and later ones in one batch on either side: the receiver
   // waits for the first before it posts the others (their size is the first's).
   for (int round = 0; round < 2; ++round) {
@@ -455,6 +471,62 @@ TEST_F(Test, PointToPointLaterMessagesTravelWithTheirHeader) {
     }
   }
   world().barrier().wait();
+}
+
+// A batch posts every receive it can before it waits for any: where a channel's first
+// message and a later one share a batch (the later one's size waits for the first's header),
+// and where a message of another shape must have its bytes posted after its header, the
+// other receives of the batch are already posted. Otherwise rank 0 would hold back the
+// receive that rank 2 sends to first, and rank 2's next send is what rank 1 waits for before
+// it sends to rank 0: all three would wait until the timeout.
+TEST_F(Test, PointToPointBatchesPostEveryReceiveBeforeWaiting) {
+  const int rank = world().rank(), size = world().size();
+  if (size < 3) GTEST_SKIP() << "needs 3 ranks";
+  using P = Communicator::P2POp;
+  constexpr auto kWait = std::chrono::seconds(20);
+  at::Tensor a = at::full({4}, 1.0), b = at::full({4}, 2.0), c = at::full({4}, 3.0);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    // Round 0: tag 410's first message and a later one in rank 0's batch. Round 1: tag 411's
+    // message changes shape on both sides (its bytes follow its header).
+    const int t = 410 + round, u = 420 + round, v = 430 + round;
+    const std::vector<int64_t> shape_u =
+        round == 0 ? std::vector<int64_t>{4} : std::vector<int64_t>{6};
+    if (round == 1) {  // the channels' first messages, of shape [4]
+      if (rank == 0) {
+        at::Tensor x = at::zeros({4}), y = at::zeros({4});
+        world().batch_p2p({{P::kRecv, x, 1, t}, {P::kRecv, y, 2, u}}).wait(kWait);
+      } else if (rank == 1) {
+        world().send(b, 0, t).wait(kWait);
+      } else if (rank == 2) {
+        world().send(c, 0, u).wait(kWait);
+      }
+    }
+    if (rank == 0) {
+      std::vector<at::Tensor> in{at::zeros({4}), at::zeros({4}), at::zeros(shape_u)};
+      std::vector<P> ops{{P::kRecv, in[0], 1, t}, {P::kRecv, in[1], 1, t}, {P::kRecv, in[2], 2, u}};
+      if (round == 1) ops.erase(ops.begin() + 1);
+      world().batch_p2p(ops).wait(kWait);
+      EXPECT_TRUE(at::equal(in[0], b));
+      if (round == 0) {
+        EXPECT_TRUE(at::equal(in[1], b + 1));
+      }
+      EXPECT_TRUE(at::equal(in.back(), at::full(shape_u, 3.0)));
+    } else if (rank == 1) {
+      at::Tensor x = at::zeros({4});
+      world().recv(x, 2, v).wait(kWait);
+      EXPECT_TRUE(at::equal(x, a));
+      if (round == 0) {
+        world().batch_p2p({{P::kSend, b, 0, t}, {P::kSend, b + 1, 0, t}}).wait(kWait);
+      } else {
+        world().send(b, 0, t).wait(kWait);
+      }
+    } else if (rank == 2) {
+      world().send(at::full(shape_u, 3.0), 0, u).wait(kWait);
+      world().send(a, 1, v).wait(kWait);
+    }
+    world().barrier().wait();
+  }
 }
 
 TEST_F(Test, PointToPointMisuseIsRefusedNamingBothRanks) {
@@ -488,6 +560,35 @@ TEST_F(Test, PointToPointMisuseIsRefusedNamingBothRanks) {
       }
     } else if (rank == 1) {
       expect_error([&] { pair->recv(at::zeros(shape, dtype), 0, 2).wait(); }, want);
+      EXPECT_TRUE(pair->is_broken());
+    }
+    world().barrier().wait();
+  }
+  // Two messages under one tag in a batch, where the first is refused: the second must not
+  // post its bytes, which the refused message's bytes would fill first (Gloo aborts a process
+  // sent more than it posted). The receiver gets the first message's error.
+  {
+    auto pair = world().split(rank < 2 ? 0 : -1, rank);
+    if (rank == 0) {
+      pair->send(at::ones({4}), 1, 5).wait();
+      try {
+        pair->batch_p2p({{Communicator::P2POp::kSend, at::ones({16}), 1, 5},
+                         {Communicator::P2POp::kSend, at::ones({2}), 1, 5},
+                         {Communicator::P2POp::kSend, at::ones({3}), 1, 6}})
+            .wait(std::chrono::seconds(1));
+      } catch (const TimeoutError&) {
+      }
+    } else if (rank == 1) {
+      at::Tensor first = at::zeros({4});
+      pair->recv(first, 0, 5).wait();
+      expect_error(
+          [&] {
+            pair->batch_p2p({{Communicator::P2POp::kRecv, at::zeros({8}), 0, 5},
+                             {Communicator::P2POp::kRecv, at::zeros({2}), 0, 5},
+                             {Communicator::P2POp::kRecv, at::zeros({3}), 0, 6}})
+                .wait();
+          },
+          "rank 0 sent fp32 [16] (tag 5), but rank 1 receives into fp32 [8]");
       EXPECT_TRUE(pair->is_broken());
     }
     world().barrier().wait();

@@ -272,6 +272,13 @@ int64_t payload_bytes(const Header& h) {
   return h[3] * static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(h[1])));
 }
 
+// Whether a channel's later messages travel with their header (run_p2p): only up to this many
+// bytes in its first message. A larger message costs a copy into the joint transfer, which
+// takes longer than the second request it saves, and a message of another shape on that
+// channel would carry as many zeros (a checkpoint's gathered state, then a small buffer).
+constexpr int64_t kJointMaxBytes = int64_t{4} << 20;
+bool travels_joint(const Header& first) { return payload_bytes(first) <= kJointMaxBytes; }
+
 Header read_header(const at::Tensor& buffer) {
   Header h;
   std::memcpy(h.data(), buffer.data_ptr(), kHeaderBytes);
@@ -383,8 +390,9 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
       // own tensor changed alike), and its bytes follow as a first message's do.
       const bool first_message = channel.messages++ == 0;
       if (first_message) channel.first = h;
-      const bool bytes_joint = !first_message && h == channel.first;
-      const int64_t room = first_message ? 0 : payload_bytes(channel.first);
+      const bool joint_channel = !first_message && travels_joint(channel.first);
+      const bool bytes_joint = joint_channel && h == channel.first;
+      const int64_t room = joint_channel ? payload_bytes(channel.first) : 0;
       headers[i] = at::empty({kHeaderBytes + room}, at::kByte);
       std::memcpy(headers[i].data_ptr(), h.data(), kHeaderBytes);
       if (room > 0) {
@@ -425,10 +433,20 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
                  ? post(false, bytes_of(host[i]), op.peer, transport_tag(op.tag, true))
                  : P2PWait{};
     };
-    // Receives in issue order. A joint one's size is its channel's first header, known once
-    // that message is checked: where the first is in this batch, it is waited for here.
+    // Receives in issue order. A later message's transfer is sized by its channel's first
+    // header, which must be the sender's: where the first is in this batch, the later ones of
+    // its channel are `deferred`, posted only once it is checked (a sender whose first differs
+    // would otherwise send more than was posted), by the waits below. Every other receive is
+    // posted here, before any wait, so that no peer's send waits for a receive this rank holds
+    // back.
     std::map<std::pair<int, int>, size_t> first_here;  // (peer, tag): a first message's index
-    std::vector<char> early(n, 0);                     // checked here
+    std::vector<char> deferred(n, 0);
+    auto post_header = [&](size_t i) {
+      const P2POp& op = c.p2p[i];
+      const int64_t room = joint[i] ? payload_bytes(first[i]) : 0;
+      headers[i] = at::empty({kHeaderBytes + room}, at::kByte);
+      header_done[i] = post(false, headers[i], op.peer, transport_tag(op.tag, false));
+    };
     for (size_t i = 0; i < n; ++i) {
       const P2POp& op = c.p2p[i];
       if (op.kind != P2POp::kRecv) continue;
@@ -437,25 +455,18 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
         channel.first = header_of(op.tensor);
         first_here[{op.peer, op.tag}] = i;
       } else {
-        auto f = first_here.find({op.peer, op.tag});
-        if (f != first_here.end() && !early[f->second]) {
-          const size_t j = f->second;
-          header_done[j].wait();
-          header_done[j] = {};
-          P2PWait bytes = checked(j);
-          if (bytes) data_done.push_back(std::move(bytes));
-          early[j] = 1;
-        }
-        joint[i] = 1;
+        joint[i] = travels_joint(channel.first) ? 1 : 0;
         first[i] = channel.first;
+        if (first_here.count({op.peer, op.tag}) != 0) {
+          deferred[i] = 1;
+          continue;
+        }
       }
-      const int64_t room = joint[i] ? payload_bytes(channel.first) : 0;
-      headers[i] = at::empty({kHeaderBytes + room}, at::kByte);
-      header_done[i] = post(false, headers[i], op.peer, transport_tag(op.tag, false));
+      post_header(i);
     }
     std::vector<size_t> waiting;
     for (size_t i = 0; i < n; ++i) {
-      if (c.p2p[i].kind == P2POp::kRecv && !early[i]) waiting.push_back(i);
+      if (c.p2p[i].kind == P2POp::kRecv) waiting.push_back(i);
     }
     // Receives from one peer under one tag match its messages in the order they are posted,
     // headers and payloads alike: a payload is posted only after those of the earlier
@@ -464,12 +475,17 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
     auto same_pair = [&](size_t a, size_t b) {
       return c.p2p[a].peer == c.p2p[b].peer && c.p2p[a].tag == c.p2p[b].tag;
     };
-    const bool all_joint =
-        std::all_of(waiting.begin(), waiting.end(), [&](size_t i) { return joint[i] != 0; });
+    // No bytes to post after a header: a joint message of the channel's first shape (a sender
+    // whose shape changed is refused, not waited for). A deferred one's first is waiting too.
+    const bool all_joint = std::all_of(waiting.begin(), waiting.end(), [&](size_t i) {
+      return joint[i] != 0 && header_of(c.p2p[i].tensor) == first[i];
+    });
+    // waiting[0] is never deferred (its channel's first comes before it): its wait tells
+    // whether the transport can be polled.
     if (!waiting.empty() && !header_done[waiting[0]].done && (waiting.size() == 1 || all_joint)) {
       // On a transport that cannot be polled (Gloo's works complete in wait()), one receive,
-      // or receives whose transfers are all posted already (joint: nothing is posted after
-      // their headers but the bytes of a changed shape, in issue order as they must be):
+      // or receives whose transfers are all posted already (joint, of their channel's first
+      // shape: nothing is posted after their headers, so no peer waits for this order):
       // waited here in order (a pipeline's usual batch; a thread costs more than its transfer).
       for (size_t i : waiting) {
         header_done[i].wait();
@@ -485,20 +501,24 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
       std::mutex order;
       std::condition_variable turn;
       std::vector<char> posted(n, 0);  // a receive's payload posted (or given up)
+      std::vector<char> failed(n, 0);  // given up: its bytes, if any, were never received
       auto join_all = [&threads] {
         for (auto& th : threads) th.join();
       };
       try {
         for (size_t i : waiting) {
           threads.emplace_back([&, i] {
-            auto mark = [&] {
+            auto mark = [&](bool failure) {
               std::lock_guard<std::mutex> lock(order);
               posted[i] = 1;
+              failed[i] = failure ? 1 : 0;
               turn.notify_all();
             };
             try {
-              header_done[i].wait();
-              header_done[i] = {};
+              if (!deferred[i]) {
+                header_done[i].wait();
+                header_done[i] = {};
+              }
               {
                 std::unique_lock<std::mutex> lock(order);
                 turn.wait(lock, [&] {
@@ -507,14 +527,27 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
                   }
                   return true;
                 });
+                // An earlier message of this peer and tag failed its check: its bytes may
+                // still come first, so a payload posted now could take them.
+                for (size_t j : waiting) {
+                  DTRAIN_CHECK_AS(CommError, !(j < i && same_pair(j, i) && failed[j]),
+                                  describe(c.state->info()), ": an earlier message from rank ",
+                                  c.p2p[i].world_peer, " under tag ", c.p2p[i].tag,
+                                  " in this batch failed, so this one was not received");
+                }
+              }
+              if (deferred[i]) {  // its channel's first is checked: its size is the sender's
+                post_header(i);
+                header_done[i].wait();
+                header_done[i] = {};
               }
               bytes_done[i] = checked(i);
-              mark();
+              mark(false);
               if (bytes_done[i]) bytes_done[i].wait();
               bytes_done[i] = {};
             } catch (...) {
               errors[i] = std::current_exception();
-              mark();
+              mark(true);
             }
           });
         }
@@ -533,6 +566,11 @@ void Communicator::run_p2p(const P2PPost& post, const Collective& c) {
           const size_t i = waiting[k];
           bool earlier = false;  // an earlier receive of this (peer, tag) still waits
           for (size_t e = 0; e < k; ++e) earlier = earlier || same_pair(waiting[e], i);
+          if (!earlier && deferred[i]) {  // its channel's first is checked: post it now
+            post_header(i);
+            deferred[i] = 0;
+            progressed = true;
+          }
           if (earlier || !header_done[i].done()) {
             ++k;
             continue;

@@ -85,8 +85,8 @@ class Communicator {
   // and a receive pair up in the order each rank issues them for that peer and tag. Each
   // message carries its dtype and shape (MPI and Gloo), and a receive whose tensor
   // differs fails naming both ranks and what each had (the first message of a peer and tag
-  // carries them alone, later ones with their bytes: run_p2p). Any dtype; 0-d and empty
-  // tensors too.
+  // carries them alone, later ones up to 4 MiB with their bytes: run_p2p). Any dtype; 0-d
+  // and empty tensors too.
   // They run in issue order with this communicator's collectives, and outside their
   // numbering (the collective check and the flight analyser's matching skip them): two ranks
   // that both send first to each other pair up only in a batch, which posts all its sends and
@@ -175,7 +175,8 @@ class Communicator {
   // A point-to-point batch on a backend that moves bytes (MPI, Gloo). Each message's header
   // (dtype and shape) is checked against the receiving tensor. The first message of a channel
   // (peer, tag, direction) sends its header alone, then its bytes once the header is checked.
-  // Every later one is a single transfer of a header and the first message's number of bytes:
+  // Where that first message had at most 4 MiB (a larger one's later messages go as it did),
+  // every later one is a single transfer of a header and the first message's number of bytes:
   // its own bytes when its header is the first one's, else a notice followed by its bytes
   // (both sides changed shape: accepted; one side: refused). So a receive never gets more
   // bytes than it posted (Gloo would abort the process), and a pipeline's repeated messages

@@ -18,12 +18,12 @@ Pipeline::Pipeline(Schedule schedule, std::shared_ptr<comm::Communicator> group)
   DTRAIN_CHECK_AS(UsageError, size == schedule_.ranks, "pipeline: the schedule is for ",
                   schedule_.ranks, " ranks but the group has ", size);
   rank_ = group_ ? group_->rank() : 0;
+  check_message_order(schedule_, comm::Communicator::kMaxTag + 1);
 }
 
 int Pipeline::tag(int boundary, int micro, bool grad) const {
-  const int64_t n =
-      (static_cast<int64_t>(boundary) * schedule_.micro_batches + micro) * 2 + (grad ? 1 : 0);
-  return static_cast<int>(n % (comm::Communicator::kMaxTag + 1));
+  return message_tag(boundary, micro, grad, schedule_.micro_batches,
+                     comm::Communicator::kMaxTag + 1);
 }
 
 at::Tensor Pipeline::loss_sum(const std::vector<at::Tensor>& losses) const {

@@ -256,6 +256,68 @@ std::vector<std::pair<int64_t, int64_t>> split_layers(int64_t layers, int stages
   return out;
 }
 
+int message_tag(int boundary, int micro, bool grad, int micro_batches, int tags) {
+  const int64_t n = (static_cast<int64_t>(boundary) * micro_batches + micro) * 2 + (grad ? 1 : 0);
+  return static_cast<int>(n % tags);
+}
+
+void check_message_order(const Schedule& s, int tags) {
+  if (2 * static_cast<int64_t>(s.stages - 1) * s.micro_batches <= tags) return;
+  using Id = std::tuple<int, int, bool>;  // boundary, micro, gradient
+  using Key = std::tuple<int, int, int>;  // from, to, tag
+  std::map<Key, std::vector<Id>> sent, received;
+  for (int r = 0; r < static_cast<int>(s.actions.size()); ++r) {
+    for (const Action& a : s.actions[static_cast<size_t>(r)]) {
+      int boundary = 0, peer = 0;
+      bool grad = false, send = false;
+      switch (a.op) {
+        case Op::kSendActivation:
+          boundary = a.stage, peer = s.rank_of(a.stage + 1), send = true;
+          break;
+        case Op::kRecvActivation:
+          boundary = a.stage - 1, peer = s.rank_of(a.stage - 1);
+          break;
+        case Op::kSendGrad:
+          boundary = a.stage - 1, peer = s.rank_of(a.stage - 1), grad = send = true;
+          break;
+        case Op::kRecvGrad:
+          boundary = a.stage, peer = s.rank_of(a.stage + 1), grad = true;
+          break;
+        default:
+          continue;
+      }
+      const int tag = message_tag(boundary, a.micro, grad, s.micro_batches, tags);
+      if (send) {
+        sent[{r, peer, tag}].emplace_back(boundary, a.micro, grad);
+      } else {
+        received[{peer, r, tag}].emplace_back(boundary, a.micro, grad);
+      }
+    }
+  }
+  auto name = [](const Id& id) {
+    const auto& [boundary, micro, grad] = id;
+    std::ostringstream os;
+    os << (grad ? "the gradient of stage " : "the activation of stage ")
+       << (grad ? boundary + 1 : boundary) << " micro-batch " << micro;
+    return os.str();
+  };
+  for (const auto& [key, ids] : sent) {
+    const std::vector<Id>& got = received[key];
+    if (got == ids) continue;
+    size_t k = 0;
+    while (k < ids.size() && k < got.size() && ids[k] == got[k]) ++k;
+    const auto& [from, to, tag] = key;
+    DTRAIN_FAIL(UsageError, "pipeline schedule ", schedule_name(s.kind), ": ",
+                2 * static_cast<int64_t>(s.stages - 1) * s.micro_batches, " messages share ", tags,
+                " tags, and under tag ", tag, " rank ", from, " sends ",
+                k < ids.size() ? name(ids[k]) : std::string("nothing more"), " where rank ", to,
+                " receives ", k < got.size() ? name(got[k]) : std::string("nothing more"),
+                ": the two would be swapped. Use fewer micro-batches or stages, so that "
+                "2 x (stages - 1) x micro-batches is at most ",
+                tags, ", or post the messages of one tag in the same order on both ranks");
+  }
+}
+
 std::string format(const Schedule& s, int rank) {
   std::ostringstream os;
   bool in_batch = false;

@@ -149,6 +149,16 @@ struct Simulation {
 Simulation simulate(const Schedule& s, double forward_cost = 1.0, double backward_cost = 2.0);
 inline void check(const Schedule& s) { simulate(s); }
 
+// The message tag (in [0, tags)) of the activation (grad = false) or gradient between stages
+// `boundary` and boundary + 1 for micro-batch `micro`. Distinct for every message of a step
+// while 2 (stages - 1) micro_batches <= tags; past that, tags repeat.
+int message_tag(int boundary, int micro, bool grad, int micro_batches, int tags);
+// Where tags repeat, messages of one tag between two ranks pair up in the order they are
+// posted: throws UsageError naming both ranks, the tag and the two messages when a rank
+// receives those of one tag in another order than its peer sends them (a schedule that would
+// swap two micro-batches' activations silently). Every schedule make_schedule builds passes.
+void check_message_order(const Schedule& s, int tags);
+
 // The bubble fraction the literature gives: (p - 1) / (m + p - 1) for gpipe and 1f1b,
 // (p - 1) / (v m + p - 1) for interleaved_1f1b, (p - 1) / (3 m + p - 1) for zero_bubble
 // (with I and W each half of a backward's cost, as simulate() takes them).

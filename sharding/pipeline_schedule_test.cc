@@ -325,5 +325,45 @@ TEST(PipelineSchedule, ImpossibleConfigurationsAreRefused) {
   EXPECT_EQ(parse_schedule("zero_bubble"), ScheduleKind::kZeroBubble);
 }
 
+// Past 2 (stages - 1) micro-batches messages per step, tags repeat and messages of one tag
+// pair up in the order they are posted: the schedules built here keep that order on both
+// ranks, and one that does not is refused before it could swap two activations.
+TEST(PipelineSchedule, RepeatedTagsMustPairInOrder) {
+  constexpr int kTags = 16384;
+  EXPECT_EQ(message_tag(0, 8192, false, 8200, kTags), message_tag(0, 0, false, 8200, kTags));
+  EXPECT_NE(message_tag(0, 8191, false, 8200, kTags), message_tag(0, 0, false, 8200, kTags));
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZeroBubble}) {
+    const Schedule s = make_schedule(kind, 2, 8200);
+    EXPECT_NO_THROW(check_message_order(s, kTags)) << schedule_name(kind);
+  }
+  EXPECT_NO_THROW(check_message_order(make_schedule(ScheduleKind::kInterleaved1F1B, 4, 1400, 2),
+                                      kTags));  // 2 x 7 x 1400 = 19600 messages
+  // Micro-batches 0 and 8192 share tag 0 between stages 0 and 1.
+  Schedule s;
+  s.ranks = 2;
+  s.stages = 2;
+  s.micro_batches = 8200;
+  s.actions = {{{Op::kSendActivation, 0, 0}, {Op::kSendActivation, 0, 8192}},
+               {{Op::kRecvActivation, 1, 0}, {Op::kRecvActivation, 1, 8192}}};
+  EXPECT_NO_THROW(check_message_order(s, kTags));
+  EXPECT_NO_THROW(check_message_order(s, 2 * 8200));  // every message its own tag
+  std::swap(s.actions[1][0], s.actions[1][1]);
+  EXPECT_NO_THROW(check_message_order(s, 2 * 8200));
+  try {
+    check_message_order(s, kTags);
+    ADD_FAILURE() << "a swap of micro-batches 0 and 8192 was not refused";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "under tag 0 rank 0 sends the activation of stage 0 micro-batch 0 where rank 1 "
+                  "receives the activation of stage 0 micro-batch 8192"),
+              std::string::npos)
+        << e.what();
+  }
+  // Gradients too: stage 1's to stage 0.
+  s.actions = {{{Op::kRecvGrad, 0, 8192}, {Op::kRecvGrad, 0, 0}},
+               {{Op::kSendGrad, 1, 0}, {Op::kSendGrad, 1, 8192}}};
+  EXPECT_THROW(check_message_order(s, kTags), UsageError);
+}
+
 }  // namespace
 }  // namespace dtrain::sharding::pp
