@@ -276,6 +276,20 @@ at::Tensor PipelineStrategy::train(const std::vector<Batch>& batches, const Loss
   step.activation_shape = activation_shape(batches.front().inputs);
   step.activation_dtype = activation_dtype_;
   step.device = device();
+  // DDP's stages with broadcast_buffers: each step starts from data-parallel rank 0's
+  // buffers, as a DDP module accumulating over micro-batches does (it broadcasts before the
+  // forward that follows a synchronizing backward: a step's first).
+  const auto& replicas = mesh_->dp();
+  if (shards_ == nullptr && replicas && replicas->size() > 1 && c_.parallel.broadcast_buffers) {
+    c10::NoGradGuard no_grad;
+    size_t b = 0;
+    for (const auto& kv : model_.module->named_buffers()) {
+      if (buffer_owner_[b++] != pp_rank()) continue;
+      at::Tensor msg = kv.value().detach().contiguous();
+      replicas->broadcast(msg, 0).wait();
+      if (msg.data_ptr() != kv.value().data_ptr()) kv.value().detach().copy_(msg);
+    }
+  }
   // Sharded: the stage's parameters gathered once for all of the step's micro-batches.
   unshard(nullptr);
   pipe_.run(step);

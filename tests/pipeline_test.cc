@@ -696,6 +696,57 @@ TEST_F(Test, DataParallelPipelinesStepAParameterOnlyOneRanksMicroBatchesUsed) {
   }
 }
 
+// Data-parallel pipelines of DDP's stages (broadcast_buffers, the default) start each step from
+// data-parallel rank 0's buffers, as DDP accumulating over micro-batches does: after two steps
+// each rank's buffers are rank 0's after the first step, updated by its own second step's
+// micro-batches. (Before, each rank's buffers went their own way.)
+TEST_F(Test, DataParallelPipelinesStartEachStepFromRankZerosBuffers) {
+  const int w = world().size();
+  if (w < 4 || w % 2 != 0) GTEST_SKIP() << "needs pp 2 x a data-parallel group of 2 or more";
+  constexpr int64_t kH = 8, kM = 2, kLayers = 4;
+  const int dp = w / 2;
+  auto make = [&] {
+    at::manual_seed(17);
+    return BufferedStack(kLayers, kH);
+  };
+  // Step s of data-parallel rank d: batches[s * dp + d].
+  const auto batches = stack_batches(static_cast<size_t>(2 * dp), kM, kH, 41);
+  auto batch_of = [&](int s, int d) { return batches[static_cast<size_t>(s * dp + d)]; };
+  framework::RunConfig c;
+  c.parallel.pp = 2;
+  c.parallel.strategy = framework::ParallelStrategy::kDdp;
+  c.parallel.pp_schedule = ScheduleKind::k1F1B;
+  c.train.micro_batches = kM;
+  sharding::MeshShape shape;
+  shape.pp = 2;
+  shape.replicate = dp;
+  auto mesh = std::make_shared<sharding::DeviceMesh>(world_ptr(), shape);
+  const int d = mesh->dp_rank();
+  // One process: rank 0's first step, then this rank's second.
+  BufferedStack ref = make();
+  for (int s = 0; s < 2; ++s) {
+    for (const auto& b : batch_of(s, s == 0 ? 0 : d)) ref->forward(b.inputs, 0, kLayers);
+  }
+  BufferedStack model = make();
+  framework::PipelineStrategy strategy(stack_model(model, kLayers, kH), mesh, c);
+  for (int s = 0; s < 2; ++s) {
+    const auto mine = batch_of(s, d);
+    strategy.train(
+        mine,
+        [&](int micro, const at::Tensor& y) { return (y - mine[micro].targets).pow(2).mean(); },
+        [](const at::Tensor& l) { return l; });
+  }
+  strategy.share(nullptr);  // every stage's buffers on every rank of the pipeline
+  const auto want = ref->named_buffers();
+  int equal = 0;
+  for (const auto& kv : model->named_buffers()) {
+    EXPECT_TRUE(at::equal(kv.value(), want[kv.key()]))
+        << "data-parallel rank " << d << " " << kv.key();
+    equal += at::equal(kv.value(), want[kv.key()]) ? 1 : 0;
+  }
+  EXPECT_EQ(equal, static_cast<int>(4 * (kLayers + 1)));
+}
+
 // Two data-parallel pipelines of DDP's stages reducing in fp16 average as DDP does: divided
 // before the sum. Both ranks see the same micro-batches, scaled so that the largest gradient is
 // 40000 on each: the average is that gradient within fp16 rounding, where a sum and then a
