@@ -2,7 +2,9 @@
 
   stop      rank 1 SIGSTOPs itself after step 3: rank 0 times out and dumps, dtrain-launch
             ends rank 1 (SIGTERM), which dumps too; scripts/flight names rank 1, which fell
-            behind.
+            behind; and so it does when rank 1 issued the next collective after rank 0 had
+            given up on it (the SIGCONT that comes with the SIGTERM can let it run on first:
+            forged from the run's own dumps, as that race is rare).
   sigstop   rank 1 SIGSTOPped from outside at three moments of a run, most often inside a
             collective it had issued (rank 0 times out on it, rank 1 finishes nothing more):
             scripts/flight names rank 1 each time.
@@ -99,6 +101,32 @@ def main():
           f"stop: both ranks dumped (exit {code})", log + report)
     check("verdict: rank 1 at fault" in report and "which fell behind" in report,
           "stop: scripts/flight names rank 1, which fell behind", log + report)
+    # The same, had the launcher's SIGTERM and SIGCONT let rank 1 issue the next collective
+    # before its dump (a race CI once lost): the stop run's dumps, with rank 1's entry for rank
+    # 0's timed-out collective added 0.2 s after rank 0 gave up on it.
+    late = f"{work}/stop_woken"
+    os.makedirs(late)
+    try:
+        with open(f"{out}/flight_rank0.json") as f:
+            d0 = json.load(f)
+        with open(f"{out}/flight_rank1.json") as f:
+            d1 = json.load(f)
+        gave_up = dict(d0["entries"][-1])
+        woken = dict(gave_up, state="failed", issued_us=gave_up["ended_us"] + 200_000,
+                     ended_us=gave_up["ended_us"] + 205_000)
+        d1["entries"] = [e for e in d1["entries"]
+                         if (e["comm"], e["seq"]) != (woken["comm"], woken["seq"])] + [woken]
+        d1["dumped_us"] = woken["ended_us"] + 1000
+        for rank, d in ((0, d0), (1, d1)):
+            with open(f"{late}/flight_rank{rank}.json", "w") as f:
+                json.dump(d, f)
+        report = flight(args, late)
+        ok = gave_up["state"] == "timed out" and "verdict: rank 1 at fault" in report and \
+            "issued it 0.2 s after another rank had given up on it, which fell behind" in report
+    except (OSError, KeyError, IndexError, ValueError) as e:
+        ok, report = False, f"{type(e).__name__}: {e}"
+    check(ok, "stop, woken before its dump: scripts/flight names rank 1, which fell behind",
+          report)
 
     # sigstop: a rank stopped from outside at any moment, most often inside a collective it
     # had issued (the others time out on it): still named, in each of three runs.
