@@ -584,15 +584,23 @@ void Reducer::prepare_for_forward(bool will_sync) {
                 "parallel.find_unused_parameters: true), or make every parameter contribute "
                 "to the loss.");
   }
-  if (rebuild_due_ && will_sync) {
+  // As PyTorch's DDP: in the first forward with gradients enabled after the first
+  // synchronizing backward, under no_sync too (every rank runs the same forwards). Gradients
+  // accumulated before a rebuild are copied into the new buckets and averaged in place (div_),
+  // not while being copied (mul by 1/world): at 3 ranks the two round apart.
+  if (rebuild_due_ && c10::GradMode::is_enabled()) {
     drain_in_flight();
     rebuild_buckets();
   }
-  if (options_.broadcast_buffers() && !buffers_.empty()) {
+  // As PyTorch's DDP (require_forward_param_sync): buffers come from rank 0 only in a forward
+  // that follows a synchronizing one (or the first), so a step accumulating under no_sync
+  // takes them once, and a rank's buffers then go their own way until the next sync.
+  if (options_.broadcast_buffers() && !buffers_.empty() && buffers_due_) {
     std::vector<at::Tensor> b;
     for (const auto& [name, t] : buffers_) b.push_back(t);
     broadcast_flat(b);
   }
+  buffers_due_ = will_sync;
 }
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {

@@ -125,8 +125,9 @@ class Reducer : public GradientSync {
   Reducer& operator=(const Reducer&) = delete;
 
   // Before the module's forward: reports a previous iteration that left gradients
-  // unreduced, broadcasts buffers, and — only in a forward that will synchronize
-  // gradients (`will_sync`), so that every rank takes part — rebuilds buckets once if due.
+  // unreduced, broadcasts buffers if the previous forward synchronized (or this is the
+  // first), and, in a forward with gradients enabled (under no_sync too, as PyTorch), rebuilds
+  // buckets once if due. `will_sync`: this forward's backward synchronizes gradients.
   void prepare_for_forward(bool will_sync);
   // After the module's forward, when gradients are to be synchronized: arms the hooks and,
   // with find_unused_parameters, finds the parameters `outputs` do not depend on.
@@ -210,6 +211,8 @@ class Reducer : public GradientSync {
 
   std::mutex mu_;
   bool require_sync_ = true;
+  // Whether the next forward broadcasts buffers: the last forward synchronized gradients.
+  bool buffers_due_ = true;
   bool expect_hooks_ = false;  // between a syncing forward and the end of its backward
   bool callback_queued_ = false;
   bool marked_unused_ = false;

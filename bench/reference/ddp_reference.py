@@ -21,7 +21,9 @@ would: DDP (with bf16_compress_hook / fp16_compress_hook for those precisions), 
 and the loss under torch.autocast, AdamW(fused=True), torch.amp.GradScaler for fp16. Rank 0
 then compares the losses, scales and final weights with dtrain's (DIR/dtrain.json,
 DIR/final.pt) bit for bit and exits 1 on any difference. --runs FILE (a JSON list of
-{"init", "precision"}) does several such runs in one launch.
+{"init", "precision"}) does several such runs in one launch. A run with "buffers": true is
+ddp_parity.cc --buffers: every rank's buffers after every forward, accumulating under no_sync
+with a no_grad forward after each step.
 """
 import argparse
 import contextlib
@@ -63,7 +65,106 @@ def compress(ddp, dtype):
         ddp.register_comm_hook(None, bf16_hook)
 
 
+class BufferNet(torch.nn.Module):
+    """ddp_parity.cc's --buffers net: buffers every forward changes from its input, in each
+    dtype (BatchNorm's fp32 statistics and int64 count, a bf16 running sum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 4)
+        self.extra = torch.nn.Linear(16, 16)
+        self.register_buffer("seen", torch.zeros(16, dtype=torch.bfloat16))
+        self.fc2.bias.requires_grad_(False)  # frozen: DDP leaves it out
+
+    def forward(self, x, use_extra):
+        h = self.bn(self.fc1(x))
+        if use_extra:
+            h = h + self.extra(h)
+        with torch.no_grad():
+            self.seen.add_(h.detach().sum(0).to(torch.bfloat16))
+        return self.fc2(torch.relu(h))
+
+
+def buffer_batch(k, world, rank):
+    """Forward k's inputs and targets on `rank`: the draws of ddp_parity.cc's buffer_batch()."""
+    gen = torch.Generator().manual_seed(2000 + k * world + rank)
+    x = torch.randn(8, 8, generator=gen)
+    y = torch.randn(8, 4, generator=gen)
+    return x, y
+
+
+def parity_buffers(a):
+    """ddp_parity.cc --buffers as PyTorch runs it: every rank compares its buffers after each
+    forward, rank 0 the final weights too. fc2.bias is frozen; with find_unused, `extra` takes
+    part only in each step's first forward (under no_sync). Returns 1 on any difference on any
+    rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = os.path.dirname(os.path.abspath(a.init))
+    net = BufferNet()
+    keys = net.load_state_dict(torch.load(a.init, weights_only=False), strict=True)
+    assert not keys.missing_keys and not keys.unexpected_keys, keys
+    unused = bool(getattr(a, "find_unused", False))
+    ddp = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True,
+                                                    find_unused_parameters=unused)
+    opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
+    record, k = {}, 0
+
+    def keep():
+        nonlocal k
+        for name, b in net.named_buffers():
+            record[f"{k}.{name}"] = b.detach().clone()
+        k += 1
+
+    for _ in range(a.steps):
+        opt.zero_grad(set_to_none=True)
+        for m in range(3):
+            x, y = buffer_batch(k, world, rank)
+            with ddp.no_sync() if m < 2 else contextlib.nullcontext():
+                F.mse_loss(ddp(x, not unused or m == 0), y).backward()
+            keep()
+        opt.step()
+        with torch.no_grad():
+            ddp(buffer_batch(k, world, rank)[0], True)
+        keep()
+    theirs = torch.load(os.path.join(out, f"buffers_rank{rank}.pt"), weights_only=False)
+    bad = []
+    if sorted(theirs) != sorted(record):
+        bad.append(f"recorded buffers differ: dtrain {sorted(theirs)}, pytorch {sorted(record)}")
+    for key in sorted(set(theirs) & set(record), key=lambda n: (int(n.split(".")[0]), n)):
+        if theirs[key].dtype != record[key].dtype or not torch.equal(theirs[key], record[key]):
+            bad.append(f"rank {rank}, after forward {key}: dtrain {theirs[key].flatten()[:3]}, "
+                       f"pytorch {record[key].flatten()[:3]}")
+    if rank == 0:
+        final = torch.load(os.path.join(out, "final.pt"), weights_only=False)
+        for name, p in net.named_parameters():
+            if name not in final or not torch.equal(final[name], p.detach()):
+                bad.append(f"rank 0: final weight {name} differs")
+    # How far the ranks' buffers went apart: the comparison sees whether and when DDP
+    # broadcast rank 0's only if they differ.
+    last = record[f"{k - 2}.bn.running_mean"]
+    gathered = [torch.empty_like(last) for _ in range(world)]
+    dist.all_gather(gathered, last)
+    apart = any(not torch.equal(g, gathered[0]) for g in gathered)
+    failed = torch.tensor([len(bad)])
+    dist.all_reduce(failed)
+    for line in bad[:8]:
+        print("  DIFFERS " + line, flush=True)
+    dist.barrier()
+    if rank == 0:
+        print(f"buffers{', find_unused' if unused else ''}: {a.steps} steps of 3 forwards (2 under no_sync) and a no_grad forward, "
+              f"{len(record)} buffer records per rank, ranks' BatchNorm means "
+              f"{'apart' if apart else 'EQUAL'} after the last step's backward: " +
+              ("bitwise equal on every rank" if not failed.item() and apart else
+               "NOT bitwise equal" if failed.item() else "the ranks never went apart"),
+              flush=True)
+    return 1 if failed.item() or not apart else 0
+
+
 def parity(a):
+    if getattr(a, "buffers", False):
+        return parity_buffers(a)
     rank = dist.get_rank()
     out = os.path.dirname(os.path.abspath(a.init))
     model = TransformerLM(common.VOCAB, common.SEQ, common.D_MODEL, common.LAYERS, common.HEADS,

@@ -16,7 +16,16 @@
 // weights after the last step (DIR/final.pt) and, per step, the loss averaged over ranks and
 // the scale (DIR/dtrain.json). The data of step s on rank r is torch.randint(0, vocab, (B, T))
 // from a CPU generator seeded 1000 + s * world + r: the same draws in C++ and Python.
+//
+// With --buffers, a small net with BatchNorm and a bf16 buffer instead, accumulating over
+// micro-batches under no_sync, with a forward under no_grad after each step: every rank's
+// buffers after every forward, which shows when DDP broadcasts rank 0's (as PyTorch: only in a
+// forward after one that synchronized gradients, or the first).
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/sgd.h>
 
 #include <optional>
 #include <string>
@@ -37,10 +46,97 @@ using dtrain::framework::TransformerLM;
 
 namespace {
 
-std::vector<std::pair<std::string, at::Tensor>> named_parameters(const TransformerLM& model) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+Named named_parameters(const TransformerLM& model) {
+  Named out;
   for (const auto& item : model->named_parameters()) out.emplace_back(item.key(), item.value());
   return out;
+}
+
+// --buffers: buffers that every forward changes from its input, in each dtype a model holds
+// (BatchNorm's fp32 statistics and int64 count, a bf16 running sum), for when DDP broadcasts
+// rank 0's. bench/reference/ddp_reference.py has the same module.
+struct BufferNetImpl : torch::nn::Module {
+  BufferNetImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 16))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(16))),
+        fc2(register_module("fc2", torch::nn::Linear(16, 4))),
+        extra(register_module("extra", torch::nn::Linear(16, 16))),
+        seen(register_buffer("seen", at::zeros({16}, at::kBFloat16))) {
+    fc2->bias.requires_grad_(false);  // frozen: DDP leaves it out
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_extra) {
+    at::Tensor h = bn(fc1(x));
+    if (use_extra) h = h + extra(h);
+    {
+      at::NoGradGuard no_grad;
+      seen.add_(h.detach().sum(0).to(at::kBFloat16));
+    }
+    return fc2(at::relu(h));
+  }
+  torch::nn::Linear fc1;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Linear fc2;
+  torch::nn::Linear extra;
+  at::Tensor seen;
+};
+TORCH_MODULE(BufferNet);
+
+// Forward k's inputs and targets on `rank`: the draws of ddp_reference.py's buffer_batch().
+std::pair<at::Tensor, at::Tensor> buffer_batch(int64_t k, int world, int rank) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(2000 + k * world + rank);
+  at::Tensor x = at::randn({8, 8}, gen);
+  at::Tensor y = at::randn({8, 4}, gen);
+  return {x, y};
+}
+
+// Steps of three forwards and backwards, the first two under no_sync, then SGD, then a forward
+// under no_grad. fc2.bias is frozen; with find_unused, `extra` takes part only in each step's
+// first forward (under no_sync: PyTorch still averages its gradient), else in every one. Every rank
+// writes its buffers after each forward (DIR/buffers_rank<r>.pt,
+// "<forward>.<name>"); rank 0 the initial weights and buffers (DIR/init.pt) and the final
+// weights (DIR/final.pt).
+void run_buffers(const dtrain::parity::Args& args,
+                 const std::shared_ptr<dtrain::comm::Communicator>& world, bool find_unused) {
+  const int rank = world->rank(), size = world->size();
+  at::manual_seed(7);
+  BufferNet net;
+  dtrain::sharding::DistributedDataParallel<BufferNet> ddp(
+      net, world, dtrain::sharding::DDPOptions().find_unused_parameters(find_unused));
+  Named init, record;
+  for (const auto& item : net->named_parameters()) init.emplace_back(item.key(), item.value());
+  for (const auto& item : net->named_buffers()) init.emplace_back(item.key(), item.value());
+  if (rank == 0) dtrain::parity::save(init, args.out_dir + "/init.pt");
+  torch::optim::SGD opt(ddp.parameters(), torch::optim::SGDOptions(0.1));
+  int64_t k = 0;
+  auto keep = [&] {
+    for (const auto& item : net->named_buffers())
+      record.emplace_back(std::to_string(k) + "." + item.key(), item.value().clone());
+    ++k;
+  };
+  constexpr int kMicro = 3;
+  for (int64_t s = 0; s < args.steps; ++s) {
+    opt.zero_grad(true);
+    for (int m = 0; m < kMicro; ++m) {
+      auto [x, y] = buffer_batch(k, size, rank);
+      std::optional<dtrain::sharding::NoSyncGuard> guard;
+      if (m < kMicro - 1) guard.emplace(ddp.no_sync());
+      at::mse_loss(ddp(x, !find_unused || m == 0), y).backward();
+      keep();
+    }
+    opt.step();
+    at::NoGradGuard no_grad;
+    ddp(buffer_batch(k, size, rank).first, true);
+    keep();
+  }
+  dtrain::parity::save(record, args.out_dir + "/buffers_rank" + std::to_string(rank) + ".pt");
+  if (rank == 0) {
+    Named weights;
+    for (const auto& item : net->named_parameters()) weights.emplace_back(item.key(), item.value());
+    dtrain::parity::save(weights, args.out_dir + "/final.pt");
+  }
+  world->barrier().wait();
 }
 
 }  // namespace
@@ -57,9 +153,17 @@ int main(int argc, char** argv) {
                  "every bucket's size limit, the first's too (PyTorch's bucket_cap_mb); "
                  "0: the defaults (25, the first 1)");
   app.add_flag("--find-unused", find_unused, "find_unused_parameters");
+  bool buffers = false;
+  app.add_flag("--buffers", buffers,
+               "a small net whose buffers every forward changes, accumulating under no_sync "
+               "with a no_grad forward after each step: each rank's buffers after each forward");
   dtrain::cli::parse(app, argc, argv);
 
   auto world = dtrain::comm::create_world();
+  if (buffers) {
+    run_buffers(args, world, find_unused);
+    return 0;
+  }
   const int rank = world->rank(), size = world->size();
   TransformerLM model = dtrain::parity::make_model(args);
   const auto policy = dtrain::amp::MixedPrecisionPolicy::preset(args.precision);
