@@ -611,6 +611,18 @@ at::Tensor Trainer::forward_loss(const Batch& b) {
 // Mean loss over the validation set, the same number at any world size: every rank evaluates
 // its share; sums and counts are added over the ranks.
 double Trainer::validation_loss() {
+  // In eval mode, as a PyTorch recipe runs validation (model.eval(), then model.train()): a
+  // user's BatchNorm keeps its running statistics and uses them, and Dropout draws nothing.
+  struct EvalMode {
+    torch::nn::Module& m;
+    const bool was_training = m.is_training();
+    explicit EvalMode(torch::nn::Module& module) : m(module) { m.eval(); }
+    ~EvalMode() {
+      if (was_training) m.train();
+    }
+    EvalMode(const EvalMode&) = delete;
+    EvalMode& operator=(const EvalMode&) = delete;
+  } eval_mode(model_->module());
   // By data-parallel rank: a TP group or a pipeline evaluates one share (and adds it once per
   // rank, as it adds its count). Ranks are pp x (data-parallel) x tp, pp outermost.
   const int tp = static_cast<int>(c_.parallel.tp), pp = static_cast<int>(c_.parallel.pp);

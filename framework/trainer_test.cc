@@ -5,11 +5,15 @@
 // Trainer::train_step, driven by hand, takes the same steps as train(). A step reads nothing
 // back to the host (counted with ATen's observers). The config becomes
 // DDP and FSDP options in one place (ddp_options, fsdp_options), and the metrics file's JSON
-// escapes what it is given.
+// escapes what it is given. Validation runs a user's module in eval mode.
 #include "framework/trainer.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
 
 #include <cmath>
 #include <cstdio>
@@ -82,6 +86,42 @@ TEST(Trainer, UsersModelThroughTheApiMatchesTheConfigsModelFp32) { expect_same_r
 TEST(Trainer, UsersModelThroughTheApiMatchesTheConfigsModelFp16AccumulatingWithScaler) {
   expect_same_run({"precision.policy=fp16", "precision.scaler.enabled=true",
                    "precision.scaler.init_scale=256", "train.micro_batches=2"});
+}
+
+// A user's module with BatchNorm and Dropout: validation runs it in eval mode, as a PyTorch
+// recipe does, so it neither moves the running statistics nor draws dropout masks. A run that
+// validates at steps 3 and 6 trains bitwise as one that never validates, and ends with the same
+// statistics. (In train mode, the validation at step 3 drew from the generator that steps 4-6
+// take their masks from, and the one at step 6 moved the statistics.)
+struct NormDropNetImpl : torch::nn::Module {
+  NormDropNetImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(16, 32))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(32))),
+        drop(register_module("drop", torch::nn::Dropout(0.5))),
+        fc2(register_module("fc2", torch::nn::Linear(32, 4))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc2(drop(at::relu(bn(fc1(x))))); }
+  torch::nn::Linear fc1;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Dropout drop;
+  torch::nn::Linear fc2;
+};
+TORCH_MODULE(NormDropNet);
+
+TEST(Trainer, ValidationRunsTheModelInEvalMode) {
+  auto run = [](int64_t eval_every) {
+    const RunConfig c = config_with("custom", {"train.eval_every=" + std::to_string(eval_every)});
+    at::manual_seed(static_cast<uint64_t>(c.train.seed));
+    NormDropNet net;
+    const TrainResult r = train(net, data_for(c), cross_entropy, c, nullptr, "NormDropNet");
+    EXPECT_TRUE(net->is_training()) << "validation leaves the model in training mode";
+    return std::make_pair(r, net->bn->running_mean.clone());
+  };
+  const auto [validated, validated_mean] = run(3);
+  const auto [plain, plain_mean] = run(0);
+  EXPECT_EQ(validated.steps, 6);
+  EXPECT_EQ(validated.last_loss, plain.last_loss);  // bitwise
+  EXPECT_TRUE(at::equal(validated_mean, plain_mean));
+  EXPECT_FALSE(at::equal(plain_mean, at::zeros_like(plain_mean))) << "the statistics moved";
 }
 
 TEST(Trainer, EachEntryRefusesTheOthersModelType) {
