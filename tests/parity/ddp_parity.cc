@@ -92,11 +92,10 @@ std::pair<at::Tensor, at::Tensor> buffer_batch(int64_t k, int world, int rank) {
 }
 
 // Steps of three forwards and backwards, the first two under no_sync, then SGD, then a forward
-// under no_grad. fc2.bias is frozen; with find_unused, `extra` takes part only in each step's
-// first forward (under no_sync: PyTorch still averages its gradient), else in every one. Every rank
-// writes its buffers after each forward (DIR/buffers_rank<r>.pt,
-// "<forward>.<name>"); rank 0 the initial weights and buffers (DIR/init.pt) and the final
-// weights (DIR/final.pt).
+// under no_grad. fc2.bias is frozen. With find_unused, `extra` takes part only in each step's
+// first forward (under no_sync; PyTorch still averages its gradient), else in every one. Every
+// rank writes its buffers after each forward (DIR/buffers_rank<r>.pt, "<forward>.<name>"); rank
+// 0 the initial weights and buffers (DIR/init.pt) and the final weights (DIR/final.pt).
 void run_buffers(const dtrain::parity::Args& args,
                  const std::shared_ptr<dtrain::comm::Communicator>& world, bool find_unused) {
   const int rank = world->rank(), size = world->size();
