@@ -164,7 +164,10 @@ void Reducer::broadcast_flat(const std::vector<at::Tensor>& tensors) {
 void Reducer::sync_module_states() {
   std::vector<at::Tensor> tensors;
   for (const auto& [name, p] : params_) tensors.push_back(p);
-  for (const auto& [name, b] : buffers_) tensors.push_back(b);
+  // Buffers too only with broadcast_buffers, as PyTorch's constructor (init_sync_buffers).
+  if (options_.broadcast_buffers()) {
+    for (const auto& [name, b] : buffers_) tensors.push_back(b);
+  }
   broadcast_flat(tensors);
 }
 
@@ -287,7 +290,12 @@ void Reducer::build_buckets(const std::vector<int64_t>& order, bool rebuilt) {
 
 void Reducer::autograd_hook(int64_t index) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (options_.find_unused_parameters()) local_used_.data_ptr<int>()[index] = 1;
+  // Used only if it holds a gradient, as PyTorch's autograd_hook: the hook also fires for an
+  // undefined one (a custom Function's, or recompute's for a parameter its region skipped), and
+  // a parameter no rank used must keep none, so that the optimizer leaves it alone.
+  if (options_.find_unused_parameters() && params_[index].second.grad().defined()) {
+    local_used_.data_ptr<int>()[index] = 1;
+  }
   if (!expect_hooks_) return;  // no_sync, or a forward that did not go through DDP
   if (!callback_queued_) {
     callback_queued_ = true;
@@ -402,8 +410,8 @@ void Reducer::finalize_backward() {
         if (globally_used) {
           grad = options_.gradient_as_bucket_view() ? b.views[s] : b.views[s].clone();
         }
-      } else if (!grad.is_alias_of(b.views[s])) {
-        grad.copy_(b.views[s]);
+      } else if (!grad.is_alias_of(b.views[s]) && globally_used) {
+        grad.copy_(b.views[s]);  // a parameter nobody used keeps its gradient, as PyTorch's
       }
       if (scale != 0 && grad.defined()) {
         unscaled.push_back(grad);
@@ -569,7 +577,9 @@ void Reducer::prepare_for_forward(bool will_sync) {
     for (uint64_t t : unscaled_tickets_) options_.grad_scaler()->withdraw(t);
   }
   unscaled_tickets_.clear();
-  if (unfinished_) {
+  // Checked where PyTorch checks it (ensure_prior_reduction_finished, from _rebuild_buckets):
+  // in a forward with gradients enabled; a no_grad forward in between says nothing.
+  if (unfinished_ && c10::GradMode::is_enabled()) {
     std::ostringstream names;
     int64_t count = 0;
     for (size_t i = 0; i < params_.size(); ++i) {

@@ -308,11 +308,34 @@ TEST_F(Test, FindUnusedParametersHandlesLocallyAndGloballyUnusedParameters) {
   }
 }
 
+// A parameter no rank used keeps the gradient it had, its own on each rank, when gradients are
+// not bucket views (PyTorch's copy_bucket_to_grad: "if a parameter is globally unused, we keep
+// its grad untouched"); the others are averaged.
+TEST_F(Test, FindUnusedLeavesAnOldGradientOfAParameterNobodyUsed) {
+  const int64_t rank = world().rank();
+  DistributedDataParallel<Branchy> ddp(
+      make_branchy(), world_ptr(),
+      DDPOptions().find_unused_parameters(true).gradient_as_bucket_view(false));
+  for (auto& p : ddp.parameters()) p.mutable_grad() = at::full_like(p, rank + 1.0);
+  ddp.forward(at::randn({kPerRank, 6}).to(dev()), false).sum().backward();
+  EXPECT_TRUE(at::equal(ddp.module()->dead->weight.grad(),
+                        at::full_like(ddp.module()->dead->weight, rank + 1.0)));
+  at::Tensor body = ddp.module()->body->weight.grad().clone(), body0 = body.clone();
+  world().broadcast(body0, 0).wait();
+  EXPECT_TRUE(at::equal(body, body0)) << "a used parameter's gradient is averaged";
+}
+
 TEST_F(Test, UnusedParameterWithoutFindUnusedRaisesNamingItAtTheNextForward) {
   DistributedDataParallel<Branchy> ddp(make_branchy(), world_ptr(),
                                        DDPOptions().bucket_cap_mb(1e-9));
   at::Tensor x = at::randn({kPerRank, 6}).to(dev());
   ddp.forward(x, true).sum().backward();  // `dead` got no gradient
+  {
+    // As PyTorch, where the check runs only with gradients enabled: a no_grad forward (a
+    // validation pass) in between says nothing.
+    at::NoGradGuard no_grad;
+    EXPECT_NO_THROW(ddp.forward(x, true));
+  }
   try {
     ddp.forward(x, true);
     FAIL() << "no error for an unused parameter";
@@ -631,7 +654,21 @@ TEST_F(Test, ParametersAndBuffersComeFromRankZero) {
   EXPECT_TRUE(at::equal(w, w0));
   ddp.module()->stat.fill_(world().rank() + 10);
   ddp(at::ones({1, 3}, dev()));
-  EXPECT_EQ(ddp.module()->stat[1].item<float>(), 10.0f) << "each forward broadcasts buffers";
+  EXPECT_EQ(ddp.module()->stat[1].item<float>(), 10.0f) << "the first forward broadcasts buffers";
+
+  // broadcast_buffers(false): each rank keeps its own, at construction too (PyTorch's
+  // init_sync_buffers); the parameters still come from rank 0.
+  WithBuffer own;
+  own->to(dev());
+  own->stat.fill_(world().rank() + 1);
+  DistributedDataParallel<WithBuffer> local(own, world_ptr(),
+                                            DDPOptions().broadcast_buffers(false));
+  EXPECT_EQ(local.module()->stat[0].item<float>(), world().rank() + 1.0f);
+  local(at::ones({1, 3}, dev()));
+  EXPECT_EQ(local.module()->stat[1].item<float>(), world().rank() + 1.0f);
+  at::Tensor v = local.module()->lin->weight.detach().clone(), v0 = v.clone();
+  world().broadcast(v0, 0).wait();
+  EXPECT_TRUE(at::equal(v, v0));
 }
 
 // Layers registered a, b, c, d but applied d, c, b, a: gradients arrive a first.

@@ -65,6 +65,20 @@ def compress(ddp, dtype):
         ddp.register_comm_hook(None, bf16_hook)
 
 
+class ScaleWithoutItsGradient(torch.autograd.Function):
+    """x * s whose backward gives s no gradient (None), as ddp_parity.cc's."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.save_for_backward(s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, g):
+        (s,) = ctx.saved_tensors
+        return g * s, None
+
+
 class BufferNet(torch.nn.Module):
     """ddp_parity.cc's --buffers net: buffers every forward changes from its input, in each
     dtype (BatchNorm's fp32 statistics and int64 count, a bf16 running sum)."""
@@ -75,11 +89,12 @@ class BufferNet(torch.nn.Module):
         self.bn = torch.nn.BatchNorm1d(16)
         self.fc2 = torch.nn.Linear(16, 4)
         self.extra = torch.nn.Linear(16, 16)
+        self.gate = torch.nn.Parameter(torch.ones(16))
         self.register_buffer("seen", torch.zeros(16, dtype=torch.bfloat16))
         self.fc2.bias.requires_grad_(False)  # frozen: DDP leaves it out
 
     def forward(self, x, use_extra):
-        h = self.bn(self.fc1(x))
+        h = ScaleWithoutItsGradient.apply(self.bn(self.fc1(x)), self.gate)
         if use_extra:
             h = h + self.extra(h)
         with torch.no_grad():
@@ -97,7 +112,8 @@ def buffer_batch(k, world, rank):
 
 def parity_buffers(a):
     """ddp_parity.cc --buffers as PyTorch runs it: every rank compares its buffers after each
-    forward, rank 0 the final weights too. fc2.bias is frozen; with find_unused, `extra` takes
+    forward, rank 0 the final weights too. SGD decays the weights; `gate` never has a gradient
+    (with find_unused it keeps none and does not move); fc2.bias is frozen; with find_unused, `extra` takes
     part only in each step's first forward (under no_sync). Returns 1 on any difference on any
     rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,7 +124,8 @@ def parity_buffers(a):
     unused = bool(getattr(a, "find_unused", False))
     ddp = torch.nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True,
                                                     find_unused_parameters=unused)
-    opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
+    opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1,
+                          weight_decay=0.01)
     record, k = {}, 0
 
     def keep():
@@ -155,7 +172,9 @@ def parity_buffers(a):
     if rank == 0:
         print(f"buffers{', find_unused' if unused else ''}: {a.steps} steps of 3 forwards (2 under no_sync) and a no_grad forward, "
               f"{len(record)} buffer records per rank, ranks' BatchNorm means "
-              f"{'apart' if apart else 'EQUAL'} after the last step's backward: " +
+              f"{'apart' if apart else 'EQUAL'} after the last step's backward, gate "
+              f"{'kept (no gradient)' if torch.equal(net.gate, torch.ones(16)) else 'decayed'}: "
+              +
               ("bitwise equal on every rank" if not failed.item() and apart else
                "NOT bitwise equal" if failed.item() else "the ranks never went apart"),
               flush=True)

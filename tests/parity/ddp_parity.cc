@@ -22,6 +22,7 @@
 // buffers after every forward, which shows when DDP broadcasts rank 0's (as PyTorch: only in a
 // forward after one that synchronized gradients, or the first).
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/linear.h>
@@ -54,6 +55,20 @@ Named named_parameters(const TransformerLM& model) {
   return out;
 }
 
+// x * s whose backward gives x its gradient and s none (an undefined tensor), as a custom
+// Function may: DDP's hook still fires for s. ddp_reference.py has the same Function.
+struct ScaleWithoutItsGradient : torch::autograd::Function<ScaleWithoutItsGradient> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& s) {
+    ctx->save_for_backward({s});
+    return x * s;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    return {g[0] * ctx->get_saved_variables()[0], at::Tensor()};
+  }
+};
+
 // --buffers: buffers that every forward changes from its input, in each dtype a model holds
 // (BatchNorm's fp32 statistics and int64 count, a bf16 running sum), for when DDP broadcasts
 // rank 0's. bench/reference/ddp_reference.py has the same module.
@@ -63,11 +78,12 @@ struct BufferNetImpl : torch::nn::Module {
         bn(register_module("bn", torch::nn::BatchNorm1d(16))),
         fc2(register_module("fc2", torch::nn::Linear(16, 4))),
         extra(register_module("extra", torch::nn::Linear(16, 16))),
+        gate(register_parameter("gate", at::ones({16}))),
         seen(register_buffer("seen", at::zeros({16}, at::kBFloat16))) {
     fc2->bias.requires_grad_(false);  // frozen: DDP leaves it out
   }
   at::Tensor forward(const at::Tensor& x, bool use_extra) {
-    at::Tensor h = bn(fc1(x));
+    at::Tensor h = ScaleWithoutItsGradient::apply(bn(fc1(x)), gate);
     if (use_extra) h = h + extra(h);
     {
       at::NoGradGuard no_grad;
@@ -79,6 +95,7 @@ struct BufferNetImpl : torch::nn::Module {
   torch::nn::BatchNorm1d bn;
   torch::nn::Linear fc2;
   torch::nn::Linear extra;
+  at::Tensor gate;
   at::Tensor seen;
 };
 TORCH_MODULE(BufferNet);
@@ -92,10 +109,13 @@ std::pair<at::Tensor, at::Tensor> buffer_batch(int64_t k, int world, int rank) {
 }
 
 // Steps of three forwards and backwards, the first two under no_sync, then SGD, then a forward
-// under no_grad. fc2.bias is frozen. With find_unused, `extra` takes part only in each step's
-// first forward (under no_sync; PyTorch still averages its gradient), else in every one. Every
-// rank writes its buffers after each forward (DIR/buffers_rank<r>.pt, "<forward>.<name>"); rank
-// 0 the initial weights and buffers (DIR/init.pt) and the final weights (DIR/final.pt).
+// under no_grad; SGD with weight decay, so that a parameter given a zero gradient moves where
+// one given none does not. fc2.bias is frozen; `gate` never has a gradient (with find_unused
+// PyTorch leaves it none, without it DDP gives it zeros). With find_unused, `extra` takes part only
+// in each step's first forward (under no_sync; PyTorch still averages its gradient), else in every
+// one. Every rank writes its buffers after each forward (DIR/buffers_rank<r>.pt,
+// "<forward>.<name>"); rank 0 the initial weights and buffers (DIR/init.pt) and the final weights
+// (DIR/final.pt).
 void run_buffers(const dtrain::parity::Args& args,
                  const std::shared_ptr<dtrain::comm::Communicator>& world, bool find_unused) {
   const int rank = world->rank(), size = world->size();
@@ -107,7 +127,7 @@ void run_buffers(const dtrain::parity::Args& args,
   for (const auto& item : net->named_parameters()) init.emplace_back(item.key(), item.value());
   for (const auto& item : net->named_buffers()) init.emplace_back(item.key(), item.value());
   if (rank == 0) dtrain::parity::save(init, args.out_dir + "/init.pt");
-  torch::optim::SGD opt(ddp.parameters(), torch::optim::SGDOptions(0.1));
+  torch::optim::SGD opt(ddp.parameters(), torch::optim::SGDOptions(0.1).weight_decay(0.01));
   int64_t k = 0;
   auto keep = [&] {
     for (const auto& item : net->named_buffers())

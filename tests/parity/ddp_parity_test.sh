@@ -7,8 +7,9 @@
 # bf16 (3 ranks: the world size does not divide exactly; 4: it does), also with small
 # buckets (many per step, as a large model has them) and with find_unused_parameters (whose
 # buckets are never rebuilt). At 2 and 3 ranks also "buffers": a net with BatchNorm and a bf16
-# buffer accumulating under no_sync, with a no_grad forward after each step, a frozen bias, and
-# with find_unused_parameters a layer used only under no_sync: every rank's buffers equal to
+# buffer accumulating under no_sync, with a no_grad forward after each step, a frozen bias, a
+# parameter whose custom Function gives it no gradient, SGD with weight decay, and with
+# find_unused_parameters a layer used only under no_sync: every rank's buffers equal to
 # PyTorch's after every forward (DDP broadcasts rank 0's only in a forward after one that
 # synchronized), and the final weights. See tests/parity/ddp_parity.cc for what each side runs;
 # bench/reference/ddp_reference.py --runs trains PyTorch's side and compares.
