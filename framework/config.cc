@@ -487,6 +487,7 @@ void read_train(Section s, TrainConfig& t) {
 void read_parallel(Section s, ParallelConfig& p) {
   s.read_choice("strategy", p.strategy);
   s.read_choice("backend", p.backend);
+  p.bucket_cap_mb_set = s.has("bucket_cap_mb");
   s.read("bucket_cap_mb", p.bucket_cap_mb);
   s.read("find_unused_parameters", p.find_unused_parameters);
   s.read("broadcast_buffers", p.broadcast_buffers);

@@ -194,7 +194,9 @@ struct TrainConfig {
 struct ParallelConfig {
   ParallelStrategy strategy = ParallelStrategy::kDdp;
   comm::Backend backend = comm::Backend::kAuto;
+  // As PyTorch's: unset, 25 MB with a 1 MB first bucket; set, the first bucket's limit too.
   double bucket_cap_mb = 25.0;
+  bool bucket_cap_mb_set = false;
   bool find_unused_parameters = false;
   bool broadcast_buffers = true;
   sharding::ShardingStrategy sharding_strategy = sharding::ShardingStrategy::kFullShard;

@@ -109,8 +109,8 @@ void Strategy::step_in_backward(StepParams step) {
 sharding::DDPOptions ddp_options(const RunConfig& c, amp::NumericsMonitor* monitor) {
   const ParallelConfig& p = c.parallel;
   sharding::DDPOptions o;
-  o.bucket_cap_mb(p.bucket_cap_mb)
-      .find_unused_parameters(p.find_unused_parameters)
+  if (p.bucket_cap_mb_set) o.bucket_cap_mb(p.bucket_cap_mb);
+  o.find_unused_parameters(p.find_unused_parameters)
       .broadcast_buffers(p.broadcast_buffers)
       .reduce_dtype(c.precision.mixed.effective_reduce_dtype())
       .monitor(monitor);

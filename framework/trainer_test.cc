@@ -217,6 +217,10 @@ TEST(Strategy, TheConfigBecomesDdpAndFsdpOptionsInOnePlace) {
   amp::NumericsMonitor monitor;
   const sharding::DDPOptions d = ddp_options(c, &monitor);
   EXPECT_EQ(d.bucket_cap_mb(), 3.0);
+  EXPECT_EQ(d.first_bucket_mb(), 3.0) << "an explicit bucket_cap_mb sizes the first bucket too";
+  const sharding::DDPOptions defaults = ddp_options(config_with("mlp", {}), nullptr);
+  EXPECT_EQ(defaults.bucket_cap_mb(), 25.0);
+  EXPECT_EQ(defaults.first_bucket_mb(), 1.0) << "PyTorch's defaults: 25 MB, the first 1 MB";
   EXPECT_TRUE(d.find_unused_parameters());
   EXPECT_FALSE(d.broadcast_buffers());
   EXPECT_EQ(d.reduce_dtype(), c.precision.mixed.effective_reduce_dtype());

@@ -61,8 +61,29 @@ using MonitorPtr = amp::NumericsMonitor*;
 using GradScalerPtr = amp::GradScaler*;
 
 struct DDPOptions {
-  TORCH_ARG(double, bucket_cap_mb) = 25.0;
-  TORCH_ARG(double, first_bucket_mb) = 1.0;
+  // PyTorch's bucket_cap_mb, in MB. Unset: 25, with a first bucket of 1. Set: every bucket's
+  // limit, the first's too (as PyTorch with bucket_cap_mb passed), unless first_bucket_mb is.
+  // (Plain fields, not std::optional: GCC's maybe-uninitialized misfires on copies of those.)
+  DDPOptions& bucket_cap_mb(double mb) {
+    bucket_cap_mb_ = mb;
+    bucket_cap_set_ = true;
+    return *this;
+  }
+  double bucket_cap_mb() const { return bucket_cap_mb_; }
+  DDPOptions& first_bucket_mb(double mb) {
+    first_bucket_mb_ = mb;
+    first_bucket_set_ = true;
+    return *this;
+  }
+  double first_bucket_mb() const {
+    return first_bucket_set_ ? first_bucket_mb_ : bucket_cap_set_ ? bucket_cap_mb_ : 1.0;
+  }
+
+ private:
+  double bucket_cap_mb_ = 25.0, first_bucket_mb_ = 1.0;
+  bool bucket_cap_set_ = false, first_bucket_set_ = false;
+
+ public:
   TORCH_ARG(bool, broadcast_buffers) = true;
   TORCH_ARG(bool, find_unused_parameters) = false;
   TORCH_ARG(bool, gradient_as_bucket_view) = true;

@@ -193,14 +193,12 @@ int main(int argc, char** argv) {
   // DDP broadcasts rank 0's weights: the start both sides train from. fp16: DDP unscales
   // and judges the gradients as it writes them back (DDPOptions::grad_scaler), as the
   // trainer has it.
-  dtrain::sharding::DistributedDataParallel<TransformerLM> ddp(model, world, [&] {
-    auto o = dtrain::sharding::DDPOptions()
-                 .reduce_dtype(policy.effective_reduce_dtype())
-                 .grad_scaler(policy.needs_grad_scaler() ? &scaler : nullptr)
-                 .find_unused_parameters(find_unused);
-    if (bucket_mb > 0) o.bucket_cap_mb(bucket_mb).first_bucket_mb(bucket_mb);
-    return o;
-  }());
+  dtrain::sharding::DDPOptions options;
+  options.reduce_dtype(policy.effective_reduce_dtype())
+      .grad_scaler(policy.needs_grad_scaler() ? &scaler : nullptr)
+      .find_unused_parameters(find_unused);
+  if (bucket_mb > 0) options.bucket_cap_mb(bucket_mb);  // the first bucket's too, as PyTorch's
+  dtrain::sharding::DistributedDataParallel<TransformerLM> ddp(model, world, options);
   if (rank == 0) dtrain::parity::save(named_parameters(model), args.out_dir + "/init.pt");
 
   dtrain::optim::AdamW opt(ddp.parameters(), torch::optim::AdamWOptions(1e-3));
